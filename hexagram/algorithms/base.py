@@ -1,0 +1,139 @@
+"""The algorithm interface (BAGUA-style hooks) the engine calls.
+
+An algorithm decides *what* is communicated (gradients or weights), *when* (per bucket
+during backward, after backward, before the forward pass, after the optimizer step) and
+*how* (which primitive, which compressor). The engine knows nothing else about it.
+
+Life cycle, per training step::
+
+    forward:   engine.before_forward -> algorithm.need_reset()? (rebuild) -> algorithm.before_forward()
+    backward:  for each bucket, when its last gradient is accumulated
+                   handle = algorithm.bucket_ready(bucket)     # start async communication
+               at the end of backward: engine waits every handle, writes results into .grad,
+                   then algorithm.after_backward()
+    step:      optimizer.step() -> algorithm.after_step(optimizer)
+
+Gradient algorithms (``kind = "grad"``) return from ``bucket_ready`` a handle whose result is
+the reduced flat buffer (same numel and dtype as ``bucket.flat``); the engine copies it into
+the gradients. Weight algorithms (``kind = "weight"``) get no gradient hooks; the engine
+builds buckets over the weights and hands them over in ``ctx.buckets`` for the algorithm to use
+in ``before_forward`` / ``after_step``.
+
+Example (a minimal gradient algorithm)::
+
+    class SumThenAverage(Algorithm):
+        def bucket_ready(self, bucket):
+            return primitives.allreduce(self.ctx.comm, bucket.flat.clone(), average=True)
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from hexagram.buckets import Bucket
+from hexagram.comm.communicator import Communicator, Handle
+from hexagram.runtime import Runtime
+
+__all__ = ["Algorithm", "AlgorithmContext", "TensorKind"]
+
+TensorKind = Literal["grad", "weight"]
+
+
+@dataclass
+class AlgorithmContext:
+    """What the engine gives an algorithm at :meth:`Algorithm.setup`.
+
+    Attributes:
+        module: the wrapped module.
+        optimizers: the optimizers passed to the wrapper (weight algorithms may step them).
+        runtime: ranks, hosts, device, timeout.
+        comm: communicator over all ranks for this algorithm's traffic.
+        named_params: trainable parameters in registration order.
+        buckets: the engine's buckets over :meth:`Algorithm.tensors` (rebuilt on reset).
+    """
+
+    module: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    runtime: Runtime
+    comm: Communicator
+    named_params: list[tuple[str, nn.Parameter]]
+    buckets: list[Bucket] = field(default_factory=list)
+
+
+class Algorithm(ABC):
+    """Base class of communication algorithms; every hook has a no-op default.
+
+    Subclasses set ``name`` and ``kind``, hold their frozen config in ``self.config`` and all
+    mutable state in explicit attributes returned by :meth:`state_dict`.
+    """
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[TensorKind] = "grad"
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+        self._ctx: AlgorithmContext | None = None
+
+    @property
+    def ctx(self) -> AlgorithmContext:
+        if self._ctx is None:
+            raise RuntimeError(f"algorithm {self.name!r} used before setup(); wrap the model "
+                               "with hexagram.DistributedDataParallel first")
+        return self._ctx
+
+    # -- set-up ---------------------------------------------------------------------
+    def setup(self, ctx: AlgorithmContext) -> None:
+        """Bind to a wrapped model. Collective: called on every rank at wrap time."""
+        self._ctx = ctx
+
+    def tensors(self, named_params: Sequence[tuple[str, nn.Parameter]]
+                ) -> list[tuple[str, nn.Parameter]]:
+        """Tensors to bucket, in launch order (default: trainable ones, reversed)."""
+        return list(reversed(named_params))
+
+    def need_reset(self) -> bool:
+        """True to make the engine rebuild buckets/hooks before the next forward."""
+        return False
+
+    def reset(self, ctx: AlgorithmContext) -> None:
+        """Called after the engine rebuilt buckets because :meth:`need_reset` said so."""
+        self._ctx = ctx
+
+    # -- per-step hooks ---------------------------------------------------------------
+    def before_forward(self) -> None:
+        """Start work that overlaps the forward pass (e.g. decentralized weight exchange)."""
+
+    def bucket_ready(self, bucket: Bucket) -> Handle[torch.Tensor] | None:
+        """All of ``bucket``'s gradients are in ``bucket.flat``: start communicating them."""
+        return None
+
+    def after_backward(self) -> None:
+        """Finish outstanding communication not returned as handles."""
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.step()`` (weight-based algorithms communicate here)."""
+
+    def synchronize(self) -> None:
+        """Bring every rank to the same (averaged) weights. Collective. No-op for gradient
+        algorithms, whose replicas never diverge."""
+
+    # -- accounting, checkpoints, shutdown -------------------------------------------
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent for this algorithm since setup (all its communicators)."""
+        return self.ctx.comm.counter.total
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (residuals, momenta, counters)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+    def close(self) -> None:
+        """Stop background work (threads); called by the wrapper's ``close()``."""

@@ -1,0 +1,74 @@
+"""The explicit registry of algorithms: ``get(name, **config)`` and ``names()``.
+
+Each entry names the module, its frozen config dataclass and its algorithm class; modules
+are imported on first use so a broken optional algorithm cannot break ``import hexagram``.
+Add an algorithm by adding one line to ``_ENTRIES``.
+
+Example:
+    >>> from hexagram.algorithms import registry
+    >>> "allreduce" in registry.names()
+    True
+    >>> registry.get("allreduce", hierarchical=True).config.hierarchical
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from hexagram.algorithms.base import Algorithm
+from hexagram.config import build_config
+
+__all__ = ["Entry", "entries", "get", "names"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where an algorithm lives and a one-line summary for tables and ``--help``."""
+
+    name: str
+    module: str
+    config: str
+    algorithm: str
+    summary: str
+
+    def load(self) -> tuple[type, type[Algorithm]]:
+        mod = importlib.import_module(self.module)
+        return getattr(mod, self.config), getattr(mod, self.algorithm)
+
+
+_ENTRIES: tuple[Entry, ...] = (
+    Entry("allreduce", "hexagram.algorithms.allreduce", "AllreduceConfig", "AllreduceAlgorithm",
+          "full-precision gradient allreduce (optionally hierarchical), like PyTorch DDP"),
+)
+
+
+def entries() -> dict[str, Entry]:
+    """All registered algorithms by name, in registration order."""
+    return {e.name: e for e in _ENTRIES}
+
+
+def names() -> list[str]:
+    """Registered algorithm names."""
+    return [e.name for e in _ENTRIES]
+
+
+def get(name: str | Algorithm, **config: Any) -> Algorithm:
+    """A new algorithm instance: ``get("allreduce", hierarchical=True)``.
+
+    Raises:
+        ValueError: unknown name (lists the valid names).
+        ConfigError: unknown config field or a value out of range (names the field).
+    """
+    if isinstance(name, Algorithm):
+        if config:
+            raise ValueError("pass config either to hexagram.algorithms.get(name, **config) or "
+                             "to the algorithm's constructor, not both")
+        return name
+    table = entries()
+    if name not in table:
+        raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(table)}")
+    config_cls, algorithm_cls = table[name].load()
+    return algorithm_cls(build_config(config_cls, config))

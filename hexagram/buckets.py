@@ -1,0 +1,144 @@
+"""Buckets: several tensors fused into one contiguous flat buffer, communicated as one.
+
+The engine builds buckets of gradients (or weights, for weight-based algorithms) per dtype
+and device; algorithms receive a :class:`Bucket` in ``bucket_ready`` and may read
+``bucket.flat`` (1-D, ``bucket.numel`` elements) and ``bucket.entries`` (which parameter sits
+at which offset). State an algorithm keeps across steps should be keyed by parameter name
+(``entry.name``), not by bucket index: buckets are re-formed after the first step in the
+order gradients actually became ready.
+
+Example:
+    >>> import torch
+    >>> ps = [("a", torch.nn.Parameter(torch.ones(3))), ("b", torch.nn.Parameter(torch.ones(2)))]
+    >>> [b.names for b in build_buckets(ps, bucket_bytes=8, first_bucket_bytes=8)]
+    [['a'], ['b']]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["Bucket", "BucketEntry", "build_buckets"]
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """One tensor's place in a bucket: ``flat[offset : offset + numel].view(shape)``."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+class Bucket:
+    """A flat buffer over several same-dtype tensors.
+
+    Attributes:
+        index: position in launch order (bucket 0 is communicated first).
+        entries: the tensors it holds, in buffer order.
+        flat: the 1-D buffer.
+    """
+
+    def __init__(self, index: int, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        if not params:
+            raise ValueError("a bucket needs at least one tensor")
+        first = params[0][1]
+        entries, offset = [], 0
+        for name, p in params:
+            if p.dtype != first.dtype or p.device != first.device:
+                raise ValueError(f"bucket mixes {p.dtype}/{p.device} ({name}) with "
+                                 f"{first.dtype}/{first.device}; buckets are per dtype and device")
+            entries.append(BucketEntry(name, p, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.index = index
+        self.entries: list[BucketEntry] = entries
+        self.flat: Tensor = torch.zeros(offset, dtype=first.dtype, device=first.device)
+        self.pending = len(entries)
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flat.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def view(self, entry: BucketEntry, flat: Tensor | None = None) -> Tensor:
+        """The slice of ``flat`` (default: this bucket's buffer) holding ``entry``."""
+        buf = self.flat if flat is None else flat
+        return buf[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    def copy_in_grad(self, entry: BucketEntry) -> None:
+        """Copy ``entry``'s gradient (or zeros if it has none) into the buffer."""
+        grad = entry.param.grad
+        if grad is None:
+            self.view(entry).zero_()
+        else:
+            self.view(entry).copy_(grad)
+
+    def copy_out_grads(self, flat: Tensor, skip: frozenset[str] = frozenset()) -> None:
+        """Write ``flat`` (same layout as the buffer) into each parameter's ``.grad``."""
+        for e in self.entries:
+            if e.name in skip:
+                continue
+            src = self.view(e, flat)
+            if e.param.grad is None:
+                e.param.grad = src.clone()
+            else:
+                e.param.grad.copy_(src)
+
+    def copy_in_weights(self) -> None:
+        """Copy the parameters' current values into the buffer."""
+        with torch.no_grad():
+            for e in self.entries:
+                self.view(e).copy_(e.param)
+
+    def copy_out_weights(self, flat: Tensor | None = None) -> None:
+        """Write ``flat`` (default: the buffer) into the parameters."""
+        with torch.no_grad():
+            for e in self.entries:
+                e.param.copy_(self.view(e, flat))
+
+    def __repr__(self) -> str:
+        return f"Bucket(index={self.index}, tensors={len(self.entries)}, numel={self.numel})"
+
+
+def build_buckets(params: Sequence[tuple[str, torch.nn.Parameter]], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None) -> list[Bucket]:
+    """Group ``params`` (in launch order) into buckets per dtype/device.
+
+    A bucket is closed once it holds at least its byte cap (a tensor bigger than the cap gets
+    a bucket of its own); ``bucket_bytes == 0`` gives one tensor per bucket. The first bucket
+    uses ``first_bucket_bytes`` (small, so communication starts early in backward, as DDP
+    does).
+    """
+    if bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
+    first_cap = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
+    open_: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.nn.Parameter]]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
+    for name, p in params:
+        key = (p.dtype, p.device)
+        open_.setdefault(key, []).append((name, p))
+        sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+        cap = first_cap if not groups else bucket_bytes
+        if sizes[key] >= cap:
+            groups.append(open_.pop(key))
+            sizes.pop(key)
+    groups.extend(g for g in open_.values() if g)
+    return [Bucket(i, g) for i, g in enumerate(groups)]

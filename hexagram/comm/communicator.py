@@ -1,0 +1,186 @@
+"""A process group with one issuing thread, handles with timeouts, and byte accounting.
+
+Why one thread: collectives on a process group must be issued in the same order on every
+rank. Multi-stage operations (scatter-gather: all-to-all, reduce, allgather) need the result
+of one stage before issuing the next, so they cannot all be issued from the autograd hook.
+Every operation of a :class:`Communicator` is therefore a job run, in submission order, by a
+single worker thread; single-stage jobs return the torch ``Work`` without waiting, so several
+collectives are in flight at once exactly as with PyTorch DDP.
+
+Example:
+    >>> comm = Communicator(group=None, timeout=timedelta(seconds=60), name="grads")
+    ... # doctest: +SKIP
+    >>> handle = comm.submit("allreduce", lambda: Deferred(dist.all_reduce(t, async_op=True),
+    ...                      lambda: t), nbytes_sent=comm.ring_allreduce_bytes(t))  # +SKIP
+    >>> handle.wait()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+import torch.distributed as dist
+from torch import Tensor
+
+from hexagram.errors import CommError, CommTimeoutError
+
+__all__ = ["ByteCounter", "Communicator", "Deferred", "Handle"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class Deferred:
+    """A job's result that is still in flight: wait on ``work``, then call ``finish``."""
+
+    work: Any  # torch.distributed.Work
+    finish: Callable[[], Any]
+
+
+class ByteCounter:
+    """Thread-safe count of the bytes this rank sends, per operation name.
+
+    Counts follow the algorithm the collective uses (ring allreduce sends
+    ``2 (P-1)/P * n`` bytes; an allgather of ``n`` bytes per rank sends ``(P-1) n``), so they
+    can be checked against interface counters on a real link.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_op: dict[str, int] = defaultdict(int)
+        self._total = 0
+
+    def add(self, op: str, nbytes: int) -> None:
+        with self._lock:
+            self._by_op[op] += int(nbytes)
+            self._total += int(nbytes)
+
+    @property
+    def total(self) -> int:
+        """Bytes sent since creation."""
+        with self._lock:
+            return self._total
+
+    def by_op(self) -> dict[str, int]:
+        """Bytes sent per operation name since creation."""
+        with self._lock:
+            return dict(self._by_op)
+
+
+class Handle(Generic[T]):
+    """Result of an asynchronous operation; :meth:`wait` returns it or raises CommError."""
+
+    def __init__(self, future: cf.Future[Any] | None, op: str, comm: Communicator | None,
+                 value: Any = None) -> None:
+        self._future = future
+        self._op = op
+        self._comm = comm
+        self._value = value
+        self._resolved = future is None
+
+    @classmethod
+    def completed(cls, value: T, op: str = "noop") -> Handle[T]:
+        """A handle that is already done (world size 1, nothing to communicate)."""
+        return cls(None, op, None, value=value)
+
+    def done(self) -> bool:
+        """True when :meth:`wait` would not block on the worker."""
+        return self._resolved or (self._future is not None and self._future.done())
+
+    def wait(self) -> T:
+        """Block until done; raise :class:`CommTimeoutError` / :class:`CommError` on failure."""
+        if self._resolved:
+            return self._value  # type: ignore[no-any-return]
+        assert self._future is not None and self._comm is not None
+        comm = self._comm
+        try:
+            result = self._future.result(timeout=comm.timeout.total_seconds() + 5.0)
+            if isinstance(result, Deferred):
+                result.work.wait(comm.timeout)
+                result = result.finish()
+        except BaseException as exc:  # noqa: BLE001 - re-raised with context
+            raise comm.wrap_error(self._op, exc) from exc
+        self._value, self._resolved = result, True
+        return result  # type: ignore[no-any-return]
+
+
+class Communicator:
+    """A torch.distributed process group plus its issuing thread and byte counter.
+
+    Args:
+        group: the process group (``None``: the default group).
+        timeout: how long any operation may take before :class:`CommTimeoutError`.
+        name: shown in thread names and error messages (e.g. ``"grads"``, ``"async"``).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout: timedelta, name: str) -> None:
+        self.group = group
+        self.timeout = timeout
+        self.name = name
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.global_ranks: list[int] = (
+            dist.get_process_group_ranks(group) if group is not None
+            else list(range(self.size))
+        )
+        self.counter = ByteCounter()
+        self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix=f"hexagram-comm-{name}")
+        self._broken: BaseException | None = None
+
+    def submit(self, op: str, job: Callable[[], Any], nbytes_sent: int = 0) -> Handle[Any]:
+        """Run ``job`` on the issuing thread; count ``nbytes_sent`` for this rank."""
+        if self._broken is not None:
+            raise CommError(
+                f"{op}: communicator '{self.name}' is unusable after an earlier failure "
+                f"({self._broken}); restart the job"
+            )
+        self.counter.add(op, nbytes_sent)
+        return Handle(self._executor.submit(job), op, self)
+
+    def global_rank(self, group_rank: int) -> int:
+        """Global rank of the member with index ``group_rank`` in this group."""
+        return self.global_ranks[group_rank]
+
+    def wrap_error(self, op: str, exc: BaseException) -> CommError:
+        """Turn a backend failure into an error that names the operation and what to do."""
+        if isinstance(exc, CommError):
+            return exc
+        text = str(exc)
+        where = f"{op} on rank {self.rank} of {self.size} (communicator '{self.name}')"
+        if isinstance(exc, (cf.TimeoutError, TimeoutError)) or "imed out" in text:
+            err: CommError = CommTimeoutError(
+                f"{where} timed out after {self.timeout.total_seconds():.0f}s: a peer stopped "
+                f"answering. Check the other ranks; raise hexagram.init(timeout=...) if the "
+                f"step is legitimately slower. Backend said: {text}"
+            )
+        else:
+            err = CommError(
+                f"{where} failed: a peer probably died or closed its connection. "
+                f"Check the other ranks' logs. Backend said: {text}"
+            )
+        self._broken = err
+        return err
+
+    def close(self) -> None:
+        """Stop the issuing thread (waits for queued jobs)."""
+        self._executor.shutdown(wait=True)
+
+    # -- byte formulas (what this rank sends), shared by the primitives -----------------
+    def ring_allreduce_bytes(self, t: Tensor) -> int:
+        """Ring allreduce: reduce-scatter then allgather, each (P-1)/P of the tensor."""
+        n = t.numel() * t.element_size()
+        return 2 * (self.size - 1) * n // self.size if self.size > 1 else 0
+
+    def allgather_bytes(self, nbytes_per_rank: int) -> int:
+        """Ring allgather: this rank's block is forwarded P-1 times around the ring."""
+        return (self.size - 1) * nbytes_per_rank
+
+    def alltoall_bytes(self, nbytes_total: int) -> int:
+        """All-to-all of a buffer split into P chunks: P-1 chunks leave this rank."""
+        return (self.size - 1) * nbytes_total // self.size if self.size > 1 else 0

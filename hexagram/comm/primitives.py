@@ -1,0 +1,237 @@
+"""Collective primitives: centralized / decentralized x full / low precision.
+
+BAGUA's four synchronous primitives, over a :class:`Communicator`, all asynchronous (each
+returns a :class:`Handle`) and all counting the bytes this rank sends:
+
+- C_FP_S :func:`allreduce` (full precision, centralized)
+- C_LP_S :func:`allreduce_compressed` for compressors whose payloads can be summed,
+  :func:`scatter_gather` (compress -> all-to-all -> decompress, reduce -> compress ->
+  allgather) for those that cannot, :func:`allgather_payloads` for gather-only formats
+- D_FP_S :func:`neighbor_exchange` (send my tensor to peers, receive theirs)
+- D_LP_S :func:`neighbor_exchange_payloads` (the same with compressed payloads)
+
+Nothing here knows about algorithms; low-precision variants take a compressor object.
+
+Example:
+    >>> h = allreduce(comm, torch.ones(4), average=True)   # doctest: +SKIP
+    >>> h.wait()                                           # doctest: +SKIP
+    tensor([1., 1., 1., 1.])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hexagram.comm.communicator import Communicator, Deferred, Handle
+from hexagram.compress.base import Aggregation, Compressor, Payload
+
+__all__ = [
+    "allgather",
+    "allgather_payloads",
+    "allreduce",
+    "allreduce_compressed",
+    "broadcast",
+    "neighbor_exchange",
+    "neighbor_exchange_payloads",
+    "scatter_gather",
+]
+
+
+class _AllWorks:
+    """Several torch Works waited as one."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for w in self.works:
+            if timeout is None:
+                w.wait()
+            else:
+                w.wait(timeout)
+        return True
+
+
+def allreduce(comm: Communicator, tensor: Tensor, average: bool = True) -> Handle[Tensor]:
+    """Allreduce ``tensor`` in place (sum, or mean with ``average``); result is ``tensor``.
+
+    Averaging divides *before* the sum, as PyTorch DDP does, so results match it bit for bit.
+    """
+    if comm.size == 1:
+        return Handle.completed(tensor, "allreduce")
+
+    def job() -> Deferred:
+        if average:
+            tensor.div_(comm.size)
+        work = dist.all_reduce(tensor, group=comm.group, async_op=True)
+        return Deferred(work, lambda: tensor)
+
+    return comm.submit("allreduce", job, comm.ring_allreduce_bytes(tensor))
+
+
+def broadcast(comm: Communicator, tensors: Sequence[Tensor], src: int = 0) -> Handle[None]:
+    """Broadcast ``tensors`` in place from group rank ``src``, coalesced per dtype."""
+    if comm.size == 1 or not tensors:
+        return Handle.completed(None, "broadcast")
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def job() -> None:
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            dist.broadcast(flat, src=comm.global_rank(src), group=comm.group)
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    return comm.submit("broadcast", job, nbytes * (comm.size - 1) if comm.rank == src else 0)
+
+
+def allgather(comm: Communicator, tensor: Tensor) -> Handle[list[Tensor]]:
+    """Every rank's ``tensor`` (same shape everywhere), in group-rank order."""
+    if comm.size == 1:
+        return Handle.completed([tensor], "allgather")
+    out = [torch.empty_like(tensor) for _ in range(comm.size)]
+
+    def job() -> Deferred:
+        work = dist.all_gather(out, tensor.contiguous(), group=comm.group, async_op=True)
+        return Deferred(work, lambda: out)
+
+    return comm.submit("allgather", job, comm.allgather_bytes(tensor.numel()
+                                                              * tensor.element_size()))
+
+
+def allgather_payloads(comm: Communicator, payload: Payload) -> Handle[list[Payload]]:
+    """Every rank's payload (same layout everywhere), for formats that cannot be summed."""
+    buf = payload.to_buffer()
+    if comm.size == 1:
+        return Handle.completed([payload], "allgather_payloads")
+    out = [torch.empty_like(buf) for _ in range(comm.size)]
+
+    def job() -> Deferred:
+        work = dist.all_gather(out, buf, group=comm.group, async_op=True)
+        return Deferred(work, lambda: [payload.from_buffer(b) for b in out])
+
+    return comm.submit("allgather_payloads", job, comm.allgather_bytes(buf.numel()))
+
+
+def allreduce_compressed(comm: Communicator, tensor: Tensor, compressor: Compressor,
+                         average: bool = True) -> Handle[Tensor]:
+    """Sum compressed payloads with allreduce (compressors with ``Aggregation.SUM``).
+
+    The tensor is divided by the world size *before* compression (so fp16 sums do not
+    overflow), payload tensors are summed in compressed form, then decompressed.
+    """
+    if compressor.aggregation is not Aggregation.SUM:
+        raise ValueError(f"{compressor!r} payloads cannot be summed "
+                         f"({compressor.aggregation.value}); use scatter_gather or "
+                         "allgather_payloads")
+    scaled = tensor / comm.size if average else tensor
+    payload = compressor.compress(scaled)
+    if comm.size == 1:
+        return Handle.completed(compressor.decompress(payload), "allreduce_compressed")
+    nbytes = sum(comm.ring_allreduce_bytes(t) for t in payload.tensors)
+
+    def job() -> Deferred:
+        works = [dist.all_reduce(t, group=comm.group, async_op=True) for t in payload.tensors]
+        return Deferred(_AllWorks(works), lambda: compressor.decompress(payload))
+
+    return comm.submit("allreduce_compressed", job, nbytes)
+
+
+def _chunks(tensor: Tensor, parts: int) -> tuple[Tensor, int]:
+    """``tensor`` flattened and zero-padded to ``parts`` equal rows: (parts x m, numel)."""
+    flat = tensor.reshape(-1)
+    n = flat.numel()
+    m = -(-n // parts)
+    if m * parts != n:
+        flat = torch.cat([flat, flat.new_zeros(m * parts - n)])
+    return flat.view(parts, m), n
+
+
+def scatter_gather(comm: Communicator, tensor: Tensor, compressor: Compressor,
+                   average: bool = True, generator: torch.Generator | None = None
+                   ) -> Handle[Tensor]:
+    """Reduce ``tensor`` with compression on both legs (BAGUA's ByteGrad pattern).
+
+    Each rank compresses P chunks, all-to-all sends chunk j to rank j, rank j decompresses
+    and sums its P copies, recompresses the reduced chunk and allgathers it; everyone then
+    decompresses all P reduced chunks. Returns a new tensor shaped like ``tensor``.
+    """
+    if comm.size == 1:
+        return Handle.completed(compressor.decompress(compressor.compress(tensor, generator)),
+                                "scatter_gather")
+    rows, n = _chunks(tensor.detach(), comm.size)
+    payloads = [compressor.compress(rows[j], generator) for j in range(comm.size)]
+    send = torch.cat([p.to_buffer() for p in payloads])
+    template = payloads[0]
+
+    def job() -> Tensor:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=comm.group, async_op=True).wait(comm.timeout)
+        parts = recv.view(comm.size, -1)
+        mine = sum(compressor.decompress(template.from_buffer(parts[i]))
+                   for i in range(comm.size))
+        assert isinstance(mine, Tensor)
+        if average:
+            mine = mine / comm.size
+        reduced = compressor.compress(mine, generator)
+        buf = reduced.to_buffer()
+        comm.counter.add("scatter_gather.allgather", comm.allgather_bytes(buf.numel()))
+        out = [torch.empty_like(buf) for _ in range(comm.size)]
+        dist.all_gather(out, buf, group=comm.group, async_op=True).wait(comm.timeout)
+        full = torch.stack([compressor.decompress(reduced.from_buffer(b)) for b in out])
+        return full.reshape(-1)[:n].view_as(tensor).to(tensor.dtype)
+
+    return comm.submit("scatter_gather.alltoall", job, comm.alltoall_bytes(send.numel()))
+
+
+def _exchange_works(comm: Communicator, send: Tensor, recv: list[Tensor],
+                    send_to: Sequence[int], recv_from: Sequence[int]) -> _AllWorks:
+    ops = [dist.P2POp(dist.isend, send, comm.global_rank(p), comm.group) for p in send_to]
+    ops += [dist.P2POp(dist.irecv, r, comm.global_rank(p), comm.group)
+            for p, r in zip(recv_from, recv)]
+    return _AllWorks(dist.batch_isend_irecv(ops) if ops else [])
+
+
+def neighbor_exchange(comm: Communicator, tensor: Tensor, send_to: Sequence[int],
+                      recv_from: Sequence[int]) -> Handle[list[Tensor]]:
+    """Send ``tensor`` to group ranks ``send_to``; return the tensors of ``recv_from``.
+
+    Every rank must call it with matching peer lists (if i sends to j, j receives from i).
+    """
+    send = tensor.detach().contiguous().clone()
+    recv = [torch.empty_like(send) for _ in recv_from]
+    if not send_to and not recv_from:
+        return Handle.completed([], "neighbor_exchange")
+
+    def job() -> Deferred:
+        return Deferred(_exchange_works(comm, send, recv, send_to, recv_from), lambda: recv)
+
+    nbytes = len(send_to) * send.numel() * send.element_size()
+    return comm.submit("neighbor_exchange", job, nbytes)
+
+
+def neighbor_exchange_payloads(comm: Communicator, payload: Payload, send_to: Sequence[int],
+                               recv_from: Sequence[int]) -> Handle[list[Payload]]:
+    """:func:`neighbor_exchange` for compressed payloads of one layout."""
+    buf = payload.to_buffer()
+    recv = [torch.empty_like(buf) for _ in recv_from]
+    if not send_to and not recv_from:
+        return Handle.completed([], "neighbor_exchange_payloads")
+
+    def job() -> Deferred:
+        return Deferred(_exchange_works(comm, buf, recv, send_to, recv_from),
+                        lambda: [payload.from_buffer(b) for b in recv])
+
+    return comm.submit("neighbor_exchange_payloads", job, len(send_to) * buf.numel())

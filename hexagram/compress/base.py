@@ -1,0 +1,146 @@
+"""Compressor contract: tensor -> Payload (the bytes that cross the wire) -> tensor.
+
+Compressors know nothing of collectives. An algorithm reads :attr:`Compressor.aggregation`
+to decide which collective can carry a compressor's payloads:
+
+- ``Aggregation.SUM``: payload tensors can be summed element-wise in compressed form, so a
+  plain allreduce carries them (fp16, bf16, PowerSGD factors).
+- ``Aggregation.GATHER``: payloads cannot be summed (top-k indices, sign bits); every rank
+  gathers everyone's payload and decompresses/aggregates locally.
+- ``Aggregation.SCATTER_GATHER``: payloads of equal-sized chunks can be exchanged with
+  all-to-all, decompressed, reduced, recompressed and allgathered (8-bit min-max, QSGD).
+
+Example:
+    >>> import torch
+    >>> from hexagram.compress.base import Payload
+    >>> p = Payload(tensors=(torch.zeros(4, dtype=torch.uint8),), shape=torch.Size([32]),
+    ...             dtype=torch.float32)
+    >>> p.nbytes
+    4
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Aggregation", "Compressor", "Payload", "check_compressible"]
+
+
+class Aggregation(enum.Enum):
+    """How payloads of a compressor may be combined across ranks (see module docstring)."""
+
+    SUM = "sum"
+    GATHER = "gather"
+    SCATTER_GATHER = "scatter_gather"
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What a compressor puts on the wire.
+
+    Attributes:
+        tensors: the tensors actually sent, bit-packed where the format is sub-byte. Their
+            shapes depend only on the input's shape and the compressor's config, so ranks can
+            exchange them with fixed-size collectives.
+        shape: shape of the original tensor.
+        dtype: dtype of the original tensor.
+        meta: small host-side facts that are *not* sent because both sides know them
+            (e.g. ``k``, number of chunks). Anything data-dependent must be in ``tensors``.
+    """
+
+    tensors: tuple[Tensor, ...]
+    shape: torch.Size
+    dtype: torch.dtype
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Real wire size: the bytes of every tensor in :attr:`tensors`."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def to_buffer(self) -> Tensor:
+        """All payload tensors as one contiguous uint8 buffer (for byte-level collectives)."""
+        parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in self.tensors]
+        if not parts:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.cat(parts)
+
+    def from_buffer(self, buffer: Tensor) -> Payload:
+        """A payload with this one's layout whose tensors are read from ``buffer``.
+
+        ``buffer`` is a uint8 tensor of exactly :attr:`nbytes` bytes, e.g. received from a
+        peer that packed a payload of the same layout with :meth:`to_buffer`.
+        """
+        if buffer.dtype != torch.uint8 or buffer.numel() != self.nbytes:
+            raise ValueError(
+                f"buffer must be uint8 with {self.nbytes} bytes, got {buffer.dtype} "
+                f"with {buffer.numel()} elements"
+            )
+        out: list[Tensor] = []
+        offset = 0
+        for t in self.tensors:
+            n = t.numel() * t.element_size()
+            out.append(buffer[offset : offset + n].view(t.dtype).reshape(t.shape))
+            offset += n
+        return replace(self, tensors=tuple(out))
+
+
+class Compressor(ABC):
+    """Base class of compressors: ``compress(tensor) -> Payload``, ``decompress(payload)``.
+
+    Contract:
+        - ``decompress(compress(x))`` has ``x``'s shape and dtype.
+        - ``compress`` is pure given its input and ``generator`` (stochastic compressors draw
+          only from ``generator``; with ``None`` they use a generator seeded from their
+          config, so results are reproducible).
+        - ``Payload.nbytes`` is the real wire size.
+    """
+
+    #: name in the registry (``hexagram.compress.get(name)``)
+    name: str = ""
+    #: how payloads combine across ranks; read by algorithms, never guessed
+    aggregation: Aggregation = Aggregation.GATHER
+    #: True where E[decompress(compress(x))] == x
+    unbiased: bool = False
+
+    @abstractmethod
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        """Encode ``tensor`` into a :class:`Payload`."""
+
+    @abstractmethod
+    def decompress(self, payload: Payload) -> Tensor:
+        """Decode a :class:`Payload` back to a dense tensor of the original shape/dtype."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Compressor state needed to resume exactly (RNG state, warm-start factors)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def check_compressible(tensor: Tensor, who: str) -> None:
+    """Raise a clear error for tensors no compressor accepts (empty, integer, non-finite).
+
+    Args:
+        tensor: the tensor about to be compressed.
+        who: name used in the message (compressor or parameter name).
+    """
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{who}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise TypeError(
+            f"{who}: cannot compress a {tensor.dtype} tensor; compressors take floating-point "
+            "gradients or weights (cast with .float() first)"
+        )
+    if tensor.numel() == 0:
+        raise ValueError(f"{who}: cannot compress an empty tensor (numel == 0)")

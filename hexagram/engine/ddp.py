@@ -1,0 +1,198 @@
+"""``hexagram.DistributedDataParallel``: a drop-in for PyTorch DDP with pluggable algorithms.
+
+Example:
+    >>> import hexagram as hx
+    >>> hx.init()                                                   # doctest: +SKIP
+    >>> model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm="allreduce")
+    ... # doctest: +SKIP
+    >>> loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hexagram.algorithms import registry
+from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.buckets import Bucket, build_buckets
+from hexagram.comm import primitives
+from hexagram.comm.communicator import Communicator
+from hexagram.engine.checks import check_same_model
+from hexagram.engine.reducer import Reducer
+from hexagram.errors import ConfigError
+from hexagram.runtime import get_runtime
+
+__all__ = ["DistributedDataParallel"]
+
+_MB = 1024 * 1024
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper whose communication is chosen by ``algorithm``.
+
+    Args:
+        module: the model (same architecture on every rank; checked at wrap time).
+        optimizers: optimizers of ``module``'s parameters; weight-based algorithms hook
+            their ``step``.
+        algorithm: a registered name (``hexagram.algorithms.names()``) or an instance from
+            ``hexagram.algorithms.get(name, **config)``.
+        bucket_size_mb: bucket capacity; larger => fewer, bigger messages; 0 => one tensor
+            per bucket.
+        first_bucket_mb: capacity of the first bucket (small, so communication starts early).
+        find_unused_parameters: allow parameters that get no gradient in some steps.
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) before each
+            forward.
+
+    After wrapping, parameters and buffers equal rank 0's. ``state_dict()`` has no wrapper
+    prefix. ``no_sync()`` accumulates gradients locally. ``synchronize()`` brings every rank
+    to the same weights (for delayed/decentralized algorithms).
+    """
+
+    def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (),
+                 algorithm: str | Algorithm = "allreduce", *, bucket_size_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0, find_unused_parameters: bool = False,
+                 broadcast_buffers: bool = True) -> None:
+        super().__init__()
+        runtime = get_runtime()
+        for field, value in (("bucket_size_mb", bucket_size_mb),
+                             ("first_bucket_mb", first_bucket_mb)):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{field} must be a number >= 0 (MiB), got {value!r}")
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        self.module = module
+        self.optimizers = list(optimizers)
+        self.algorithm = registry.get(algorithm)
+        self.runtime = runtime
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self._bucket_bytes = int(bucket_size_mb * _MB)
+        self._first_bucket_bytes = int(min(first_bucket_mb, bucket_size_mb) * _MB)
+        group = dist.new_group(list(range(runtime.world_size)), timeout=runtime.timeout)
+        self.comm = Communicator(group, runtime.timeout, name=f"{self.algorithm.name}")
+        check_same_model(module, group)
+        self._broadcast_from_rank0(list(module.parameters()) + list(module.buffers()))
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._reducer: Reducer | None = None
+        self._rebucketed = False
+        self._ctx = AlgorithmContext(module, self.optimizers, runtime, self.comm, self._named)
+        self._build()
+        self.algorithm.setup(self._ctx)
+        self._step_hooks = [opt.register_step_post_hook(self._after_step)
+                            for opt in self.optimizers]
+
+    # -- set-up helpers ------------------------------------------------------------------
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            primitives.broadcast(self.comm, [t.data for t in tensors], src=0).wait()
+
+    def _build(self, order: Sequence[tuple[str, nn.Parameter]] | None = None) -> None:
+        """(Re)build buckets over the algorithm's tensors, and gradient hooks if it needs them."""
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = None
+        named = list(order) if order is not None else self.algorithm.tensors(self._named)
+        buckets = build_buckets(named, self._bucket_bytes, self._first_bucket_bytes) \
+            if named else []
+        self._ctx.buckets = buckets
+        if self.algorithm.kind == "grad" and buckets:
+            self._reducer = Reducer(self.algorithm, self.comm, buckets,
+                                    self.find_unused_parameters)
+
+    def _rebucket_by_ready_order(self) -> None:
+        """After the first backward, order buckets as gradients actually became ready.
+
+        Rank 0's order is broadcast so that every rank builds identical buckets.
+        """
+        self._rebucketed = True
+        reducer = self._reducer
+        if reducer is None or not reducer.ready_order:
+            return
+        index = {n: i for i, (n, _) in enumerate(self._named)}
+        seen = [index[n] for n in reducer.ready_order if n in index]
+        rest = [i for i in range(len(self._named)) if i not in set(seen)]
+        order = torch.tensor(seen + [i for i in reversed(rest)], dtype=torch.int64)
+        primitives.broadcast(self.comm, [order], src=0).wait()
+        new = [self._named[i] for i in order.tolist()]
+        current = [(e.name, e.param) for b in reducer.buckets for e in b.entries]
+        if [n for n, _ in new] != [n for n, _ in current]:
+            self._build(order=new)
+            self.algorithm.reset(self._ctx)
+
+    # -- training-time hooks -----------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.algorithm.need_reset():
+            self._build()
+            self.algorithm.reset(self._ctx)
+        elif not self._rebucketed and self._reducer is not None \
+                and self._reducer.backward_count > 0:
+            self._rebucket_by_ready_order()
+        if self.broadcast_buffers and self.runtime.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                self._broadcast_from_rank0(buffers)
+        self.algorithm.before_forward()
+        return self.module(*args, **kwargs)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self.algorithm.after_step(optimizer)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside do not communicate."""
+        reducer = self._reducer
+        previous = reducer.enabled if reducer is not None else True
+        if reducer is not None:
+            reducer.enabled = False
+        try:
+            yield
+        finally:
+            if reducer is not None:
+                reducer.enabled = previous
+
+    # -- user-facing utilities -----------------------------------------------------------
+    @property
+    def buckets(self) -> list[Bucket]:
+        """Current buckets, in launch order."""
+        return list(self._ctx.buckets)
+
+    def synchronize(self) -> None:
+        """Bring every rank to the same averaged weights (collective)."""
+        self.algorithm.synchronize()
+
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent for the algorithm since wrapping (wrap-time broadcast
+        excluded)."""
+        return self.algorithm.bytes_sent() - self.comm.counter.by_op().get("broadcast", 0)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The wrapped module's state dict, without a ``module.`` prefix."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load into the wrapped module (keys without a ``module.`` prefix)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def algorithm_state_dict(self) -> dict[str, Any]:
+        """The algorithm's state (residuals, momenta, counters) for exact resumption."""
+        return self.algorithm.state_dict()
+
+    def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`algorithm_state_dict`."""
+        self.algorithm.load_state_dict(state)
+
+    def close(self) -> None:
+        """Stop background work and detach hooks; the module stays usable locally."""
+        self.algorithm.close()
+        if self._reducer is not None:
+            self._reducer.remove()
+        for h in self._step_hooks:
+            h.remove()
+        self.comm.close()

@@ -1,0 +1,127 @@
+"""Gradient buckets driven by autograd hooks, launched in order as they become ready.
+
+One :class:`Reducer` per wrapped model and gradient algorithm. During backward each
+parameter's post-accumulate-grad hook copies its gradient into its bucket; when a bucket's
+last gradient arrives (and every earlier bucket has been launched) the algorithm's
+``bucket_ready`` starts its communication asynchronously, so communication overlaps the rest
+of backward. A callback queued on the autograd engine runs once backward is over: it
+launches what is left (unused parameters), waits every handle and writes the results into
+``.grad``. Buckets are launched strictly by index, identically on every rank, which keeps
+collectives in the same order everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hexagram.algorithms.base import Algorithm
+from hexagram.buckets import Bucket, BucketEntry
+from hexagram.comm import primitives
+from hexagram.comm.communicator import Communicator, Handle
+
+__all__ = ["Reducer"]
+
+
+class Reducer:
+    """Hooks, readiness tracking and launch order for one set of gradient buckets.
+
+    Args:
+        algorithm: called with each ready bucket.
+        comm: communicator used for the usage bitmap (``find_unused_parameters``).
+        buckets: the buckets, in launch order.
+        find_unused_parameters: allow parameters that get no gradient in a step.
+    """
+
+    def __init__(self, algorithm: Algorithm, comm: Communicator, buckets: list[Bucket],
+                 find_unused_parameters: bool) -> None:
+        self.algorithm = algorithm
+        self.comm = comm
+        self.buckets = buckets
+        self.find_unused = find_unused_parameters
+        self.enabled = True
+        self.ready_order: list[str] = []  # names in the order grads arrived (first backward)
+        self._where: dict[str, tuple[Bucket, BucketEntry]] = {
+            e.name: (b, e) for b in buckets for e in b.entries}
+        self._hooks = [e.param.register_post_accumulate_grad_hook(self._hook_for(e.name))
+                       for b in buckets for e in b.entries]
+        self._in_backward = False
+        self._done: set[str] = set()
+        self._next = 0
+        self._handles: dict[int, Handle[torch.Tensor] | None] = {}
+        self.backward_count = 0
+
+    def remove(self) -> None:
+        """Detach the autograd hooks (before re-bucketing or on close)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _hook_for(self, name: str) -> Callable[[nn.Parameter], None]:
+        def hook(_param: nn.Parameter) -> None:
+            self._on_grad(name)
+        return hook
+
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        self._done.clear()
+        self._next = 0
+        self._handles.clear()
+        for b in self.buckets:
+            b.pending = len(b.entries)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _on_grad(self, name: str) -> None:
+        if not self._in_backward:
+            self._start_backward()
+        if self.backward_count == 0:
+            self.ready_order.append(name)
+        if not self.enabled:
+            return
+        if name in self._done:
+            raise RuntimeError(
+                f"parameter {name!r} received its gradient twice in one backward pass (it is "
+                "used by several reentrant backward calls); run those backwards under "
+                "model.no_sync() except the last")
+        self._done.add(name)
+        bucket, entry = self._where[name]
+        bucket.copy_in_grad(entry)
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            bucket = self.buckets[self._next]
+            self._handles[self._next] = self.algorithm.bucket_ready(bucket)
+            self._next += 1
+
+    def _finish_backward(self) -> None:
+        self._in_backward = False
+        self.backward_count += 1
+        if not self.enabled:
+            return
+        missing = [e.name for b in self.buckets for e in b.entries if e.name not in self._done]
+        if missing and not self.find_unused:
+            raise RuntimeError(
+                f"{len(missing)} parameter(s) received no gradient in this step, first "
+                f"{missing[:5]}: wrap with find_unused_parameters=True if parts of the model "
+                "are legitimately unused, or make sure the loss depends on every parameter")
+        for name in missing:  # locally unused: contribute zeros, launch in order
+            bucket, entry = self._where[name]
+            bucket.view(entry).zero_()  # as DDP: an unused parameter contributes zero
+            bucket.pending -= 1
+        self._launch_ready()
+        skip = self._globally_unused(missing) if self.find_unused else frozenset()
+        for index, handle in sorted(self._handles.items()):
+            if handle is not None:
+                self.buckets[index].copy_out_grads(handle.wait(), skip=skip)
+        self.algorithm.after_backward()
+
+    def _globally_unused(self, missing: list[str]) -> frozenset[str]:
+        """Names no rank used (their ``.grad`` stays as it was, like PyTorch DDP)."""
+        names = [e.name for b in self.buckets for e in b.entries]
+        used = torch.tensor([0.0 if n in set(missing) else 1.0 for n in names])
+        used = primitives.allreduce(self.comm, used, average=False).wait()
+        return frozenset(n for n, u in zip(names, used.tolist()) if u == 0.0)

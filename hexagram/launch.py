@@ -1,0 +1,119 @@
+"""Run a function on N local ranks (processes) with torch.distributed's variables set.
+
+Used by the demo, the tests and the benchmarks. Every run has a deadline: ranks still alive
+then are killed and :class:`LaunchError` says which ones, so nothing hangs.
+
+Example:
+    >>> def work(scale: float) -> float:
+    ...     import hexagram as hx
+    ...     rt = hx.init()
+    ...     return rt.rank * scale
+    >>> run_local(work, world_size=2, args=(2.0,))   # doctest: +SKIP
+    [0.0, 2.0]
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from hexagram.errors import HexagramError
+
+__all__ = ["LaunchError", "free_port", "run_local"]
+
+
+class LaunchError(HexagramError):
+    """One or more ranks failed or missed the deadline (the message holds their errors)."""
+
+    def __init__(self, message: str, errors: dict[int, str]) -> None:
+        super().__init__(message)
+        self.errors = errors
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, env: dict[str, str], args: Sequence[Any],
+           results: Any, threads: int) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        value = fn(*args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import hexagram
+
+        if hexagram.is_initialized():
+            try:
+                hexagram.shutdown()
+            except Exception:  # noqa: BLE001 - peers may be gone already
+                pass
+
+
+def _environment(world_size: int, port: int, threads: int,
+                 env: Mapping[str, str] | None) -> dict[str, str]:
+    base = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GROUP_RANK": "0",
+            "OMP_NUM_THREADS": str(threads)}
+    base.update(env or {})
+    return base
+
+
+def run_local(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+              timeout: float = 120.0, env: Mapping[str, str] | None = None,
+              threads: int = 1, allow_failures: bool = False) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks; return each rank's result.
+
+    Args:
+        fn: a picklable (module-level) function; it calls ``hexagram.init()`` itself.
+        world_size: number of ranks.
+        timeout: seconds for the whole run; ranks alive then are killed.
+        env: extra environment variables for every rank.
+        threads: torch/OpenMP threads per rank (1 keeps ranks from fighting over cores).
+        allow_failures: return the traceback text of failed ranks instead of raising.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    full_env = _environment(world_size, free_port(), threads, env)
+    procs = [ctx.Process(target=_entry, args=(fn, r, full_env, args, results, threads),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < world_size and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+            out[rank] = (ok, value)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+    for p in procs:
+        p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = {r: v for r, (ok, v) in out.items() if not ok}
+    for r, p in enumerate(procs):
+        if r not in out:
+            errors[r] = f"rank {r} produced no result (exit code {p.exitcode}; killed after " \
+                        f"the {timeout:.0f}s deadline if still running)"
+    if errors and not allow_failures:
+        detail = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        raise LaunchError(f"{len(errors)} of {world_size} ranks failed:\n{detail}", errors)
+    return [out[r][1] if r in out else errors[r] for r in range(world_size)]

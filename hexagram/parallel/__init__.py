@@ -1,0 +1,1 @@
+"""Hexagram parallel."""

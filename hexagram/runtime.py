@@ -1,0 +1,187 @@
+"""Process-group set-up from torchrun's environment, backend choice, timeouts, topology.
+
+``hexagram.init()`` reads the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), picks NCCL when CUDA is present and
+gloo otherwise, and learns which ranks share a host. Run without torchrun, it starts a
+single-process group, so the same script works with world size 1.
+
+Example:
+    >>> import hexagram as hx
+    >>> rt = hx.init()          # doctest: +SKIP
+    >>> rt.rank, rt.world_size, rt.hosts  # doctest: +SKIP
+    (0, 1, [[0]])
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hexagram.errors import ConfigError, NotInitializedError
+
+__all__ = ["DEFAULT_TIMEOUT", "Runtime", "get_runtime", "init", "is_initialized", "shutdown"]
+
+#: Default for every collective: far below torch's 30 minutes, so a dead peer is noticed.
+DEFAULT_TIMEOUT = timedelta(seconds=120)
+
+_RUNTIME: Runtime | None = None
+
+
+@dataclass
+class Runtime:
+    """What this process knows about the job.
+
+    Attributes:
+        rank, world_size: global rank and number of ranks.
+        local_rank, local_world_size: index on this host and ranks on this host.
+        backend: ``"gloo"`` or ``"nccl"``.
+        device: where tensors of this rank live (``cuda:<local_rank>`` or ``cpu``).
+        timeout: limit of every collective.
+        host_of_rank: host index of every global rank.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    timeout: timedelta
+    host_of_rank: list[int]
+    _groups: dict[str, object] = field(default_factory=dict, repr=False)
+
+    @property
+    def hosts(self) -> list[list[int]]:
+        """Global ranks grouped by host, hosts in order of their lowest rank."""
+        by_host: dict[int, list[int]] = {}
+        for r, h in enumerate(self.host_of_rank):
+            by_host.setdefault(h, []).append(r)
+        return sorted(by_host.values(), key=lambda ranks: ranks[0])
+
+    def host_groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """(group of the ranks on my host, group of host leaders or None if not a leader).
+
+        Collective: every rank must call it (the first call creates the groups in the same
+        order everywhere). Leaders are the lowest rank of each host.
+        """
+        if "intra" not in self._groups:
+            intra = leaders = None
+            for ranks in self.hosts:  # new_group must be called by all ranks, in order
+                g = dist.new_group(ranks, timeout=self.timeout)
+                if self.rank in ranks:
+                    intra = g
+            leader_ranks = [ranks[0] for ranks in self.hosts]
+            lg = dist.new_group(leader_ranks, timeout=self.timeout)
+            if self.rank in leader_ranks:
+                leaders = lg
+            self._groups["intra"], self._groups["leaders"] = intra, leaders
+        return self._groups["intra"], self._groups["leaders"]  # type: ignore[return-value]
+
+    def new_group(self, name: str) -> dist.ProcessGroup:
+        """A new group of all ranks (collective), e.g. for a background averaging thread."""
+        group = dist.new_group(list(range(self.world_size)), timeout=self.timeout)
+        self._groups[name] = group
+        return group
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+def _as_timedelta(timeout: float | timedelta) -> timedelta:
+    td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if td.total_seconds() <= 0:
+        raise ConfigError(f"timeout must be positive, got {td.total_seconds()} s")
+    return td
+
+
+def _choose_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"backend must be 'gloo' or 'nccl' (or None to choose), got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend='nccl' needs CUDA, which is not available; use 'gloo'")
+    return backend
+
+
+def _host_key() -> str:
+    # GROUP_RANK is torchrun's node rank; the network lab sets HEXAGRAM_HOST for namespaces
+    # (which share the machine's hostname).
+    return os.environ.get("HEXAGRAM_HOST") or os.environ.get("GROUP_RANK") or socket.gethostname()
+
+
+def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT) -> Runtime:
+    """Initialise torch.distributed from torchrun's environment (idempotent).
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"`` or ``None`` (NCCL with CUDA, gloo otherwise).
+        timeout: seconds (or timedelta) any collective may take before a timeout error.
+
+    Returns:
+        The :class:`Runtime` of this process.
+    """
+    global _RUNTIME
+    if _RUNTIME is not None:
+        return _RUNTIME
+    td = _as_timedelta(timeout)
+    chosen = _choose_backend(backend)
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
+    if not dist.is_initialized():
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            store = dist.HashStore()  # single process: no rendezvous needed
+            dist.init_process_group(chosen, store=store, rank=0, world_size=1, timeout=td)
+        else:
+            dist.init_process_group(chosen, rank=rank, world_size=world, timeout=td)
+    device = torch.device(f"cuda:{local_rank}") if chosen == "nccl" else torch.device("cpu")
+    if chosen == "nccl":
+        torch.cuda.set_device(device)
+    keys: list[str | None] = [None] * world
+    dist.all_gather_object(keys, _host_key())
+    host_index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    _RUNTIME = Runtime(rank=rank, world_size=world, local_rank=local_rank,
+                       local_world_size=local_world, backend=chosen, device=device, timeout=td,
+                       host_of_rank=[host_index[k] for k in keys])
+    return _RUNTIME
+
+
+def is_initialized() -> bool:
+    """True after :func:`init`."""
+    return _RUNTIME is not None
+
+
+def get_runtime() -> Runtime:
+    """The runtime set up by :func:`init`; a clear error if it was not called."""
+    if _RUNTIME is None:
+        raise NotInitializedError(
+            "Hexagram is not initialised: call hexagram.init() first (it reads torchrun's "
+            "environment; launch with `torchrun --nproc-per-node N script.py`, or run the "
+            "script plainly for world size 1)"
+        )
+    return _RUNTIME
+
+
+def shutdown() -> None:
+    """Barrier, then destroy the process group (a barrier first avoids peers aborting)."""
+    global _RUNTIME
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    _RUNTIME = None
