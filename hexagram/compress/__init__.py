@@ -1,1 +1,64 @@
-"""Hexagram compress."""
+"""Compressors: tensor -> Payload (the bytes on the wire) -> tensor.
+
+``hexagram.compress.get(name, **config)`` returns a compressor; ``names()`` lists them.
+
+Example:
+    >>> import torch, hexagram.compress as hc
+    >>> c = hc.get("fp16")
+    >>> c.decompress(c.compress(torch.ones(3)))
+    tensor([1., 1., 1.])
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from hexagram.compress.base import Aggregation, Compressor, Payload, check_compressible
+from hexagram.config import build_config
+
+__all__ = ["Aggregation", "Compressor", "Payload", "check_compressible", "get", "names"]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    module: str
+    config: str
+    compressor: str
+    summary: str
+
+
+# The explicit registry: one line per compressor (module, config class, compressor class).
+_ENTRIES: dict[str, _Entry] = {
+    "fp16": _Entry("hexagram.compress.quantize_fp", "CastConfig", "HalfCompressor",
+                   "IEEE half precision, 16 bits/element, summable"),
+    "bf16": _Entry("hexagram.compress.quantize_fp", "CastConfig", "BF16Compressor",
+                   "bfloat16, 16 bits/element, summable"),
+}
+
+
+def names() -> list[str]:
+    """Registered compressor names."""
+    return list(_ENTRIES)
+
+
+def summaries() -> dict[str, str]:
+    """One-line description of each compressor."""
+    return {n: e.summary for n, e in _ENTRIES.items()}
+
+
+def get(name: str, **config: Any) -> Compressor:
+    """A new compressor: ``get("qsgd", levels=16, seed=0)``.
+
+    Raises:
+        ValueError: unknown name (lists the valid names).
+        ConfigError: unknown field or out-of-range value (names the field).
+    """
+    if name not in _ENTRIES:
+        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(_ENTRIES)}")
+    e = _ENTRIES[name]
+    mod = importlib.import_module(e.module)
+    cfg = build_config(getattr(mod, e.config), config)
+    compressor: Compressor = getattr(mod, e.compressor)(cfg)
+    return compressor

@@ -1,0 +1,62 @@
+"""The ``hexagram`` command: demo, bench, train, plan, advise.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported only when their command runs.
+
+Example:
+    $ hexagram demo
+    $ hexagram plan --model gpt --layers 24 --cluster 2x8 --json plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["COMMANDS", "main"]
+
+#: command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("hexagram.demo", "train on real data with a few local ranks and compare "
+             "algorithms (uses the network lab when it can)"),
+    "bench": ("hexagram.bench.cli", "step-time benchmark of algorithms against PyTorch DDP on "
+              "emulated networks"),
+    "train": ("hexagram.bench.train", "time-to-accuracy on real data for each algorithm"),
+    "plan": ("hexagram.parallel.cli", "plan automatic model parallelism for a model and cluster"),
+    "advise": ("hexagram.bench.advise", "recommend an algorithm for a measured network"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hexagram", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hexagram`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
+        parser.print_help()
+        return 0 if not args or args[0] in ("-h", "--help") else 2
+    module_name, help_text = COMMANDS[args[0]]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(f"hexagram {args[0]}: not available in this build ({module_name} missing)",
+              file=sys.stderr)
+        return 2
+    sub = argparse.ArgumentParser(prog=f"hexagram {args[0]}", description=help_text)
+    module.add_arguments(sub)
+    return int(module.run(sub.parse_args(args[1:])) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

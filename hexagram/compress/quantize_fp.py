@@ -1,0 +1,56 @@
+"""Floating-point casts: ``fp16`` and ``bf16`` (2 bytes per element, summable).
+
+Example:
+    >>> import torch
+    >>> from hexagram.compress.quantize_fp import HalfCompressor
+    >>> c = HalfCompressor()
+    >>> c.compress(torch.ones(10)).nbytes
+    20
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hexagram.compress.base import Aggregation, Compressor, Payload, check_compressible
+
+__all__ = ["BF16Compressor", "CastConfig", "HalfCompressor"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CastConfig:
+    """Casts have no settings."""
+
+
+class _Cast(Compressor):
+    aggregation = Aggregation.SUM
+    unbiased = False  # rounding to nearest is deterministic, not unbiased
+    wire_dtype: torch.dtype = torch.float16
+
+    def __init__(self, config: CastConfig | None = None) -> None:
+        self.config = config or CastConfig()
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        check_compressible(tensor, self.name)
+        return Payload(tensors=(tensor.detach().to(self.wire_dtype),), shape=tensor.shape,
+                       dtype=tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        return payload.tensors[0].to(payload.dtype).reshape(payload.shape)
+
+
+class HalfCompressor(_Cast):
+    """IEEE half precision; values beyond +-65504 overflow to inf (divide before summing)."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+class BF16Compressor(_Cast):
+    """bfloat16: float32's range with 8 bits of mantissa."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16
