@@ -53,7 +53,7 @@ def _entry(fn: Callable[..., Any], rank: int, env: dict[str, str], args: Sequenc
     try:
         value = fn(*args)
         results.put((rank, True, value))
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:  # reported to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
         import hexagram
@@ -61,7 +61,7 @@ def _entry(fn: Callable[..., Any], rank: int, env: dict[str, str], args: Sequenc
         if hexagram.is_initialized():
             try:
                 hexagram.shutdown()
-            except Exception:  # noqa: BLE001 - peers may be gone already
+            except Exception:  # peers may be gone already
                 pass
 
 

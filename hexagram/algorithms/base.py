@@ -6,7 +6,7 @@ during backward, after backward, before the forward pass, after the optimizer st
 
 Life cycle, per training step::
 
-    forward:   engine.before_forward -> algorithm.need_reset()? (rebuild) -> algorithm.before_forward()
+    forward:   algorithm.need_reset()? (engine rebuilds buckets) -> algorithm.before_forward()
     backward:  for each bucket, when its last gradient is accumulated
                    handle = algorithm.bucket_ready(bucket)     # start async communication
                at the end of backward: engine waits every handle, writes results into .grad,
@@ -28,7 +28,6 @@ Example (a minimal gradient algorithm)::
 
 from __future__ import annotations
 
-from abc import ABC
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -66,7 +65,7 @@ class AlgorithmContext:
     buckets: list[Bucket] = field(default_factory=list)
 
 
-class Algorithm(ABC):
+class Algorithm:
     """Base class of communication algorithms; every hook has a no-op default.
 
     Subclasses set ``name`` and ``kind``, hold their frozen config in ``self.config`` and all

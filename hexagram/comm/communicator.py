@@ -104,7 +104,7 @@ class Handle(Generic[T]):
             if isinstance(result, Deferred):
                 result.work.wait(comm.timeout)
                 result = result.finish()
-        except BaseException as exc:  # noqa: BLE001 - re-raised with context
+        except BaseException as exc:  # re-raised with context
             raise comm.wrap_error(self._op, exc) from exc
         self._value, self._resolved = result, True
         return result  # type: ignore[no-any-return]
