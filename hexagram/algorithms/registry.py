@@ -42,6 +42,8 @@ class Entry:
 _ENTRIES: tuple[Entry, ...] = (
     Entry("allreduce", "hexagram.algorithms.allreduce", "AllreduceConfig", "AllreduceAlgorithm",
           "full-precision gradient allreduce (optionally hierarchical), like PyTorch DDP"),
+    Entry("fp16", "hexagram.algorithms.fp16", "Fp16Config", "Fp16Algorithm",
+          "16-bit (fp16 or bf16) gradient allreduce: half the bytes of allreduce"),
 )
 
 

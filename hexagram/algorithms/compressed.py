@@ -1,0 +1,252 @@
+"""What the compressed-gradient algorithms share: config fields, segments, checks, state.
+
+A compressed-gradient algorithm receives each ready bucket, checks it for NaN/Inf (before
+anything is compressed, naming the step and the parameter), cuts it into *segments* (one per
+tensor with ``granularity="layer"``, the whole bucket with ``granularity="bucket"``: Dutta
+et al.'s layer-wise vs whole-model compression), reduces each segment with
+:meth:`CompressedAlgorithm.reduce_segment` and joins the results into the bucket's flat
+gradient. Subclasses only say how a segment is reduced.
+
+Per-tensor state (error-feedback residuals, momenta) is kept per parameter *name*, so it
+survives the engine re-forming buckets after the first step; a bucket-granularity segment's
+residual is the concatenation of its tensors' residuals.
+
+Example (a subclass)::
+
+    class Fp16(CompressedAlgorithm):
+        name = "fp16"
+        def reduce_segment(self, key, tensor):
+            return primitives.allreduce_compressed(self.ctx.comm, tensor, self.fp16)
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.buckets import Bucket, BucketEntry
+from hexagram.comm import primitives
+from hexagram.comm.communicator import Handle
+from hexagram.compress.base import Compressor, Payload
+from hexagram.config import check_choice, check_int
+from hexagram.errors import NonFiniteGradientError
+
+__all__ = [
+    "GRANULARITIES",
+    "NONFINITE_POLICIES",
+    "CompressedAlgorithm",
+    "CompressedConfig",
+    "JoinedHandle",
+    "Segment",
+    "check_finite",
+    "mean_of",
+]
+
+log = logging.getLogger(__name__)
+
+GRANULARITIES = ("layer", "bucket")
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressedConfig:
+    """Fields every compressed-gradient algorithm has.
+
+    Attributes:
+        granularity: ``"layer"`` compresses each tensor on its own (scales, norms and top-k
+            per layer: usually more accurate); ``"bucket"`` compresses a whole bucket at once
+            (whole-model with a large ``bucket_size_mb``: fewer, larger messages).
+        on_nonfinite: ``"raise"`` stops with :class:`NonFiniteGradientError` naming the step
+            and parameter; ``"skip"`` makes every rank agree (one tiny allreduce per bucket)
+            and contribute a zero gradient for that bucket instead.
+        seed: seeds this algorithm's random generator (stochastic rounding, random-k).
+    """
+
+    granularity: str = "layer"
+    on_nonfinite: str = "raise"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice(self, "granularity", GRANULARITIES)
+        check_choice(self, "on_nonfinite", NONFINITE_POLICIES)
+        check_int(self, "seed", low=0)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A part of a bucket compressed as one tensor: ``flat[start:stop]`` over ``entries``."""
+
+    entries: tuple[BucketEntry, ...]
+    start: int
+    stop: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def segments(bucket: Bucket, granularity: str) -> list[Segment]:
+    """The bucket cut per tensor (``"layer"``) or kept whole (``"bucket"``)."""
+    if granularity == "bucket":
+        return [Segment(tuple(bucket.entries), 0, bucket.numel)]
+    return [Segment((e,), e.offset, e.offset + e.numel) for e in bucket.entries]
+
+
+def check_finite(bucket: Bucket, step: int, who: str) -> str | None:
+    """``None`` if ``bucket.flat`` is finite, else a message naming the first bad tensor."""
+    if bool(torch.isfinite(bucket.flat).all()):
+        return None
+    for e in bucket.entries:
+        t = bucket.view(e)
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            return (f"{who}: gradient of parameter '{e.name}' at step {step} holds {nan} NaN "
+                    f"and {inf} Inf of {e.numel} values, detected before compression. Lower "
+                    "the learning rate, clip gradients or use loss scaling; or pass "
+                    "on_nonfinite='skip' to skip such steps")
+    return f"{who}: non-finite gradient at step {step}"  # pragma: no cover - unreachable
+
+
+def mean_of(tensors: Sequence[Tensor]) -> Tensor:
+    """Element-wise mean, summed in rank order (identical on every rank)."""
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total.add_(t)
+    return total.div_(len(tensors))
+
+
+class JoinedHandle(Handle[Tensor]):
+    """Several handles waited as one; ``finish`` turns their results into one tensor."""
+
+    def __init__(self, handles: Sequence[Handle[Any]], finish: Callable[[list[Any]], Tensor],
+                 op: str) -> None:
+        super().__init__(None, op, None)
+        self._handles = list(handles)
+        self._finish = finish
+        self._resolved = False
+
+    def done(self) -> bool:
+        return self._resolved or all(h.done() for h in self._handles)
+
+    def wait(self) -> Tensor:
+        if not self._resolved:
+            self._value = self._finish([h.wait() for h in self._handles])
+            self._resolved = True
+        return self._value  # type: ignore[no-any-return]
+
+
+class CompressedAlgorithm(Algorithm):
+    """Base of the compressed-gradient algorithms (``kind = "grad"``).
+
+    Subclasses implement :meth:`reduce_segment` (return a handle of the *averaged* segment)
+    and may extend :meth:`state_dict`. ``self.step`` counts backward passes that
+    communicated; ``self.residuals`` maps parameter names to flat error-feedback residuals.
+    """
+
+    kind = "grad"
+
+    def __init__(self, config: CompressedConfig) -> None:
+        super().__init__(config)
+        self.config: CompressedConfig
+        self.step = 0
+        self.skipped_steps = 0
+        self.residuals: dict[str, Tensor] = {}
+        self.generator = torch.Generator()
+        self._shared_seed = False  # subclasses whose ranks must draw the same numbers set it
+        self._generator_loaded = False
+
+    def setup(self, ctx: AlgorithmContext) -> None:
+        super().setup(ctx)
+        # Independent noise per rank (stochastic rounding) unless the method needs shared
+        # randomness (random-k with the same indices everywhere).
+        if not self._generator_loaded:
+            offset = 0 if self._shared_seed else ctx.comm.rank
+            self.generator = torch.Generator(device=ctx.runtime.device)
+            self.generator.manual_seed(self.config.seed * 1_000_003 + offset)
+
+    # -- the hook ------------------------------------------------------------------------
+    def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
+        problem = check_finite(bucket, self.step, self.name)
+        if self.config.on_nonfinite == "skip":
+            if self._any_rank_bad(problem is not None):
+                log.warning("%s: skipping step %d (%s)", self.name, self.step,
+                            problem or "non-finite gradient on another rank")
+                self.skipped_steps += 1
+                return Handle.completed(torch.zeros_like(bucket.flat), f"{self.name}.skip")
+        elif problem is not None:
+            raise NonFiniteGradientError(problem)
+        segs = segments(bucket, self.config.granularity)
+        handles = [self.reduce_segment(s, bucket.flat[s.start:s.stop]) for s in segs]
+        if len(handles) == 1:
+            return handles[0]
+        return JoinedHandle(handles, lambda parts: torch.cat([p.reshape(-1) for p in parts]),
+                            self.name)
+
+    def _any_rank_bad(self, bad: bool) -> bool:
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.ctx.runtime.device)
+        return bool(primitives.allreduce(self.ctx.comm, flag, average=False).wait().item() > 0)
+
+    @abstractmethod
+    def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
+        """Start reducing one segment (1-D view of the bucket); the handle gives the mean."""
+
+    def after_backward(self) -> None:
+        self.step += 1
+
+    # -- helpers for subclasses ----------------------------------------------------------
+    def residual(self, segment: Segment, like: Tensor) -> Tensor:
+        """The segment's error-feedback residual (zeros the first time), 1-D."""
+        parts = [self.residuals.get(e.name) for e in segment.entries]
+        return torch.cat([p if p is not None else like.new_zeros(e.numel)
+                          for p, e in zip(parts, segment.entries)])
+
+    def set_residual(self, segment: Segment, value: Tensor) -> None:
+        """Store a segment's residual, split per tensor name."""
+        offset = 0
+        for e in segment.entries:
+            self.residuals[e.name] = value[offset:offset + e.numel].detach().clone()
+            offset += e.numel
+
+    def compress_with_feedback(self, segment: Segment, tensor: Tensor, compressor: Compressor,
+                               feedback: bool) -> Payload:
+        """Compress ``tensor`` (+ residual); keep what compression lost as the new residual.
+
+        Invariant (error feedback, Karimireddy et al. 2019): ``sent + residual == input``
+        where ``sent = decompress(payload)`` and ``input = tensor + old residual``.
+        """
+        if not feedback:
+            return compressor.compress(tensor, self.generator)
+        acc = tensor + self.residual(segment, tensor)
+        payload = compressor.compress(acc, self.generator)
+        self.set_residual(segment, acc - compressor.decompress(payload).reshape(-1))
+        return payload
+
+    def gather_mean(self, payload: Payload, compressor: Compressor) -> Handle[Tensor]:
+        """Allgather everyone's payload; the handle decompresses and averages them."""
+        h = primitives.allgather_payloads(self.ctx.comm, payload)
+        return JoinedHandle([h], lambda r: mean_of([compressor.decompress(p).reshape(-1)
+                                                    for p in r[0]]), f"{self.name}.gather")
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "skipped_steps": self.skipped_steps,
+                "residuals": {n: t.clone() for n, t in self.residuals.items()},
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.residuals = {n: t.clone() for n, t in state["residuals"].items()}
+        self.generator.set_state(state["generator"])
+        self._generator_loaded = True

@@ -1,0 +1,170 @@
+"""gTopKAllReduce (Shi et al., ICDCS 2019): the global top-k of a sparse sum on a tree.
+
+Every rank holds ``k`` (value, index) pairs of a vector of ``numel`` elements. Instead of
+gathering all ``k P`` pairs (O(kP) bytes per rank, as top-k by allgather does), ranks reduce
+on a binomial tree: in round ``d = 1, 2, 4, ...`` rank ``r`` with ``r % 2d == d`` sends its
+``k`` pairs to ``r - d``, which merges them with its own (summing values of shared indices)
+and keeps the ``k`` of largest magnitude. After ``ceil(log2 P)`` rounds rank 0 holds the
+global top-k and sends it back down the same tree. Any world size works (a rank whose
+partner ``r + d`` does not exist just skips that round).
+
+Every rank ends with the *same* ``k`` pairs (they come from rank 0), so the result is
+identical everywhere by construction. Each rank sends ``k`` pairs once on the way up (except
+rank 0) and ``k`` pairs to each of its tree children on the way down: ``2 (P-1)`` messages of
+``k`` pairs in all, against ``P (P-1)`` for the allgather.
+
+Pairs travel as one uint8 buffer: ``k`` values in their own dtype, then ``k`` int32 indices
+(tensors of up to 2**31 elements).
+
+Example:
+    >>> h = gtopk_allreduce(comm, values, indices, numel=1000)   # doctest: +SKIP
+    >>> gvalues, gindices = h.wait()                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hexagram.comm.communicator import Communicator, Handle
+
+__all__ = ["gtopk_allreduce", "gtopk_bytes", "merge_topk", "tree_children", "tree_parent"]
+
+
+def tree_parent(rank: int, size: int) -> int | None:
+    """Parent of ``rank`` in the binomial tree rooted at 0 (``None`` for the root).
+
+    The parent clears the lowest set bit: 6 -> 4, 5 -> 4, 4 -> 0.
+    """
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in [0, {size})")
+    return None if rank == 0 else rank & (rank - 1)
+
+
+def tree_children(rank: int, size: int) -> list[int]:
+    """Children of ``rank``, in the order the broadcast sends to them (farthest first)."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in [0, {size})")
+    out, d = [], 1
+    while d < size and rank % (2 * d) == 0:
+        if rank + d < size:
+            out.append(rank + d)
+        d *= 2
+    return list(reversed(out))
+
+
+def gtopk_bytes(rank: int, size: int, k: int, value_bytes: int = 4) -> tuple[int, int]:
+    """(bytes sent going up, bytes sent going down) by ``rank`` for ``k`` pairs.
+
+    One pair is ``value_bytes`` plus a 4-byte int32 index.
+    """
+    pair = k * (value_bytes + 4)
+    up = 0 if rank == 0 else pair
+    return up, pair * len(tree_children(rank, size))
+
+
+def merge_topk(values_a: Tensor, indices_a: Tensor, values_b: Tensor, indices_b: Tensor,
+               k: int) -> tuple[Tensor, Tensor]:
+    """Sum two sparse vectors (values at indices) and keep the ``k`` largest magnitudes.
+
+    Indices within each input are unique. Returns (values (k,), indices (k,) int64).
+    """
+    idx = torch.cat([indices_a.long(), indices_b.long()])
+    val = torch.cat([values_a, values_b])
+    uniq, inverse = torch.unique(idx, return_inverse=True)  # union of both index sets
+    summed = torch.zeros(uniq.numel(), dtype=val.dtype, device=val.device)
+    summed.index_add_(0, inverse, val)
+    keep = torch.topk(summed.abs(), min(k, uniq.numel()), sorted=False).indices
+    return summed[keep], uniq[keep]
+
+
+def _send(comm: Communicator, buf: Tensor, peer: int) -> None:
+    work = dist.isend(buf, comm.global_rank(peer), group=comm.group)
+    assert work is not None  # None only for ranks outside the group
+    work.wait(comm.timeout)
+
+
+def _recv(comm: Communicator, buf: Tensor, peer: int) -> None:
+    work = dist.irecv(buf, comm.global_rank(peer), group=comm.group)
+    assert work is not None
+    work.wait(comm.timeout)
+
+
+def _pack(values: Tensor, indices: Tensor) -> Tensor:
+    return torch.cat([values.contiguous().view(torch.uint8),
+                      indices.to(torch.int32).contiguous().view(torch.uint8)])
+
+
+def _unpack(buf: Tensor, k: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    split = k * torch.empty(0, dtype=dtype).element_size()
+    return buf[:split].view(dtype).clone(), buf[split:].view(torch.int32).long()
+
+
+def gtopk_allreduce(comm: Communicator, values: Tensor, indices: Tensor, numel: int
+                    ) -> Handle[tuple[Tensor, Tensor]]:
+    """Start gTopKAllReduce of ``k`` pairs per rank; the handle gives the global ``k`` pairs.
+
+    Args:
+        comm: the communicator (one job on its issuing thread: all rounds run in order).
+        values: (k,) this rank's values (any float dtype, the same on every rank).
+        indices: (k,) their distinct positions in ``[0, numel)``; ``k`` equal on all ranks.
+        numel: length of the dense vector (checked against the indices).
+
+    Returns:
+        Handle of (values (k,), indices (k,) int64): the sum over ranks restricted to the
+        winning indices, identical on every rank. Not averaged: divide by ``comm.size``.
+    """
+    k = values.numel()
+    if indices.numel() != k or values.dim() != 1:
+        raise ValueError(f"values and indices must be 1-D of equal length, got "
+                         f"{tuple(values.shape)} and {tuple(indices.shape)}")
+    if k > 0 and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+        raise ValueError(f"indices must lie in [0, {numel}), got [{int(indices.min())}, "
+                         f"{int(indices.max())}]")
+    if numel >= 2**31:
+        raise ValueError(f"gtopk_allreduce sends int32 indices; numel={numel} is too large: "
+                         "split the tensor (granularity='layer')")
+    values, indices = values.detach().clone(), indices.detach().long().clone()
+    if comm.size == 1:
+        return Handle.completed((values, indices), "gtopk")
+    up, down = gtopk_bytes(comm.rank, comm.size, k, values.element_size())
+
+    def job() -> tuple[Tensor, Tensor]:
+        v, i = _reduce_up(comm, values, indices, k)
+        comm.counter.add("gtopk.broadcast", down)
+        return _broadcast_down(comm, v, i, k)
+
+    return comm.submit("gtopk.reduce", job, up)
+
+
+def _reduce_up(comm: Communicator, values: Tensor, indices: Tensor, k: int
+               ) -> tuple[Tensor, Tensor]:
+    """Tree reduction; on return rank 0 holds the global top-k (others: their last state)."""
+    rank, size, d = comm.rank, comm.size, 1
+    while d < size:
+        if rank % (2 * d) == d:  # my turn to hand my k pairs to my parent, then I'm done
+            buf = _pack(values, indices)
+            _send(comm, buf, rank - d)
+            break
+        if rank + d < size:  # rank % 2d == 0 here: receive from the child of this round
+            buf = torch.empty(k * (values.element_size() + 4), dtype=torch.uint8)
+            _recv(comm, buf, rank + d)
+            other_v, other_i = _unpack(buf, k, values.dtype)
+            values, indices = merge_topk(values, indices, other_v, other_i, k)
+        d *= 2
+    return values, indices
+
+
+def _broadcast_down(comm: Communicator, values: Tensor, indices: Tensor, k: int
+                    ) -> tuple[Tensor, Tensor]:
+    """Binomial-tree broadcast from rank 0: receive from my parent, send to my children."""
+    parent = tree_parent(comm.rank, comm.size)
+    if parent is None:
+        buf = _pack(values, indices)
+    else:
+        buf = torch.empty(k * (values.element_size() + 4), dtype=torch.uint8)
+        _recv(comm, buf, parent)
+    for child in tree_children(comm.rank, comm.size):
+        _send(comm, buf, child)
+    return _unpack(buf, k, values.dtype)

@@ -1,0 +1,112 @@
+"""gTopKAllReduce: tree shape, merge rule, and the collective on 2 to 5 ranks.
+
+The multi-process part checks, per world size, that every rank gets the same k pairs with
+exactly k distinct indices, that the result is the exact global top-k where it must be
+(disjoint supports; identical supports), and that the counted bytes are 2 (P-1) messages of
+k pairs in total, one message up per non-root rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hexagram.comm.gtopk import gtopk_bytes, merge_topk, tree_children, tree_parent
+from hexagram.launch import run_local
+
+K, NUMEL = 16, 200
+
+
+def test_tree_is_consistent_for_any_size() -> None:
+    for size in range(1, 17):
+        for r in range(size):
+            for c in tree_children(r, size):
+                assert tree_parent(c, size) == r
+        # every non-root rank is the child of exactly one rank
+        kids = sorted(c for r in range(size) for c in tree_children(r, size))
+        assert kids == list(range(1, size))
+    assert tree_children(0, 5) == [4, 2, 1]
+    assert tree_parent(6, 8) == 4 and tree_parent(5, 8) == 4 and tree_parent(4, 8) == 0
+
+
+def test_merge_sums_shared_indices_and_keeps_largest() -> None:
+    va, ia = torch.tensor([5.0, -1.0, 2.0]), torch.tensor([0, 3, 7])
+    vb, ib = torch.tensor([-4.0, 3.0, 0.5]), torch.tensor([0, 3, 9])
+    v, i = merge_topk(va, ia, vb, ib, k=2)
+    got = dict(zip(i.tolist(), v.tolist()))
+    # dense sum: {0: 1, 3: 2, 7: 2, 9: 0.5}; top-2 by magnitude among ties 2, 2 -> {3, 7}
+    assert got == {3: 2.0, 7: 2.0}
+
+
+def test_bytes_formula_totals_two_messages_per_edge() -> None:
+    for size in range(1, 9):
+        total = sum(sum(gtopk_bytes(r, size, k=10)) for r in range(size))
+        assert total == 2 * (size - 1) * 10 * 8
+
+
+def _gtopk_worker(trials: int) -> list[dict[str, object]]:
+    import hexagram as hx
+    from hexagram.comm.communicator import Communicator
+    from hexagram.comm.gtopk import gtopk_allreduce
+
+    rt = hx.init()
+    comm = Communicator(None, rt.timeout, "test-gtopk")
+    out: list[dict[str, object]] = []
+    for trial in range(trials):
+        shared = torch.Generator().manual_seed(trial)  # same on all ranks
+        mine = torch.Generator().manual_seed(100 * trial + rt.rank)
+        perm = torch.randperm(NUMEL, generator=shared)
+        # Case A: disjoint supports. Case B: identical support, integer values (exact sums).
+        # Case C: random overlapping supports.
+        disjoint = perm[rt.rank * K:(rt.rank + 1) * K]
+        same = perm[:K]
+        overlap = torch.randperm(NUMEL, generator=mine)[:K]
+        cases = {"disjoint": (torch.randn(K, generator=mine), disjoint),
+                 "same": (torch.randint(-50, 50, (K,), generator=mine).float(), same),
+                 "overlap": (torch.randn(K, generator=mine), overlap)}
+        before = comm.counter.by_op()
+        for name, (values, indices) in cases.items():
+            v, i = gtopk_allreduce(comm, values, indices, NUMEL).wait()
+            # plain lists: tensors in run_local's queue need the sender alive to unpickle
+            out.append({"trial": trial, "case": name, "values": values.tolist(),
+                        "indices": indices.tolist(), "gv": v.tolist(), "gi": i.tolist()})
+        after = comm.counter.by_op()
+        out.append({"trial": trial, "case": "bytes",
+                    "up": after.get("gtopk.reduce", 0) - before.get("gtopk.reduce", 0),
+                    "down": after.get("gtopk.broadcast", 0) - before.get("gtopk.broadcast", 0)})
+    comm.close()
+    return out
+
+
+def _dense(values: object, indices: object) -> torch.Tensor:
+    d = torch.zeros(NUMEL)
+    d[torch.tensor(indices)] += torch.tensor(values)
+    return d
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_gtopk_allreduce_identical_exact_k(world: int) -> None:
+    results = run_local(_gtopk_worker, world, args=(2,), timeout=90)
+    for idx in range(len(results[0])):
+        rows = [r[idx] for r in results]
+        case = rows[0]["case"]
+        if case == "bytes":
+            ups = [int(r["up"]) for r in rows]
+            downs = [int(r["down"]) for r in rows]
+            msg = K * 8 * 3  # three collectives per trial, k float32 + int32 pairs each
+            assert ups == [0] + [msg] * (world - 1)
+            assert sum(ups) + sum(downs) == 2 * (world - 1) * msg
+            continue
+        ref = _dense(rows[0]["gv"], rows[0]["gi"])
+        for r in rows[1:]:  # identical on every rank, bit for bit
+            assert r["gv"] == rows[0]["gv"] and r["gi"] == rows[0]["gi"]
+        gi = torch.tensor(rows[0]["gi"])
+        assert gi.numel() == K and gi.unique().numel() == K
+        total = torch.stack([_dense(r["values"], r["indices"]) for r in rows]).sum(0)
+        if case == "disjoint":  # truncation never drops a global winner: exact top-k
+            expect = total.abs().topk(K).indices
+            assert set(gi.tolist()) == set(expect.tolist())
+            assert torch.equal(ref[gi], total[gi])
+        elif case == "same":  # one support everywhere: the exact sum
+            assert torch.equal(ref, total)
+        assert int((ref != 0).sum()) <= K
