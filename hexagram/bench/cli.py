@@ -1,0 +1,174 @@
+"""``hexagram bench``: step time of algorithms against PyTorch DDP on emulated networks.
+
+Example:
+    $ hexagram bench --hosts 4 --bandwidth 100mbit --model mlp \\
+        --algorithms ddp,ddp-fp16,allreduce,bytegrad,gtopk --steps 20 \\
+        --json out.json --plot out.png
+
+Each ``--bandwidth`` value (comma-separated) builds a fresh lab; on it, every algorithm runs
+in turn with the same model, batch and seed. ``--loopback`` runs without the lab (no root
+needed, no shaping, no link counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from hexagram.bench.harness import LoopbackLab, check_algorithms, machine_info, run_task
+from hexagram.bench.lab import LabConfig, LabUnavailableError, NetworkLab, parse_rate
+from hexagram.bench.peers import PEERS
+from hexagram.bench.report import markdown_table, plot_throughput, summarize_outcome
+from hexagram.bench.workload import MODELS
+
+__all__ = ["add_arguments", "algorithm_list", "parse_settings", "run", "run_bench"]
+
+
+def algorithm_list(text: str) -> list[str]:
+    """``"ddp,allreduce"`` -> names; ``"all"``: PyTorch peers and every registered one."""
+    from hexagram.algorithms import names
+
+    if text.strip() == "all":
+        return [*PEERS, *names()]
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parse_settings(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``["qsgd.levels=16"]`` -> ``{"qsgd": {"levels": 16}}`` (values parsed as JSON)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        algo, dot, field = key.partition(".")
+        if not sep or not dot:
+            raise SystemExit(f"--set {item!r}: expected ALGORITHM.FIELD=VALUE")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        out.setdefault(algo, {})[field] = parsed
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``hexagram bench``."""
+    a = parser.add_argument
+    a("--hosts", type=int, default=4, help="emulated hosts (network namespaces)")
+    a("--ranks-per-host", type=int, default=1, help="processes per host (loopback inside)")
+    a("--bandwidth", default="100mbit",
+      help="link rate(s), comma-separated: 100mbit,1gbit,unshaped")
+    a("--model", choices=MODELS, default="mlp")
+    a("--params", type=int, default=6_300_000, help="MLP parameters (about)")
+    a("--layers", type=int, default=3, help="MLP hidden layers / GPT blocks")
+    a("--width", type=int, default=256, help="CNN hidden width / GPT embedding width")
+    a("--block", type=int, default=64, help="GPT context length")
+    a("--algorithms", default="ddp,ddp-fp16,allreduce",
+      help="comma-separated names, or 'all' (PyTorch peers + every registered algorithm)")
+    a("--set", action="append", default=[], metavar="ALGO.FIELD=VALUE",
+      help="algorithm config, e.g. --set qsgd.levels=16 (repeatable)")
+    a("--steps", type=int, default=20, help="timed steps per algorithm (at most)")
+    a("--min-steps", type=int, default=3, help="timed steps at least, whatever --time-limit")
+    a("--warmup", type=int, default=3, help="untimed steps first")
+    a("--time-limit", type=float, default=120.0,
+      help="seconds of timed steps per algorithm: fewer steps when they are slow")
+    a("--batch", type=int, default=32, help="samples per rank per step")
+    a("--lr", type=float, default=0.01)
+    a("--threads", type=int, default=1, help="torch threads per rank")
+    a("--timeout", type=float, default=900.0, help="deadline per algorithm (s)")
+    a("--loopback", action="store_true", help="no lab: ranks on 127.0.0.1, unshaped")
+    a("--json", help="write every figure here")
+    a("--plot", help="write a throughput-against-bandwidth PNG here")
+    a("--markdown", help="append the tables (Markdown) to this file")
+    a("--quiet", action="store_true", help="no progress bar")
+
+
+def _spec(args: argparse.Namespace, algorithm: str,
+          settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {"task": "step", "algorithm": algorithm, "config": settings.get(algorithm, {}),
+            "model": {"name": args.model, "params": args.params, "layers": args.layers,
+                      "width": args.width, "block": args.block},
+            "steps": args.steps, "min_steps": args.min_steps, "warmup": args.warmup,
+            "time_limit": args.time_limit, "batch": args.batch, "lr": args.lr, "seed": 0}
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                        disable=quiet, transient=True)
+    progress.add_task("bench", total=total)
+    return progress
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every algorithm on every bandwidth; return the report (see ``--json``)."""
+    names = algorithm_list(args.algorithms)
+    settings = parse_settings(args.set)
+    bandwidths = [b.strip() for b in args.bandwidth.split(",") if b.strip()]
+    for b in bandwidths:
+        parse_rate(b)
+    report: dict[str, Any] = {"machine": machine_info(), "settings": vars(args).copy(),
+                              "missing": check_algorithms(names), "results": {}}
+    world = args.hosts * args.ranks_per_host
+    progress = _progress(len(names) * len(bandwidths), args.quiet)
+    task = progress.task_ids[0]
+    with progress:
+        for bw in bandwidths:
+            config = LabConfig(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
+                               bandwidth="unshaped" if args.loopback else bw)
+            lab_cls: Any = LoopbackLab if args.loopback else NetworkLab
+            rows = []
+            with lab_cls(config) as lab:
+                for name in names:
+                    progress.update(task, description=f"{bw}: {name}")
+                    outcome = run_task(lab, _spec(args, name, settings), timeout=args.timeout,
+                                       threads=args.threads)
+                    rows.append(summarize_outcome(outcome, config.rate, args.batch, world))
+                    progress.advance(task)
+            report["results"][bw] = rows
+    report["machine"]["load_average_end"] = machine_info()["load_average"]
+    return report
+
+
+def _print_report(report: dict[str, Any], args: argparse.Namespace) -> str:
+    out = []
+    params = next((r["num_params"] for rows in report["results"].values() for r in rows
+                   if "num_params" in r), None)
+    for bw, rows in report["results"].items():
+        out.append(f"\n### {args.hosts} hosts x {args.ranks_per_host} rank(s), {bw} links, "
+                   f"{args.model} ({params or '?'} parameters), batch {args.batch}/rank\n")
+        out.append(markdown_table(rows))
+    for name, why in report["missing"].items():
+        out.append(f"\nmissing: {name}: {why}")
+    machine = report["machine"]
+    out.append(f"\nmachine: {machine['cpu']} ({machine['cores']} cores), torch "
+               f"{machine['torch']}, load average {machine['load_average']} -> "
+               f"{machine['load_average_end']}")
+    text = "\n".join(out)
+    print(text)
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``hexagram bench``; 0 when every algorithm ran, 1 when some failed, 2 when the
+    lab is unavailable."""
+    try:
+        report = run_bench(args)
+    except LabUnavailableError as exc:
+        print(f"hexagram bench: {exc}", file=sys.stderr)
+        return 2
+    text = _print_report(report, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(text + "\n")
+    if args.plot:
+        plot_throughput(report["results"], args.plot,
+                        title=f"{args.model}, {args.hosts} hosts: samples/s against bandwidth")
+    failed = any("error" in r for rows in report["results"].values() for r in rows)
+    return 1 if failed else 0

@@ -1,0 +1,154 @@
+"""Run one worker task per algorithm on a lab (or on loopback) and collect rank results.
+
+Example:
+    >>> with NetworkLab(LabConfig(hosts=2, bandwidth="100mbit")) as lab:   # doctest: +SKIP
+    ...     outcome = run_task(lab, {"task": "step", "algorithm": "ddp", ...}, timeout=300)
+    >>> outcome.ok, outcome.ranks[0]["step_times"]                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hexagram.bench.lab import LabConfig, NetworkLab, RankResult
+from hexagram.bench.peers import PEERS
+from hexagram.launch import free_port
+
+__all__ = ["LoopbackLab", "Outcome", "check_algorithms", "machine_info", "run_task"]
+
+WORKER = [sys.executable, "-m", "hexagram.bench.worker"]
+
+
+@dataclass
+class Outcome:
+    """Rank results of one task, or why it failed (missing algorithm, error, deadline)."""
+
+    algorithm: str
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class LoopbackLab:
+    """The lab's ``run`` interface on 127.0.0.1, unshaped, without root (no link counters).
+
+    Ranks are grouped into ``hosts`` by ``HEXAGRAM_HOST`` only, so hierarchical code paths
+    still run, but every byte goes over loopback.
+    """
+
+    def __init__(self, config: LabConfig) -> None:
+        self.config = config
+        self._tmp = tempfile.TemporaryDirectory(prefix="hexagram-loopback-")
+        self.workdir = Path(self._tmp.name)
+
+    def __enter__(self) -> LoopbackLab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tmp.cleanup()
+
+    def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
+            timeout: float = 600.0, threads: int = 1, grace: float = 15.0) -> list[RankResult]:
+        world, per_host = self.config.world_size, self.config.ranks_per_host
+        base = {**os.environ, **(env or {}), "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(per_host), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": str(threads)}
+        base.pop("HEXAGRAM_LAB_IFNAME", None)
+        procs = []
+        for r in range(world):
+            rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(r % per_host),
+                        "GROUP_RANK": str(r // per_host), "HEXAGRAM_HOST": f"host{r // per_host}"}
+            with open(self.workdir / f"rank{r}.log", "wb") as log:
+                procs.append(subprocess.Popen(list(argv), env=rank_env, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.05)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        return [RankResult(r, r // per_host, p.returncode if p.returncode >= 0 else None,
+                           (self.workdir / f"rank{r}.log").read_text(errors="replace")[-3000:])
+                for r, p in enumerate(procs)]
+
+
+def check_algorithms(names: Sequence[str]) -> dict[str, str]:
+    """Names that cannot run, with why (not a PyTorch peer nor a registered algorithm)."""
+    from hexagram.algorithms import registry
+
+    known = set(registry.names())
+    missing = {}
+    for name in names:
+        if name not in PEERS and name not in known:
+            missing[name] = ("not registered in hexagram.algorithms (registered: "
+                             f"{', '.join(sorted(known))}; peers: {', '.join(PEERS)})")
+    return missing
+
+
+def _failure(results: list[RankResult], ranks: list[dict[str, Any]]) -> str | None:
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        return errors[0].splitlines()[0][:300]
+    bad = [r for r in results if r.returncode != 0]
+    if bad:
+        first = bad[0]
+        what = "missed the deadline" if first.returncode is None else f"exit {first.returncode}"
+        tail = first.output.strip().splitlines()[-1:] or ["(no output)"]
+        return f"rank {first.rank} {what}: {tail[0][:300]}"
+    if len(ranks) < len(results):
+        return "some ranks wrote no result"
+    return None
+
+
+def run_task(lab: NetworkLab | LoopbackLab, spec: Mapping[str, Any],
+             timeout: float = 600.0, threads: int = 1) -> Outcome:
+    """Run the worker with ``spec`` on every rank of ``lab``; collect ``rank<r>.json``."""
+    name = str(spec["algorithm"])
+    missing = check_algorithms([name])
+    if missing:
+        return Outcome(name, error=missing[name])
+    with tempfile.TemporaryDirectory(prefix="hexagram-task-") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(dict(spec)))
+        results = lab.run([*WORKER, str(spec_path), tmp], timeout=timeout, threads=threads)
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+    ranks.sort(key=lambda r: r["rank"])
+    return Outcome(name, ranks, _failure(results, ranks))
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine_info() -> dict[str, Any]:
+    """Machine, CPU, load and software versions, for the JSON reports."""
+    import torch
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(),
+            "load_average": _load(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -1,0 +1,133 @@
+"""Figures of a step-time benchmark: summary per algorithm, Markdown table, plot.
+
+Definitions (per algorithm, on one network):
+    step time      timed window / timed steps, the slowest rank (a mean, so that delayed
+                   algorithms pay for their periodic rounds); spread: p10..p90 of single
+                   steps (slowest rank per step)
+    samples/s      global batch / step time
+    vs ddp         ddp's step time / this step time (> 1: faster than PyTorch DDP)
+    wire bytes     per step, the busiest rank (reported by the algorithm; ``~``: formula)
+                   and the busiest host's link (interface counter, headers included)
+    bound          max(compute time, link bytes / link rate); efficiency = bound / measured
+
+Example:
+    >>> s = summarize({"step_times": [1.0], "window_s": 1.0, "compute_s": 0.5,
+    ...                "reported_bytes": 100, "link_tx_bytes": 125, "steps": 1,
+    ...                "estimated": False, "local_rank": 0,
+    ...                "rank": 0, "num_params": 10, "finite": True}, rate=1000.0, batch=4,
+    ...               world=1)
+    >>> s["bound_s"], s["efficiency"]
+    (1.0, 1.0)
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from hexagram.bench.harness import Outcome
+
+__all__ = ["markdown_table", "plot_throughput", "summarize", "summarize_outcome"]
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(*ranks: dict[str, Any], rate: float | None, batch: int,
+              world: int) -> dict[str, Any]:
+    """Summary figures from the rank results of one algorithm (see module docstring)."""
+    per_step = [max(step) for step in zip(*(r["step_times"] for r in ranks))]
+    steps = ranks[0]["steps"]
+    mean = max(r["window_s"] for r in ranks) / steps
+    compute = max(r["compute_s"] for r in ranks)
+    reported = max(r["reported_bytes"] for r in ranks) / steps
+    links = [r["link_tx_bytes"] for r in ranks
+             if r.get("local_rank", 0) == 0 and r.get("link_tx_bytes") is not None]
+    link = max(links) / steps if links else None
+    wire = link if link is not None else reported
+    bound = max(compute, wire * 8 / rate) if rate else compute
+    return {"step_s": mean, "median_s": statistics.median(per_step),
+            "p10_s": _percentile(per_step, 0.1), "p90_s": _percentile(per_step, 0.9),
+            "steps": steps,
+            "samples_per_s": batch * world / mean, "compute_s": compute,
+            "reported_bytes_per_step": reported, "estimated": ranks[0]["estimated"],
+            "link_bytes_per_step": link, "bound_s": bound, "efficiency": bound / mean,
+            "num_params": ranks[0]["num_params"], "finite": all(r["finite"] for r in ranks)}
+
+
+def summarize_outcome(outcome: Outcome, rate: float | None, batch: int,
+                      world: int) -> dict[str, Any]:
+    """:func:`summarize`, or the error of a failed algorithm."""
+    if not outcome.ok:
+        return {"algorithm": outcome.algorithm, "error": outcome.error}
+    return {"algorithm": outcome.algorithm,
+            **summarize(*outcome.ranks, rate=rate, batch=batch, world=world)}
+
+
+def _mb(nbytes: float | None, estimated: bool = False) -> str:
+    if nbytes is None:
+        return "-"
+    return f"{'~' if estimated else ''}{nbytes / 1e6:.2f}"
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], reference: str = "ddp") -> str:
+    """A Markdown table of summaries (one network); ratios against ``reference``."""
+    ref = next((r for r in rows if r["algorithm"] == reference and "error" not in r), None)
+    head = ("| algorithm | step time (s), mean [p10-p90] | samples/s | vs ddp | "
+            "MB/step reported | MB/step on link | bound (s) | efficiency |")
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['algorithm']} | failed: {r['error']} | | | | | | |")
+            continue
+        ratio = f"{ref['step_s'] / r['step_s']:.2f}x" if ref else "-"
+        lines.append(
+            f"| {r['algorithm']} | {r['step_s']:.3f} [{r['p10_s']:.3f}-{r['p90_s']:.3f}] | "
+            f"{r['samples_per_s']:.1f} | {ratio} | "
+            f"{_mb(r['reported_bytes_per_step'], r['estimated'])} | "
+            f"{_mb(r['link_bytes_per_step'])} | {r['bound_s']:.3f} | "
+            f"{100 * r['efficiency']:.0f}% |")
+    return "\n".join(lines)
+
+
+def plot_throughput(results: dict[str, list[dict[str, Any]]], path: str,
+                    title: str = "") -> None:
+    """Samples/s against bandwidth, one line per algorithm (bars for a single bandwidth).
+
+    ``results`` maps a bandwidth label (``"100mbit"``, ``"unshaped"``) to its summaries.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(results)
+    algorithms = list(dict.fromkeys(r["algorithm"] for rows in results.values() for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for algo in algorithms:
+        ys = [next((r["samples_per_s"] for r in results[b]
+                    if r["algorithm"] == algo and "error" not in r), float("nan"))
+              for b in labels]
+        if len(labels) == 1:
+            ax.bar(algo, ys[0])
+        else:
+            style = "--" if algo.startswith("ddp") else "-"
+            ax.plot(range(len(labels)), ys, style, marker="o", label=algo)
+    if len(labels) > 1:
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_xlabel("link bandwidth per host")
+        ax.legend(fontsize=7, ncol=2)
+        ax.set_yscale("log")
+    else:
+        ax.tick_params(axis="x", rotation=45)
+        ax.set_xlabel(f"algorithm ({labels[0]} links)")
+    ax.set_ylabel("samples/s (higher is better)")
+    ax.set_title(title or "Throughput against bandwidth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

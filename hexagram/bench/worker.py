@@ -1,0 +1,136 @@
+"""What every rank runs in the lab: ``python -m hexagram.bench.worker SPEC.json OUT_DIR``.
+
+The spec (JSON) names the task (``"step"``: step-time benchmark, ``"train"``: time to
+accuracy), the algorithm or PyTorch peer, the model and the settings. Each rank writes
+``OUT_DIR/rank<r>.json``: its figures, or ``{"error": ...}`` when the algorithm failed (the
+process then exits with code 3, after which the lab stops its peers).
+
+Step benchmark, per rank: local compute time of a step (all ranks computing at once, no
+communication), then ``warmup`` wrapped steps, then the timed steps; bytes reported by the
+algorithm and bytes counted on the host's interface over the timed steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["interface_tx_bytes", "main", "run_step_benchmark"]
+
+
+def interface_tx_bytes() -> int | None:
+    """Bytes sent on the lab interface of this rank's host (None outside the lab)."""
+    ifname = os.environ.get("HEXAGRAM_LAB_IFNAME")
+    if not ifname:
+        return None
+    return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
+
+
+def _optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def _agreed_steps(spec: dict[str, Any], warm_step_s: float) -> int:
+    """Timed steps, cut so the run fits ``time_limit`` (same number on every rank)."""
+    fit = int(spec["time_limit"] / max(warm_step_s, 1e-6))
+    n = torch.tensor([max(spec.get("min_steps", 3), min(spec["steps"], fit))])
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)  # every rank must run the same steps
+    return int(n.item())
+
+
+def _compute_time(work: Any, spec: dict[str, Any], gen: torch.Generator) -> float:
+    """Median seconds of a local step (forward, backward, update) without communication."""
+    import copy
+
+    model = copy.deepcopy(work.model)
+    opt = _optimizer(model.parameters(), spec["lr"])
+    times = []
+    dist.barrier()
+    for _ in range(spec.get("compute_steps", 3) + 1):
+        x, y = work.batch(spec["batch"], gen)
+        t0 = time.perf_counter()
+        work.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _step(wrapped: Any, work: Any, opt: torch.optim.Optimizer, x: Any, y: Any) -> float:
+    t0 = time.perf_counter()
+    loss = work.loss(wrapped.model(x), y)
+    loss.backward()
+    opt.step()
+    wrapped.after_step()
+    opt.zero_grad()
+    return time.perf_counter() - t0
+
+
+def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
+    """Step-time figures of this rank (see module docstring)."""
+    from hexagram.bench.peers import wrap
+    from hexagram.bench.workload import ModelSpec, build_workload
+
+    work = build_workload(ModelSpec(**spec["model"]), seed=spec.get("seed", 0))
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    compute = _compute_time(work, spec, gen)
+    opt = _optimizer(work.model.parameters(), spec["lr"])
+    wrapped = wrap(spec["algorithm"], work.model, opt, spec.get("config") or {})
+    warm = [_step(wrapped, work, opt, *work.batch(spec["batch"], gen))
+            for _ in range(spec["warmup"])]
+    steps = _agreed_steps(spec, warm[-1] if warm else compute)
+    batches = [work.batch(spec["batch"], gen) for _ in range(steps)]
+    dist.barrier()
+    b0, tx0, t0 = wrapped.bytes_sent(), interface_tx_bytes(), time.perf_counter()
+    times = [_step(wrapped, work, opt, x, y) for x, y in batches]
+    window = time.perf_counter() - t0
+    b1, tx1 = wrapped.bytes_sent(), interface_tx_bytes()
+    finite = all(torch.isfinite(p).all().item() for p in work.model.parameters())
+    wrapped.close()
+    return {"step_times": times, "window_s": window, "steps": steps, "compute_s": compute,
+            "warmup_times": warm, "reported_bytes": b1 - b0, "estimated": wrapped.estimated,
+            "link_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
+            "num_params": work.num_params, "finite": bool(finite)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; see the module docstring."""
+    args = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(args[0]).read_text())
+    out = Path(args[1])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import hexagram as hx
+
+    rank = int(os.environ.get("RANK", "0"))
+    code = 0
+    try:
+        hx.init(timeout=spec.get("comm_timeout", 120))
+        if spec["task"] == "step":
+            result = run_step_benchmark(spec)
+        else:
+            from hexagram.bench.trainloop import run_training
+
+            result = run_training(spec)
+    except Exception as exc:  # reported to the harness, which shows it
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        code = 3
+    result.update(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                  host=os.environ.get("HEXAGRAM_HOST", ""))
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    if code == 0:
+        hx.shutdown()  # barrier first: a peer still in a collective would abort otherwise
+    return code
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    os._exit(main())  # skip interpreter teardown: gloo threads can stall it
