@@ -5,14 +5,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck clean
+.PHONY: setup data demo test lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev]"
+	@$(MAKE) --no-print-directory data
 	touch $(STAMP)
+
+# Fashion-MNIST ships as a Debian package; without it the demo and tests fall back to
+# scikit-learn's bundled digits (and say so).
+data:
+	@if [ ! -d /usr/share/datasets/fashion-mnist ]; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 || \
+	    (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1) || \
+	    echo "note: could not install dataset-fashion-mnist; using scikit-learn's digits"; \
+	  else echo "note: run 'apt-get install dataset-fashion-mnist' as root for Fashion-MNIST"; fi; \
+	fi
 
 setup: $(STAMP)
 

@@ -1,0 +1,98 @@
+"""Hexagram allreduce vs PyTorch DDP, alternating in one run on local ranks (loopback).
+
+Both wrappers train identical copies of one MLP on the same batches; blocks of steps
+alternate between them so machine load affects both alike. Prints per-step medians and the
+ratio Hexagram / DDP (target <= 1.03).
+
+    .venv/bin/python benchmarks/engine_vs_ddp.py --ranks 4 --params 6.3e6 --rounds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+
+def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
+            ) -> dict[str, object]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import hexagram as hx
+    from hexagram.models import hidden_for_params, mlp
+
+    rt = hx.init()
+    hidden = hidden_for_params(int(params), 784, 3, 10)
+    torch.manual_seed(0)
+    a, b = mlp(784, hidden, 3, 10), mlp(784, hidden, 3, 10)
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.01)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.01)
+    ours = hx.DistributedDataParallel(a, [opt_a], "allreduce", bucket_size_mb=bucket_mb)
+    theirs = TorchDDP(b, bucket_cap_mb=bucket_mb)
+    gen = torch.Generator().manual_seed(rt.rank)
+    x, y = torch.randn(batch, 784, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+    times: dict[str, list[float]] = {"hexagram": [], "ddp": []}
+
+    def run(model: nn.Module, opt: torch.optim.Optimizer, key: str, record: bool) -> None:
+        for _ in range(block):
+            start = time.perf_counter()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if record:
+                times[key].append(time.perf_counter() - start)
+
+    run(ours, opt_a, "hexagram", False)  # warm-up, also re-buckets by ready order
+    run(theirs, opt_b, "ddp", False)
+    for r in range(rounds):
+        pair = [(ours, opt_a, "hexagram"), (theirs, opt_b, "ddp")]
+        for model, opt, key in (pair if r % 2 == 0 else pair[::-1]):
+            dist.barrier()
+            run(model, opt, key, True)
+    n_params = sum(p.numel() for p in a.parameters())
+    return {"times": times, "params": n_params, "bytes": ours.bytes_sent()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--params", type=float, default=6.3e6, help="MLP size (parameters)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=8, help="alternations of the two")
+    parser.add_argument("--block", type=int, default=5, help="steps per block")
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    from hexagram.launch import run_local
+
+    results = run_local(_worker, args.ranks, args=(args.params, args.batch, args.rounds,
+                                                   args.block, args.bucket_mb), timeout=1800)
+    # A step is as slow as its slowest rank: take the max over ranks, step by step.
+    per_step = {k: [max(r["times"][k][i] for r in results)  # type: ignore[index]
+                    for i in range(len(results[0]["times"][k]))]  # type: ignore[index]
+                for k in ("hexagram", "ddp")}
+    med = {k: statistics.median(v) for k, v in per_step.items()}
+    ratio = med["hexagram"] / med["ddp"]
+    print(f"machine: {platform.node()} {platform.machine()}, {torch.get_num_threads()} threads,"
+          f" torch {torch.__version__}; {args.ranks} ranks on loopback (gloo), "
+          f"{results[0]['params']:,} parameters, batch {args.batch}")
+    for k, v in per_step.items():
+        q = statistics.quantiles(v, n=4)
+        print(f"{k:9s} median {med[k] * 1e3:8.2f} ms/step  (IQR {q[0] * 1e3:.2f}-"
+              f"{q[2] * 1e3:.2f}, {len(v)} steps)")
+    print(f"ratio hexagram/ddp = {ratio:.3f}  (target <= 1.03)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "median_s": med, "ratio": ratio,
+                       "per_step_s": per_step, "torch": torch.__version__}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
