@@ -1,0 +1,179 @@
+"""``hexagram train``: time to accuracy of each algorithm on real data, same network.
+
+Example:
+    $ hexagram train --hosts 4 --bandwidth 100mbit --dataset fashion-mnist \\
+        --algorithms ddp,allreduce,bytegrad --target 0.84 --epochs 3 \\
+        --json tta.json --plot tta.png
+
+Images: Fashion-MNIST (Debian package ``dataset-fashion-mnist``) or scikit-learn's digits
+(``--dataset auto`` picks the first available); the metric is test accuracy. ``--dataset
+text`` trains a small GPT on Python's documentation; the metric is validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from hexagram.bench.cli import algorithm_list, parse_settings
+from hexagram.bench.harness import LoopbackLab, check_algorithms, machine_info, run_task
+from hexagram.bench.lab import LabConfig, LabUnavailableError, NetworkLab
+
+__all__ = ["add_arguments", "markdown_table", "plot_curves", "run", "run_train"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``hexagram train``."""
+    a = parser.add_argument
+    a("--hosts", type=int, default=4)
+    a("--ranks-per-host", type=int, default=1)
+    a("--bandwidth", default="100mbit", help="link rate, e.g. 100mbit, 1gbit, unshaped")
+    a("--dataset", choices=("fashion-mnist", "digits", "auto", "text"), default="auto")
+    a("--model", choices=("mlp", "cnn", "gpt"), default="mlp",
+      help="mlp/cnn for images; text always uses the GPT")
+    a("--params", type=int, default=1_000_000, help="MLP parameters (about)")
+    a("--layers", type=int, default=2, help="MLP hidden layers / GPT blocks")
+    a("--width", type=int, default=128, help="CNN hidden width / GPT width")
+    a("--block", type=int, default=64, help="GPT context")
+    a("--algorithms", default="ddp,allreduce")
+    a("--set", action="append", default=[], metavar="ALGO.FIELD=VALUE")
+    a("--epochs", type=int, default=3)
+    a("--target", type=float, default=None,
+      help="stop at this test accuracy (images) or validation loss (text)")
+    a("--evals-per-epoch", type=int, default=4)
+    a("--batch", type=int, default=64, help="samples per rank per step")
+    a("--lr", type=float, default=None, help="default 0.05 (SGD, images) / 3e-3 (AdamW, text)")
+    a("--time-limit", type=float, default=600.0, help="training seconds per algorithm")
+    a("--threads", type=int, default=1)
+    a("--timeout", type=float, default=1800.0, help="deadline per algorithm (s)")
+    a("--loopback", action="store_true", help="no lab: ranks on 127.0.0.1, unshaped")
+    a("--json")
+    a("--plot")
+    a("--markdown")
+
+
+def _spec(args: argparse.Namespace, name: str, settings: dict[str, Any]) -> dict[str, Any]:
+    text = args.dataset == "text"
+    return {"task": "train", "algorithm": name, "config": settings.get(name, {}),
+            "dataset": args.dataset, "epochs": args.epochs, "target": args.target,
+            "model": {"name": "gpt" if text else args.model, "params": args.params,
+                      "layers": args.layers, "width": args.width, "block": args.block},
+            "evals_per_epoch": args.evals_per_epoch, "batch": args.batch,
+            "lr": args.lr if args.lr is not None else (3e-3 if text else 0.05),
+            "time_limit": args.time_limit, "seed": 0}
+
+
+def _summary(name: str, ranks: list[dict[str, Any]], error: str | None) -> dict[str, Any]:
+    if error is not None:
+        return {"algorithm": name, "error": error}
+    r0 = ranks[0]
+    curve, reached = r0["curve"], r0["reached"]
+    last = curve[-1]
+    return {"algorithm": name, "metric": r0["metric"], "curve": curve, "reached": reached,
+            "final": last["metric"], "epochs": last["epoch"], "time_s": last["time_s"],
+            "s_per_epoch": last["time_s"] / max(last["epoch"], 1e-9),
+            "num_params": r0["num_params"],
+            "bytes_per_step": max(r["bytes_sent"] for r in ranks) / max(1, r0["steps"])}
+
+
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train with every algorithm on one lab; return the report."""
+    if args.dataset == "auto":
+        from hexagram.data import fashion_mnist_available
+
+        args.dataset = "fashion-mnist" if fashion_mnist_available() else "digits"
+    names = algorithm_list(args.algorithms)
+    settings = parse_settings(args.set)
+    config = LabConfig(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
+                       bandwidth="unshaped" if args.loopback else args.bandwidth)
+    report: dict[str, Any] = {"machine": machine_info(), "settings": vars(args).copy(),
+                              "missing": check_algorithms(names), "results": []}
+    lab_cls: Any = LoopbackLab if args.loopback else NetworkLab
+    with lab_cls(config) as lab:
+        for name in names:
+            print(f"training with {name} ...", file=sys.stderr, flush=True)
+            outcome = run_task(lab, _spec(args, name, settings), timeout=args.timeout,
+                               threads=args.threads)
+            report["results"].append(_summary(name, outcome.ranks, outcome.error))
+    report["machine"]["load_average_end"] = machine_info()["load_average"]
+    return report
+
+
+def markdown_table(rows: list[dict[str, Any]], reference: str = "ddp") -> str:
+    """Time-to-target table; ``vs ddp`` = ddp's time to target / this one's."""
+    ref = next((r for r in rows if r["algorithm"] == reference and r.get("reached")), None)
+    lines = ["| algorithm | metric | final | best | time to target (s) | epochs to target | "
+             "s/epoch | vs ddp | MB/step sent |", "|" + "---|" * 9]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['algorithm']} | failed: {r['error']} |" + " |" * 7)
+            continue
+        values = [p["metric"] for p in r["curve"]]
+        best = min(values) if r["metric"] == "valid_loss" else max(values)
+        hit = r["reached"]
+        ratio = f"{ref['reached']['time_s'] / hit['time_s']:.1f}x" if ref and hit else "-"
+        lines.append(
+            f"| {r['algorithm']} | {r['metric']} | {r['final']:.4f} | {best:.4f} | "
+            f"{hit['time_s']:.1f} | {hit['epoch']:.2f} | " if hit else
+            f"| {r['algorithm']} | {r['metric']} | {r['final']:.4f} | {best:.4f} | not reached "
+            f"| - | ")
+        lines[-1] += f"{r['s_per_epoch']:.1f} | {ratio} | {r['bytes_per_step'] / 1e6:.3f} |"
+    return "\n".join(lines)
+
+
+def plot_curves(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Metric against wall time (left) and against epochs (right), one line per algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for r in rows:
+        if "error" in r:
+            continue
+        style = "--" if r["algorithm"].startswith("ddp") else "-"
+        xs_t = [p["time_s"] for p in r["curve"]]
+        xs_e = [p["epoch"] for p in r["curve"]]
+        ys = [p["metric"] for p in r["curve"]]
+        left.plot(xs_t, ys, style, marker=".", label=r["algorithm"])
+        right.plot(xs_e, ys, style, marker=".", label=r["algorithm"])
+    metric = next((r["metric"] for r in rows if "metric" in r), "metric")
+    for ax, xlabel in ((left, "training wall time (s)"), (right, "epochs")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=7)
+    fig.suptitle(title or "Time to accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``hexagram train``; 1 if an algorithm failed, 2 if the lab is unavailable."""
+    try:
+        report = run_train(args)
+    except LabUnavailableError as exc:
+        print(f"hexagram train: {exc}", file=sys.stderr)
+        return 2
+    text = (f"\n### {args.dataset}, {args.hosts} hosts, {args.bandwidth} links, target "
+            f"{args.target}\n\n" + markdown_table(report["results"]))
+    for name, why in report["missing"].items():
+        text += f"\nmissing: {name}: {why}"
+    m = report["machine"]
+    text += (f"\n\nmachine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}, load average "
+             f"{m['load_average']} -> {m['load_average_end']}")
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(text + "\n")
+    if args.plot:
+        plot_curves(report["results"], args.plot,
+                    title=f"{args.dataset}, {args.hosts} hosts at {args.bandwidth}")
+    return 1 if any("error" in r for r in report["results"]) else 0

@@ -1,0 +1,147 @@
+"""Time-to-accuracy training on one rank (run by :mod:`hexagram.bench.worker`).
+
+Images (Fashion-MNIST, digits): each rank trains on its interleaved shard, reshuffled every
+epoch; test accuracy of every rank's own model is averaged over ranks (for decentralized and
+delayed algorithms the replicas differ). Text: a small GPT on :mod:`hexagram.data.text`, an
+"epoch" being as many characters as the training text holds; the metric is validation loss.
+
+Evaluation happens ``evals_per_epoch`` times an epoch and is not counted in the training
+clock; training stops at ``target`` (accuracy >=, or loss <=), after ``epochs``, or when the
+clock passes ``time_limit`` — decided together so every rank runs the same steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["run_training"]
+
+Batches = Callable[[int], list[tuple[Tensor, Tensor]]]
+
+
+def _image_task(spec: dict[str, Any]) -> tuple[nn.Module, Batches, Callable[[nn.Module], float]]:
+    from hexagram.data import load, shard
+    from hexagram.models import cnn, hidden_for_params, mlp
+
+    data = load(spec["dataset"])
+    side = data.x_train.shape[-1]
+    m = spec["model"]
+    torch.manual_seed(spec.get("seed", 0))
+    if m["name"] == "cnn":
+        model: nn.Module = cnn(side, channels=16, hidden=m["width"], classes=data.classes)
+    else:
+        hidden = hidden_for_params(m["params"], side * side, m["layers"], data.classes)
+        model = mlp(side * side, hidden, m["layers"], data.classes)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = shard(data.x_train, data.y_train, rank, world)
+    batch = spec["batch"]
+
+    def epoch_batches(epoch: int) -> list[tuple[Tensor, Tensor]]:
+        g = torch.Generator().manual_seed(spec.get("seed", 0) * 1000 + epoch * 97 + rank)
+        perm = torch.randperm(len(y), generator=g)
+        return [(x[perm[i:i + batch]], y[perm[i:i + batch]])
+                for i in range(0, len(y) - batch + 1, batch)]
+
+    @torch.no_grad()
+    def accuracy(net: nn.Module) -> float:
+        net.eval()
+        correct = sum(int((net(xb).argmax(1) == yb).sum()) for xb, yb in
+                      zip(data.x_test.split(2000), data.y_test.split(2000)))
+        net.train()
+        return correct / len(data.y_test)
+
+    return model, epoch_batches, accuracy
+
+
+def _text_task(spec: dict[str, Any]) -> tuple[nn.Module, Batches, Callable[[nn.Module], float]]:
+    from hexagram.data import load_text
+    from hexagram.models import GPT, GPTConfig
+
+    corpus = load_text()
+    m = spec["model"]
+    cfg = GPTConfig(vocab_size=corpus.vocab_size, block_size=m["block"], n_layer=m["layers"],
+                    n_head=max(1, m["width"] // 64), n_embd=m["width"])
+    torch.manual_seed(spec.get("seed", 0))
+    model = GPT(cfg)
+    rank, world, batch = dist.get_rank(), dist.get_world_size(), spec["batch"]
+    per_epoch = max(1, len(corpus.train) // (m["block"] * batch * world))
+    valid_gen = torch.Generator().manual_seed(12345)
+    valid = [corpus.batch("valid", 32, m["block"], valid_gen) for _ in range(8)]
+
+    def epoch_batches(epoch: int) -> list[tuple[Tensor, Tensor]]:
+        g = torch.Generator().manual_seed(spec.get("seed", 0) * 1000 + epoch * 97 + rank)
+        return [corpus.batch("train", batch, m["block"], g) for _ in range(per_epoch)]
+
+    @torch.no_grad()
+    def valid_loss(net: nn.Module) -> float:
+        net.eval()
+        losses = [float(_lm_loss(net(xb), yb)) for xb, yb in valid]
+        net.train()
+        return sum(losses) / len(losses)
+
+    return model, epoch_batches, valid_loss
+
+
+def _lm_loss(logits: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _agree(metric: float, clock: float) -> tuple[float, float]:
+    """(mean metric over ranks, longest clock) — the same stop decision everywhere."""
+    t = torch.tensor([metric, clock], dtype=torch.float64)
+    dist.all_reduce(t[:1])
+    dist.all_reduce(t[1:], op=dist.ReduceOp.MAX)
+    return float(t[0]) / dist.get_world_size(), float(t[1])
+
+
+def run_training(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train until target / epochs / time limit; return the curve of this rank."""
+    from hexagram.bench.peers import wrap
+
+    text = spec["dataset"] == "text"
+    model, epoch_batches, evaluate = (_text_task if text else _image_task)(spec)
+    loss_fn = _lm_loss if text else F.cross_entropy
+    opt: torch.optim.Optimizer = (torch.optim.AdamW(model.parameters(), lr=spec["lr"]) if text
+                                  else torch.optim.SGD(model.parameters(), lr=spec["lr"],
+                                                       momentum=0.9))
+    wrapped = wrap(spec["algorithm"], model, opt, spec.get("config") or {})
+    better = (lambda v: v <= spec["target"]) if text else (lambda v: v >= spec["target"])
+    clock, step, curve, reached = 0.0, 0, [], None
+    metric, wall = _agree(evaluate(model), 0.0)
+    curve.append({"epoch": 0.0, "step": 0, "time_s": 0.0, "metric": metric})
+    for epoch in range(spec["epochs"]):
+        batches = epoch_batches(epoch)
+        marks = {max(1, round(len(batches) * (k + 1) / spec["evals_per_epoch"]))
+                 for k in range(spec["evals_per_epoch"])}
+        for i, (x, y) in enumerate(batches, start=1):
+            t0 = time.perf_counter()
+            loss_fn(wrapped.model(x), y).backward()
+            opt.step()
+            wrapped.after_step()
+            opt.zero_grad()
+            clock += time.perf_counter() - t0
+            step += 1
+            if i not in marks:
+                continue
+            metric, wall = _agree(evaluate(model), clock)
+            point = {"epoch": epoch + i / len(batches), "step": step, "time_s": wall,
+                     "metric": metric}
+            curve.append(point)
+            if reached is None and spec.get("target") is not None and better(metric):
+                reached = point
+            if reached is not None or wall > spec["time_limit"]:
+                break
+        if reached is not None or wall > spec["time_limit"]:
+            break
+    sent = wrapped.bytes_sent()
+    wrapped.close()
+    return {"curve": curve, "reached": reached, "steps": step, "bytes_sent": sent,
+            "metric": "valid_loss" if text else "test_accuracy",
+            "num_params": sum(p.numel() for p in model.parameters())}
