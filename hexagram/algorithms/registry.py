@@ -44,6 +44,20 @@ _ENTRIES: tuple[Entry, ...] = (
           "full-precision gradient allreduce (optionally hierarchical), like PyTorch DDP"),
     Entry("fp16", "hexagram.algorithms.fp16", "Fp16Config", "Fp16Algorithm",
           "16-bit (fp16 or bf16) gradient allreduce: half the bytes of allreduce"),
+    Entry("decentralized", "hexagram.algorithms.decentralized", "DecentralizedConfig",
+          "DecentralizedAlgorithm", "full-precision weight exchange with peers (all, ring, "
+          "shift_one, random) every `interval` steps, overlapped with the forward pass"),
+    Entry("low_precision_decentralized", "hexagram.algorithms.low_precision_decentralized",
+          "LowPrecisionDecentralizedConfig", "LowPrecisionDecentralizedAlgorithm",
+          "compressed (8-bit by default) weight differences with ring neighbours (CHOCO)"),
+    Entry("local_sgd", "hexagram.algorithms.local_sgd", "LocalSGDConfig", "LocalSGDAlgorithm",
+          "average weights every H steps, optional warm-up and compression (post-local SGD)"),
+    Entry("diloco", "hexagram.algorithms.diloco", "DiLoCoConfig", "DiLoCoAlgorithm",
+          "inner optimizer for H steps, outer Nesterov on averaged pseudo-gradients; streaming"),
+    Entry("async", "hexagram.algorithms.async_model_average", "AsyncConfig",
+          "AsyncModelAverageAlgorithm", "background thread averages weights every N ms"),
+    Entry("qadam", "hexagram.algorithms.qadam", "QAdamConfig", "QAdamAlgorithm",
+          "Adam warm-up, then compressed momentum with frozen variance and error feedback"),
 )
 
 

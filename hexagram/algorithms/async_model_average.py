@@ -1,0 +1,214 @@
+"""Asynchronous model averaging: a background thread averages weights every N milliseconds.
+
+BAGUA's asynchronous decentralized full-precision relaxation. Training never waits for the
+network: a thread, on its own process group and :class:`Communicator` (so it never
+interleaves with the main group's collectives), runs *rounds* every ``interval_ms``:
+
+1. a tiny allreduce of ``[active, stop]`` flags (the join/stop protocol);
+2. snapshot ``s_i`` = my current weights + the correction not yet applied;
+3. allreduce-average the snapshots: ``a = mean_j s_j``;
+4. add ``a - s_i`` to my pending correction.
+
+The training thread adds the pending correction to the parameters at the start of each
+forward pass (``before_forward``), never during forward/backward/step, so autograd never sees
+weights change under it. Because the correction is a *difference*, local optimizer steps
+taken while a round was in flight are kept, and the sum of all ranks' weights is unchanged
+by averaging: no update is lost. After ``synchronize()`` every rank holds exactly
+``mean_i(x_0 + all local updates of rank i)``, which the tests check.
+
+Stopping: ``abort()`` (collective: call it on every rank) stops the threads after the
+current round; ``resume()`` (collective) restarts them. ``synchronize()`` marks this rank
+inactive; its thread keeps averaging until every rank is inactive (ranks may finish their
+data at different times), then a final allreduce makes all weights identical and the thread
+restarts unless aborted. ``close()`` stops the thread for good (the wrapper's ``close()``).
+
+Example:
+    >>> AsyncConfig(interval_ms=20).interval_ms
+    20
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.algorithms.weight_sync import read_weights, write_weights
+from hexagram.buckets import Bucket
+from hexagram.comm import primitives
+from hexagram.comm.communicator import Communicator
+from hexagram.config import check_float
+from hexagram.errors import CommError
+
+__all__ = ["AsyncConfig", "AsyncModelAverageAlgorithm"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncConfig:
+    """Config of :class:`AsyncModelAverageAlgorithm`.
+
+    Attributes:
+        interval_ms: start an averaging round at most every ``interval_ms`` milliseconds;
+            smaller => replicas stay closer, more traffic and more CPU for the thread.
+    """
+
+    interval_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        check_float(self, "interval_ms", low=0.0)
+
+
+def _snapshot(bucket: Bucket) -> Tensor:
+    """The bucket's current weights as a new flat tensor (never touches ``bucket.flat``)."""
+    with torch.no_grad():
+        return torch.cat([e.param.detach().reshape(-1) for e in bucket.entries])
+
+
+class AsyncModelAverageAlgorithm(Algorithm):
+    """Background weight averaging on a separate process group; see the module docstring."""
+
+    name = "async"
+    kind = "weight"
+
+    def __init__(self, config: AsyncConfig | None = None) -> None:
+        super().__init__(config or AsyncConfig())
+        self.config: AsyncConfig
+        self.rounds = 0
+        self._lock = threading.Lock()
+        self._pending: list[Tensor] | None = None
+        self._stop = threading.Event()
+        self._active = True
+        self._aborted = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def setup(self, ctx: AlgorithmContext) -> None:
+        super().setup(ctx)
+        group = ctx.runtime.new_group("async_model_average")  # collective, same order
+        self.comm = Communicator(group, ctx.runtime.timeout, name="async")
+        self._start()
+
+    # -- background thread ---------------------------------------------------------------
+    def _start(self) -> None:
+        if self.comm.size == 1:
+            return
+        self._stop.clear()
+        self._active, self._aborted = True, False
+        self._thread = threading.Thread(target=self._loop, name="hexagram-async-average",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            period = self.config.interval_ms / 1000.0
+            next_round = time.monotonic()
+            while True:
+                self._stop.wait(max(0.0, next_round - time.monotonic()))
+                next_round = time.monotonic() + period
+                if not self._one_round():
+                    return
+        except BaseException as exc:
+            self._error = exc
+
+    def _one_round(self) -> bool:
+        """One collective round; False when every thread must stop (same on all ranks)."""
+        flags = torch.tensor([float(self._active), float(self._stop.is_set())])
+        flags = primitives.allreduce(self.comm, flags, average=False).wait()
+        if flags[1].item() > 0:
+            self._aborted = True  # a peer (or I) asked to stop: everyone stops here
+            return False
+        if flags[0].item() == 0:
+            return False
+        with self._lock:
+            pending = self._pending
+            snaps = [_snapshot(b) for b in self.ctx.buckets]
+            if pending is not None:
+                snaps = [s + p for s, p in zip(snaps, pending)]
+        handles = [primitives.allreduce(self.comm, s.clone(), average=True) for s in snaps]
+        deltas = [h.wait() - s for h, s in zip(handles, snaps)]
+        with self._lock:
+            if self._pending is None:
+                self._pending = deltas
+            else:
+                self._pending = [p + d for p, d in zip(self._pending, deltas)]
+        self.rounds += 1
+        return True
+
+    # -- training thread -------------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CommError(f"async model averaging thread failed: {error}") from error
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            with torch.no_grad():
+                for b, delta in zip(self.ctx.buckets, pending):
+                    for e in b.entries:
+                        e.param.add_(b.view(e, delta))
+
+    def _join_thread(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        self._apply_pending()
+        self._raise_if_failed()
+
+    def before_forward(self) -> None:
+        self._raise_if_failed()
+        self._apply_pending()
+
+    def abort(self) -> None:
+        """Stop background averaging after the current round (collective)."""
+        self._stop.set()
+        self._join_thread()
+        self._aborted = True
+
+    def resume(self) -> None:
+        """Restart background averaging after :meth:`abort` (collective)."""
+        if self._closed:
+            raise RuntimeError("async: resume() after close(); wrap the model again")
+        if self._thread is None:
+            self._start()
+
+    def synchronize(self) -> None:
+        """Average until every rank is inactive, then make all weights identical."""
+        self._active = False
+        self._join_thread()
+        if self.comm.size > 1:
+            flats = read_weights(self.ctx.buckets)
+            for flat in flats:
+                primitives.allreduce(self.ctx.comm, flat, average=True).wait()
+            write_weights(self.ctx.buckets, flats)
+        if not self._aborted and not self._closed:
+            self._start()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        try:
+            self._join_thread()
+        finally:
+            self.comm.close()
+
+    def bytes_sent(self) -> int:
+        return self.ctx.comm.counter.total + self.comm.counter.total
+
+    def state_dict(self) -> dict[str, Any]:
+        # Asynchronous rounds depend on timing, so resumption restores the counter only; the
+        # weights themselves are in the model's state_dict (apply the pending correction).
+        self._apply_pending()
+        return {"rounds": self.rounds}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds = int(state["rounds"])

@@ -1,0 +1,122 @@
+"""QAdam: Adam whose second moment is frozen after a warm-up (the 1-bit Adam / QAdam family).
+
+During the first ``warmup_steps`` steps this is Adam (with bias correction). After it, the
+bias-corrected variance ``v_hat = v / (1 - beta2^warmup_steps)`` is frozen, so the update
+``lr * m_hat / (sqrt(v_hat) + eps)`` is linear in the momentum ``m``. That is what lets the
+``qadam`` algorithm communicate a compressed momentum instead of gradients: averaging
+momenta over ranks then averages the updates. The optimizer is usable on its own (it is
+Adam with a frozen variance); with ``algorithm="qadam"`` the gradient it receives after the
+warm-up is the one that makes its momentum equal the ranks' averaged compressed momentum.
+
+Example:
+    >>> import torch
+    >>> p = torch.nn.Parameter(torch.ones(2))
+    >>> opt = QAdamOptimizer([p], lr=0.1, warmup_steps=1)
+    >>> p.grad = torch.ones(2); opt.step(); opt.frozen
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hexagram.errors import ConfigError
+
+__all__ = ["QAdamOptimizer"]
+
+
+class QAdamOptimizer(torch.optim.Optimizer):
+    """Adam with the variance frozen after ``warmup_steps`` steps.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        betas: (beta1, beta2) of the first and second moments, each in [0, 1).
+        eps: added to the denominator.
+        weight_decay: L2 penalty added to the gradient (as ``torch.optim.Adam``).
+        warmup_steps: plain Adam steps before the variance freezes (>= 1); more => a
+            better variance estimate, longer full-precision phase with ``qadam``.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, warmup_steps: int = 100) -> None:
+        if not lr > 0:
+            raise ConfigError(f"QAdamOptimizer.lr must be > 0, got {lr!r}")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ConfigError(f"QAdamOptimizer.betas must be two numbers in [0, 1), got {betas!r}")
+        if not eps > 0 or weight_decay < 0:
+            raise ConfigError(f"QAdamOptimizer needs eps > 0 and weight_decay >= 0, got "
+                              f"eps={eps!r}, weight_decay={weight_decay!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ConfigError(f"QAdamOptimizer.warmup_steps must be an integer >= 1, got "
+                              f"{warmup_steps!r}")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.warmup_steps = warmup_steps
+        self.steps_done = 0
+
+    @property
+    def frozen(self) -> bool:
+        """True once the variance is frozen (after ``warmup_steps`` steps)."""
+        return self.steps_done >= self.warmup_steps
+
+    def momentum(self, p: Tensor) -> Tensor:
+        """The first moment of ``p`` (zeros before its first step)."""
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"]  # type: ignore[no-any-return]
+
+    def beta1(self, p: Tensor) -> float:
+        """beta1 of the group holding ``p``."""
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return float(group["betas"][0])
+        raise KeyError("parameter is not managed by this optimizer")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        frozen = self.frozen
+        self.steps_done += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group, frozen)
+        return loss
+
+    def _update(self, p: Tensor, group: dict[str, Any], frozen: bool) -> None:
+        beta1, beta2 = group["betas"]
+        assert p.grad is not None
+        grad = p.grad if group["weight_decay"] == 0 else p.grad.add(p, alpha=group["weight_decay"])
+        m = self.momentum(p)
+        state = self.state[p]
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        if not frozen or "v_hat" not in state:  # Adam's variance; frozen after warm-up
+            v = state["exp_avg_sq"]
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            state["v_hat"] = v / (1 - beta2 ** self.steps_done)
+        correction1 = 1 - beta1 ** self.steps_done
+        denom = state["v_hat"].sqrt().add_(group["eps"])
+        p.addcdiv_(m, denom, value=-group["lr"] / correction1)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["steps_done"] = self.steps_done
+        state["warmup_steps"] = self.warmup_steps
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self.steps_done = int(state_dict.pop("steps_done"))
+        self.warmup_steps = int(state_dict.pop("warmup_steps"))
+        super().load_state_dict(state_dict)
