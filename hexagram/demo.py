@@ -60,7 +60,7 @@ def train_worker(algorithm: str, dataset: str, epochs: int, batch: int) -> dict[
     ddp = hx.DistributedDataParallel(model, [opt], algorithm)
     gen = torch.Generator().manual_seed(1)  # same permutation on every rank
     history, samples, start = [], 0, time.perf_counter()
-    steps_per_epoch = len(y) // batch  # equal on every rank: shards differ by at most one
+    steps_per_epoch = len(data.y_train) // rt.world_size // batch  # equal on every rank
     for epoch in range(epochs):
         order = torch.randperm(len(y), generator=gen)
         for step in range(steps_per_epoch):
