@@ -22,7 +22,6 @@ Example (a subclass)::
 from __future__ import annotations
 
 import logging
-from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
-from hexagram.compress.base import Compressor, Payload
+from hexagram.compress.base import Aggregation, Compressor, Payload
 from hexagram.config import check_choice, check_int
 from hexagram.errors import NonFiniteGradientError
 
@@ -43,10 +42,12 @@ __all__ = [
     "NONFINITE_POLICIES",
     "CompressedAlgorithm",
     "CompressedConfig",
+    "CompressorAlgorithm",
     "JoinedHandle",
     "Segment",
     "check_finite",
     "mean_of",
+    "segments",
 ]
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,10 @@ class CompressedAlgorithm(Algorithm):
                 return Handle.completed(torch.zeros_like(bucket.flat), f"{self.name}.skip")
         elif problem is not None:
             raise NonFiniteGradientError(problem)
+        return self.reduce_bucket(bucket)
+
+    def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
+        """Reduce a checked bucket: by default segment by segment, results concatenated."""
         segs = segments(bucket, self.config.granularity)
         handles = [self.reduce_segment(s, bucket.flat[s.start:s.stop]) for s in segs]
         if len(handles) == 1:
@@ -197,9 +202,10 @@ class CompressedAlgorithm(Algorithm):
         flag = torch.tensor([1.0 if bad else 0.0], device=self.ctx.runtime.device)
         return bool(primitives.allreduce(self.ctx.comm, flag, average=False).wait().item() > 0)
 
-    @abstractmethod
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
         """Start reducing one segment (1-D view of the bucket); the handle gives the mean."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reduce_segment "
+                                  "or reduce_bucket")
 
     def after_backward(self) -> None:
         self.step += 1
@@ -232,12 +238,6 @@ class CompressedAlgorithm(Algorithm):
         self.set_residual(segment, acc - compressor.decompress(payload).reshape(-1))
         return payload
 
-    def gather_mean(self, payload: Payload, compressor: Compressor) -> Handle[Tensor]:
-        """Allgather everyone's payload; the handle decompresses and averages them."""
-        h = primitives.allgather_payloads(self.ctx.comm, payload)
-        return JoinedHandle([h], lambda r: mean_of([compressor.decompress(p).reshape(-1)
-                                                    for p in r[0]]), f"{self.name}.gather")
-
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "skipped_steps": self.skipped_steps,
@@ -250,3 +250,46 @@ class CompressedAlgorithm(Algorithm):
         self.residuals = {n: t.clone() for n, t in state["residuals"].items()}
         self.generator.set_state(state["generator"])
         self._generator_loaded = True
+
+
+class CompressorAlgorithm(CompressedAlgorithm):
+    """A compressor applied per segment, exchanged the way its payloads combine.
+
+    The compressor's :attr:`~hexagram.compress.base.Compressor.aggregation` picks the
+    collective: ``SUM`` -> allreduce of the payloads; ``SCATTER_GATHER`` -> scatter-gather
+    (compress, all-to-all, reduce, compress, allgather), unless error feedback is on;
+    ``GATHER`` (or ``SCATTER_GATHER`` with error feedback, which needs the exact local
+    compression error) -> allgather of payloads, then :meth:`aggregate`.
+
+    Subclasses set ``name``, build ``self.compressor`` and say whether error feedback is on
+    (``feedback``).
+    """
+
+    compressor: Compressor
+
+    @property
+    def feedback(self) -> bool:
+        """Error feedback on? (subclass configs have an ``error_feedback`` field)."""
+        return bool(getattr(self.config, "error_feedback", False))
+
+    def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
+        comm, comp = self.ctx.comm, self.compressor
+        if comp.aggregation is Aggregation.SUM and not self.feedback:
+            return primitives.allreduce_compressed(comm, tensor, comp)
+        if comp.aggregation is Aggregation.SCATTER_GATHER and not self.feedback:
+            return primitives.scatter_gather(comm, tensor, comp, generator=self.generator)
+        payload = self.compress_with_feedback(segment, tensor, comp, self.feedback)
+        h = primitives.allgather_payloads(comm, payload)
+        return JoinedHandle([h], lambda r: self.aggregate(
+            [comp.decompress(p).reshape(-1) for p in r[0]]), f"{self.name}.gather")
+
+    def aggregate(self, decoded: list[Tensor]) -> Tensor:
+        """Combine every rank's decompressed segment (rank order); default: the mean."""
+        return mean_of(decoded)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.compressor.load_state_dict(state["compressor"])

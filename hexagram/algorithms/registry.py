@@ -44,6 +44,8 @@ _ENTRIES: tuple[Entry, ...] = (
           "full-precision gradient allreduce (optionally hierarchical), like PyTorch DDP"),
     Entry("fp16", "hexagram.algorithms.fp16", "Fp16Config", "Fp16Algorithm",
           "16-bit (fp16 or bf16) gradient allreduce: half the bytes of allreduce"),
+    Entry("powersgd", "hexagram.algorithms.powersgd", "PowerSGDConfig", "PowerSGDAlgorithm",
+          "rank-r PowerSGD: power iteration, warm start, error feedback (Vogels et al. 2019)"),
     Entry("decentralized", "hexagram.algorithms.decentralized", "DecentralizedConfig",
           "DecentralizedAlgorithm", "full-precision weight exchange with peers (all, ring, "
           "shift_one, random) every `interval` steps, overlapped with the forward pass"),
