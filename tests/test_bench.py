@@ -1,0 +1,109 @@
+"""`hexagram bench` and `hexagram train` end to end, and the report arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from hexagram.bench import cli as bench_cli
+from hexagram.bench import train as train_cli
+from hexagram.bench.advise import recommend
+from hexagram.bench.lab import LabUnavailableError, check_available
+from hexagram.bench.peers import ring_bytes
+from hexagram.bench.report import markdown_table, summarize
+
+
+def _lab_available() -> bool:
+    try:
+        check_available()
+    except LabUnavailableError:
+        return False
+    return True
+
+
+def _args(module: object, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)  # type: ignore[attr-defined]
+    return parser.parse_args(argv)
+
+
+def _rank(step_times: list[float], link: int | None, **extra: object) -> dict[str, object]:
+    base = {"step_times": step_times, "window_s": sum(step_times), "steps": len(step_times),
+            "compute_s": 0.1, "reported_bytes": 1_000_000 * len(step_times),
+            "link_tx_bytes": link, "estimated": False, "local_rank": 0, "num_params": 5,
+            "finite": True}
+    return {**base, **extra}
+
+
+def test_summary_takes_slowest_rank_and_busiest_link() -> None:
+    a = _rank([1.0, 2.0, 3.0], 3_300_000, rank=0)
+    b = _rank([1.5, 1.0, 3.5], 3_000_000, rank=1, window_s=6.5)
+    s = summarize(a, b, rate=8e6, batch=10, world=2)
+    assert s["step_s"] == pytest.approx(6.5 / 3)  # the slower rank's window
+    assert s["median_s"] == 2.0  # per-step maxima 1.5, 2.0, 3.5
+    assert s["link_bytes_per_step"] == pytest.approx(1_100_000)
+    assert s["bound_s"] == pytest.approx(1.1)  # 1.1 MB at 1 MB/s beats 0.1 s compute
+    assert s["efficiency"] == pytest.approx(1.1 / (6.5 / 3))
+    assert s["samples_per_s"] == pytest.approx(20 / (6.5 / 3))
+    unshaped = summarize(a, rate=None, batch=10, world=1)
+    assert unshaped["bound_s"] == 0.1
+
+
+def test_table_ratios_errors_and_advice() -> None:
+    rows = [{"algorithm": "ddp", **summarize(_rank([2.0], None), rate=None, batch=1, world=1)},
+            {"algorithm": "qsgd", **summarize(_rank([0.5], None), rate=None, batch=1, world=1)},
+            {"algorithm": "broken", "error": "ValueError: nope"}]
+    table = markdown_table(rows)
+    assert "| qsgd | 0.500 [0.500-0.500] | 2.0 | 4.00x |" in table
+    assert "| broken | failed: ValueError: nope |" in table
+    advice = recommend(rows)
+    assert advice["best"] == "qsgd" and advice["speedup_vs_ddp"] == 4.0
+    assert ring_bytes(100, 4) == 150 and ring_bytes(100, 1) == 0
+
+
+def test_bench_smoke_two_hosts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """2 hosts x 2 steps: DDP and allreduce send what the ring formula says, on the link too;
+    an unknown name is reported, not fatal."""
+    out = tmp_path / "bench.json"
+    argv = ["--hosts", "2", "--bandwidth", "100mbit", "--params", "200000",
+            "--algorithms", "ddp,allreduce,no-such-algo", "--steps", "2", "--warmup", "1",
+            "--min-steps", "2", "--timeout", "120", "--json", str(out), "--quiet",
+            "--plot", str(tmp_path / "bench.png")]
+    if not _lab_available():
+        argv.append("--loopback")
+    assert bench_cli.run(_args(bench_cli, argv)) == 1  # the unknown name counts as failed
+    report = json.loads(out.read_text())
+    rows = {r["algorithm"]: r for r in report["results"]["100mbit"]}
+    assert "no-such-algo" in report["missing"] and "not registered" in rows["no-such-algo"][
+        "error"]
+    params = rows["ddp"]["num_params"]
+    expected = ring_bytes(4 * params, 2)  # 2 ranks: each sends its whole gradient once
+    assert rows["allreduce"]["reported_bytes_per_step"] == pytest.approx(expected, rel=0.01)
+    assert rows["ddp"]["reported_bytes_per_step"] == expected
+    if _lab_available():
+        for name in ("ddp", "allreduce"):  # TCP/IP headers add a few percent
+            link = rows[name]["link_bytes_per_step"]
+            assert expected < link < 1.15 * expected, (name, link, expected)
+            assert 0.5 < rows[name]["efficiency"] <= 1.05
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    assert "| allreduce |" in capsys.readouterr().out
+
+
+def test_train_ddp_and_allreduce_follow_the_same_curve(tmp_path: Path) -> None:
+    """Same data, seed and updates: Hexagram's allreduce reproduces PyTorch DDP's accuracy
+    curve on real data (digits), and learning happens."""
+    out = tmp_path / "train.json"
+    argv = ["--hosts", "2", "--dataset", "digits", "--algorithms", "ddp,allreduce",
+            "--epochs", "3", "--evals-per-epoch", "1", "--params", "60000", "--batch", "16",
+            "--json", str(out), "--plot", str(tmp_path / "tta.png"), "--bandwidth", "1gbit"]
+    if not _lab_available():
+        argv.append("--loopback")
+    assert train_cli.run(_args(train_cli, argv)) == 0
+    rows = json.loads(out.read_text())["results"]
+    curves = [[p["metric"] for p in r["curve"]] for r in rows]
+    assert curves[0] == pytest.approx(curves[1], abs=2e-3)
+    assert curves[0][-1] > 0.85 > 0.3 > curves[0][0]  # from chance to > 85% in 3 epochs
+    assert (tmp_path / "tta.png").stat().st_size > 1000
