@@ -46,7 +46,9 @@ __all__ = [
     "JoinedHandle",
     "Segment",
     "check_finite",
+    "gather_state",
     "mean_of",
+    "scatter_state",
     "segments",
 ]
 
@@ -117,6 +119,21 @@ def check_finite(bucket: Bucket, step: int, who: str) -> str | None:
                     "the learning rate, clip gradients or use loss scaling; or pass "
                     "on_nonfinite='skip' to skip such steps")
     return f"{who}: non-finite gradient at step {step}"  # pragma: no cover - unreachable
+
+
+def gather_state(store: dict[str, Tensor], segment: Segment, like: Tensor) -> Tensor:
+    """Per-name state of the segment's tensors, concatenated (zeros where absent), 1-D."""
+    parts = [store.get(e.name) for e in segment.entries]
+    return torch.cat([p if p is not None else like.new_zeros(e.numel)
+                      for p, e in zip(parts, segment.entries)])
+
+
+def scatter_state(store: dict[str, Tensor], segment: Segment, value: Tensor) -> None:
+    """Store a segment's 1-D state split per tensor name (copies, so buffers can change)."""
+    offset = 0
+    for e in segment.entries:
+        store[e.name] = value[offset:offset + e.numel].detach().clone()
+        offset += e.numel
 
 
 def mean_of(tensors: Sequence[Tensor]) -> Tensor:
@@ -213,16 +230,11 @@ class CompressedAlgorithm(Algorithm):
     # -- helpers for subclasses ----------------------------------------------------------
     def residual(self, segment: Segment, like: Tensor) -> Tensor:
         """The segment's error-feedback residual (zeros the first time), 1-D."""
-        parts = [self.residuals.get(e.name) for e in segment.entries]
-        return torch.cat([p if p is not None else like.new_zeros(e.numel)
-                          for p, e in zip(parts, segment.entries)])
+        return gather_state(self.residuals, segment, like)
 
     def set_residual(self, segment: Segment, value: Tensor) -> None:
         """Store a segment's residual, split per tensor name."""
-        offset = 0
-        for e in segment.entries:
-            self.residuals[e.name] = value[offset:offset + e.numel].detach().clone()
-            offset += e.numel
+        scatter_state(self.residuals, segment, value)
 
     def compress_with_feedback(self, segment: Segment, tensor: Tensor, compressor: Compressor,
                                feedback: bool) -> Payload:
@@ -274,14 +286,24 @@ class CompressorAlgorithm(CompressedAlgorithm):
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
         comm, comp = self.ctx.comm, self.compressor
-        if comp.aggregation is Aggregation.SUM and not self.feedback:
-            return primitives.allreduce_compressed(comm, tensor, comp)
+        if comp.aggregation is Aggregation.SUM:
+            if not self.feedback:
+                return primitives.allreduce_compressed(comm, tensor, comp)
+            return self._sum_payload(self.compress_with_feedback(segment, tensor, comp, True))
         if comp.aggregation is Aggregation.SCATTER_GATHER and not self.feedback:
             return primitives.scatter_gather(comm, tensor, comp, generator=self.generator)
         payload = self.compress_with_feedback(segment, tensor, comp, self.feedback)
         h = primitives.allgather_payloads(comm, payload)
         return JoinedHandle([h], lambda r: self.aggregate(
             [comp.decompress(p).reshape(-1) for p in r[0]]), f"{self.name}.gather")
+
+    def _sum_payload(self, payload: Payload) -> Handle[Tensor]:
+        """Allreduce (sum) a summable payload's tensors in place; decompress, divide by P."""
+        handles = [primitives.allreduce(self.ctx.comm, t, average=False)
+                   for t in payload.tensors]
+        size = self.ctx.comm.size
+        return JoinedHandle(handles, lambda _: self.compressor.decompress(payload)
+                            .reshape(-1).div_(size), f"{self.name}.sum")
 
     def aggregate(self, decoded: list[Tensor]) -> Tensor:
         """Combine every rank's decompressed segment (rank order); default: the mean."""

@@ -1,0 +1,100 @@
+"""gTop-k S-SGD (Shi et al., ICDCS 2019): only the k globally largest entries are applied.
+
+Each segment (gradient + residual) keeps its local top ``k = density * numel`` (``topk``
+compressor); :func:`hexagram.comm.gtopk.gtopk_allreduce` merges the ranks' pairs on a tree
+(log2 P rounds of k pairs, summing shared indices and keeping the top k), and rank 0's final
+``k`` pairs are broadcast, so every rank applies the same sparse mean with exactly ``k``
+entries. Local entries that were selected but lost globally stay in the residual with
+everything else that was not applied (error feedback, as the paper).
+
+Approximation inherited from the paper: an index that wins globally is applied with the
+values that survived the tree's merges; a rank's value for it dropped in an early merge is
+considered sent (its residual entry is cleared).
+
+Example:
+    >>> import hexagram as hx
+    >>> hx.algorithms.get("gtopk", density=0.001).config.density
+    0.001
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hexagram import compress
+from hexagram.algorithms.compressed import (
+    CompressedAlgorithm,
+    CompressedConfig,
+    JoinedHandle,
+    Segment,
+)
+from hexagram.comm.communicator import Handle
+from hexagram.comm.gtopk import gtopk_allreduce
+from hexagram.compress.base import Payload
+from hexagram.config import check_float
+
+__all__ = ["GTopKAlgorithm", "GTopKConfig", "sparse_pairs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GTopKConfig(CompressedConfig):
+    """Config of :class:`GTopKAlgorithm` (plus :class:`CompressedConfig`'s fields).
+
+    Attributes:
+        density: fraction of elements applied per segment and step (the paper uses 0.001);
+            lower => fewer bytes, slower convergence.
+        error_feedback: keep what was not applied for the next step (on, as the paper).
+    """
+
+    density: float = 0.01
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_float(self, "density", low=0.0, high=1.0, low_open=True)
+
+
+def sparse_pairs(payload: Payload) -> tuple[Tensor, Tensor]:
+    """(values (k,), indices (k,)) of a sparsifier's payload: its float and integer tensors."""
+    values = [t for t in payload.tensors if t.is_floating_point()]
+    indices = [t for t in payload.tensors if not t.is_floating_point()]
+    if len(values) != 1 or len(indices) != 1 or values[0].numel() != indices[0].numel():
+        raise TypeError("gtopk needs a sparsifier payload of one value and one index tensor "
+                        f"of equal length, got {[tuple(t.shape) for t in payload.tensors]}")
+    return values[0].reshape(-1), indices[0].reshape(-1).long()
+
+
+class GTopKAlgorithm(CompressedAlgorithm):
+    """Global top-k by gTopKAllReduce with error feedback; see :class:`GTopKConfig`."""
+
+    name = "gtopk"
+
+    def __init__(self, config: GTopKConfig | None = None) -> None:
+        super().__init__(config or GTopKConfig())
+        self.config: GTopKConfig
+        self.compressor = compress.get("topk", density=self.config.density)
+
+    def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
+        acc = tensor + self.residual(segment, tensor) if self.config.error_feedback \
+            else tensor.clone()
+        values, indices = sparse_pairs(self.compressor.compress(acc, self.generator))
+        handle = gtopk_allreduce(self.ctx.comm, values, indices, segment.numel)
+        size = self.ctx.comm.size
+
+        def finish(results: list[tuple[Tensor, Tensor]]) -> Tensor:
+            gvalues, gindices = results[0]
+            out = torch.zeros_like(acc)
+            out[gindices] = gvalues / size
+            if self.config.error_feedback:
+                # applied here = selected locally AND globally; the rest stays
+                applied = torch.zeros(acc.numel(), dtype=torch.bool, device=acc.device)
+                applied[indices] = True
+                kept = torch.zeros_like(applied)
+                kept[gindices] = True
+                self.set_residual(segment, acc.masked_fill(applied & kept, 0.0))
+            return out
+
+        return JoinedHandle([handle], finish, "gtopk")

@@ -1,0 +1,52 @@
+"""Random-k sparsification: the same ``k`` random positions on every rank, error feedback.
+
+Ranks draw the positions from generators seeded identically (``seed``), so position ``i``
+holds every rank's value for the same element and the values are summed by allreduce when
+the compressor says its payloads are summable (only values on the wire); otherwise the
+pairs are allgathered. Unsent values stay in the residual (on by default).
+
+Example:
+    >>> import hexagram as hx
+    >>> hx.algorithms.get("randomk", density=0.1).config.density
+    0.1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hexagram import compress
+from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm
+from hexagram.config import check_float
+
+__all__ = ["RandomKAlgorithm", "RandomKConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomKConfig(CompressedConfig):
+    """Config of :class:`RandomKAlgorithm` (plus :class:`CompressedConfig`'s fields).
+
+    Attributes:
+        density: fraction of elements sent per segment; lower => fewer bytes, more steps.
+        error_feedback: keep unsent values for the next step (on: random-k is not scaled).
+    """
+
+    density: float = 0.1
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_float(self, "density", low=0.0, high=1.0, low_open=True)
+
+
+class RandomKAlgorithm(CompressorAlgorithm):
+    """Shared-seed random-k with error feedback; see :class:`RandomKConfig`."""
+
+    name = "randomk"
+
+    def __init__(self, config: RandomKConfig | None = None) -> None:
+        super().__init__(config or RandomKConfig())
+        self.config: RandomKConfig
+        self.compressor = compress.get("randomk", density=self.config.density,
+                                       seed=self.config.seed)
+        self._shared_seed = True  # the same positions on every rank

@@ -1,0 +1,43 @@
+"""TernGrad (Wen et al. 2017): ternary gradients {-s, 0, +s}, unbiased.
+
+Each segment (a layer, by default: TernGrad's layer-wise scaling keeps ``s = max|g|`` small)
+becomes ``s * sign(g) * b`` with ``b ~ Bernoulli(|g| / s)``: 2 bits per element plus one
+scale. Payloads cannot be summed, so every rank gathers all of them and averages. Unbiased,
+so no error feedback by default.
+
+Example:
+    >>> import hexagram as hx
+    >>> hx.algorithms.get("terngrad").config.error_feedback
+    False
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hexagram import compress
+from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm
+
+__all__ = ["TernGradAlgorithm", "TernGradConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TernGradConfig(CompressedConfig):
+    """Config of :class:`TernGradAlgorithm` (plus :class:`CompressedConfig`'s fields).
+
+    Attributes:
+        error_feedback: carry the ternarization error to the next step (off: unbiased).
+    """
+
+    error_feedback: bool = False
+
+
+class TernGradAlgorithm(CompressorAlgorithm):
+    """Ternary gradient exchange; see :class:`TernGradConfig`."""
+
+    name = "terngrad"
+
+    def __init__(self, config: TernGradConfig | None = None) -> None:
+        super().__init__(config or TernGradConfig())
+        self.config: TernGradConfig
+        self.compressor = compress.get("terngrad", seed=self.config.seed)
