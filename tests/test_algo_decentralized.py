@@ -7,6 +7,8 @@ gradients, gathered with plain torch.distributed collectives.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -140,8 +142,8 @@ def _resume_error() -> float:
     model, opt, net = _wrap("low_precision_decentralized", compressor="fp16")
     for step in range(3):
         _train_step(model, opt, step)
-    saved = ({k: v.clone() for k, v in net.state_dict().items()},
-             model.algorithm_state_dict(), opt.state_dict())  # type: ignore[operator]
+    saved = copy.deepcopy((net.state_dict(), model.algorithm_state_dict(),  # type: ignore[operator]
+                           opt.state_dict()))
     for step in range(3, 6):
         _train_step(model, opt, step)
     first = _flat(net)
