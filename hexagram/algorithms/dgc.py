@@ -15,9 +15,10 @@ Sparsity warm-up: for the first ``warmup_steps`` steps the density falls from
 
 Example:
     >>> import hexagram as hx
-    >>> algo = hx.algorithms.get("dgc", density=0.01, warmup_steps=100)
-    >>> round(algo.density_at(0), 4), round(algo.density_at(50), 4), algo.density_at(100)
+    >>> cfg = DGCConfig(density=0.01, warmup_steps=100)
+    >>> round(density_at(cfg, 0), 4), round(density_at(cfg, 50), 4), density_at(cfg, 100)
     (0.25, 0.05, 0.01)
+    >>> algo = hx.algorithms.get("dgc", density=0.01, warmup_steps=100)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Compressor
 from hexagram.config import check_float, check_int
 
-__all__ = ["DGCAlgorithm", "DGCConfig"]
+__all__ = ["DGCAlgorithm", "DGCConfig", "density_at"]
 
 WARMUP_STAGES = 4
 
@@ -77,6 +78,20 @@ class DGCConfig(CompressedConfig):
         check_float(self, "warmup_density", low=self.density, high=1.0)
 
 
+def density_at(config: DGCConfig, step: int) -> float:
+    """Density at ``step``: four geometric stages from ``warmup_density``, then ``density``.
+
+    >>> round(density_at(DGCConfig(density=0.01, warmup_steps=100), 50), 4)
+    0.05
+    """
+    c = config
+    if step >= c.warmup_steps:
+        return c.density
+    stage = step * WARMUP_STAGES // c.warmup_steps
+    return c.warmup_density * math.exp(math.log(c.density / c.warmup_density)
+                                       * stage / WARMUP_STAGES)
+
+
 class DGCAlgorithm(CompressorAlgorithm):
     """DGC's top-k with momentum correction, clipping, masking, warm-up; see
     :class:`DGCConfig`."""
@@ -91,13 +106,8 @@ class DGCAlgorithm(CompressorAlgorithm):
         self.compressor = self._compressor(self.config.density)
 
     def density_at(self, step: int) -> float:
-        """Density used at ``step``: four geometric warm-up stages, then ``density``."""
-        c = self.config
-        if step >= c.warmup_steps:
-            return c.density
-        stage = step * WARMUP_STAGES // c.warmup_steps
-        ratio = math.log(c.density / c.warmup_density) * stage / WARMUP_STAGES
-        return c.warmup_density * math.exp(ratio)
+        """Density used at ``step`` (see :func:`density_at`)."""
+        return density_at(self.config, step)
 
     def _compressor(self, density: float) -> Compressor:
         if density not in self._by_density:
