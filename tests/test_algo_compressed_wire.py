@@ -111,11 +111,49 @@ def _run(name: str, config: dict[str, Any], steps: int, rank1: bool = False,
     return out
 
 
+def _bad_steps(name: str, config: dict[str, Any], poison: dict[int, tuple[int, ...]],
+               value: float) -> dict[str, Any]:
+    """Steps 0-2 where rank r's gradient of ``b`` gets ``value`` at steps poison[r]."""
+    import hexagram as hx
+
+    rt = hx.get_runtime()
+    torch.manual_seed(0)
+    net = Probe()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(name, **config))
+    out: dict[str, Any] = {"errors": [], "zero_steps": []}
+    for step in range(3):
+        xs = inputs(step, rt.rank)
+        if step in poison.get(rt.rank, ()):
+            xs["b"][3] = value
+        try:
+            model(xs).backward()
+        except hx.NonFiniteGradientError as exc:
+            out["errors"].append(str(exc))
+            break
+        if all(float(p.grad.abs().max()) == 0.0 for p in net.parameters()):  # type: ignore
+            out["zero_steps"].append(step)
+        opt.step()
+        opt.zero_grad()
+    out["skipped"] = getattr(model.algorithm, "skipped_steps", None)
+    model.close()
+    return out
+
+
+def _bad_input_cases() -> dict[str, Any]:
+    everyone = {r: (1,) for r in range(WORLD)}
+    return {
+        "raise": _bad_steps("powersgd", {"start_iter": 0}, everyone, float("nan")),
+        "skip": _bad_steps("fp16", {"on_nonfinite": "skip"}, {1: (1,)}, float("inf")),
+        "overflow": _bad_steps("fp16", {}, everyone, 1e5 * WORLD),
+    }
+
+
 def _worker(names: list[str]) -> dict[str, Any]:
     import hexagram as hx
 
     hx.init()
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"bad_input": _bad_input_cases()}
     for name in names:
         config = CASES[name][0]
         rank1 = name == "powersgd"
@@ -243,3 +281,21 @@ def test_quantized_close_to_mean(name: str, wire_results: list[dict[str, Any]]) 
     mean = torch.cat([torch.stack([x[n] for x in xs]).mean(0).reshape(-1) for n in SHAPES])
     err = float((got - mean).norm() / mean.norm())
     assert err < (0.05 if name == "bytegrad" else 0.6), err
+
+
+def test_nan_is_reported_with_step_and_parameter(wire_results: list[dict[str, Any]]) -> None:
+    for res in wire_results:
+        (message,) = res["bad_input"]["raise"]["errors"]
+        assert "'w.b'" in message and "step 1" in message and "1 NaN" in message
+
+
+def test_skip_policy_skips_the_step_on_every_rank(wire_results: list[dict[str, Any]]) -> None:
+    for res in wire_results:  # only rank 1 saw Inf; every rank skipped step 1, not 0 or 2
+        skip = res["bad_input"]["skip"]
+        assert skip["errors"] == [] and skip["zero_steps"] == [1] and skip["skipped"] == 1
+
+
+def test_fp16_overflow_is_an_error_not_inf(wire_results: list[dict[str, Any]]) -> None:
+    for res in wire_results:
+        (message,) = res["bad_input"]["overflow"]["errors"]
+        assert "w.b" in message and "bf16" in message
