@@ -1,0 +1,114 @@
+"""Wire bytes per step and step time of every compressed algorithm next to allreduce.
+
+One run: N local ranks (gloo over loopback), an MLP on Fashion-MNIST-shaped random batches,
+each algorithm in turn on the same model and data. Per algorithm it reports the bytes rank 0
+sent per step (the Communicator's counters, ``model.bytes_sent()``), the ratio to allreduce,
+and the median step time (forward + backward with communication + optimizer step).
+
+Loopback is not a network: step times here measure compression overhead on the CPU, not the
+savings on a slow link (for those, multiply wire bytes by a link's bandwidth, or use the
+network lab). Compare times only within one run.
+
+Usage:
+    .venv/bin/python benchmarks/compressed_algorithms.py [--world 4] [--steps 20]
+        [--hidden 1024] [--layers 2] [--batch 64] [--algorithms topk,gtopk,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from hexagram.launch import run_local
+
+DEFAULT = [
+    ("allreduce", {}), ("fp16", {}), ("bytegrad", {}), ("qsgd", {}), ("terngrad", {}),
+    ("onebit", {}), ("efsign", {}), ("signsgd", {}), ("topk", {"density": 0.01}),
+    ("gtopk", {"density": 0.01}), ("dgc", {"density": 0.01}), ("randomk", {"density": 0.01}),
+    ("powersgd", {"rank": 2, "start_iter": 0}),
+]
+
+
+def _one(name: str, config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    import hexagram as hx
+    from hexagram.models.mlp import mlp
+
+    rt = hx.get_runtime()
+    torch.manual_seed(0)
+    net = mlp(784, args.hidden, args.layers, 10)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(name, **config))
+    gen = torch.Generator().manual_seed(rt.rank)
+    x = torch.rand(args.batch, 1, 28, 28, generator=gen)
+    y = torch.randint(0, 10, (args.batch,), generator=gen)
+    times, sent = [], 0
+    for step in range(args.warmup + args.steps):
+        torch.distributed.barrier()
+        start, before = time.perf_counter(), model.bytes_sent()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+            sent += model.bytes_sent() - before
+    model.close()
+    return {"bytes": sent / args.steps, "time": statistics.median(times),
+            "params": sum(p.numel() for p in net.parameters())}
+
+
+def _worker(cases: list[tuple[str, dict[str, Any]]], args: argparse.Namespace
+            ) -> dict[str, dict[str, Any]]:
+    import hexagram as hx
+
+    hx.init()
+    return {name: _one(name, config, args) for name, config in cases}
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, load {load:.1f}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--algorithms", default="", help="comma-separated subset (default: all)")
+    args = p.parse_args()
+    chosen = set(args.algorithms.split(",")) if args.algorithms else None
+    cases = [(n, c) for n, c in DEFAULT if chosen is None or n in chosen or n == "allreduce"]
+    print(f"machine: {_machine()}")
+    print(f"settings: world={args.world} (gloo, loopback, 1 thread/rank), MLP 784-"
+          f"{args.hidden}x{args.layers}-10, batch {args.batch}/rank, {args.warmup} warm-up + "
+          f"{args.steps} timed steps, bucket 25 MiB, configs {dict(cases)}")
+    results = run_local(_worker, args.world, args=(cases, args), timeout=1800)[0]
+    base = results["allreduce"]
+    print(f"parameters: {base['params']:,} ({base['params'] * 4 / 2**20:.2f} MiB float32)\n")
+    print("| algorithm | config | wire bytes/step (rank 0) | vs allreduce | step time (ms) |")
+    print("|---|---|---:|---:|---:|")
+    for name, config in cases:
+        r = results[name]
+        print(f"| {name} | {config or ''} | {r['bytes']:,.0f} | {r['bytes'] / base['bytes']:.4f}"
+              f" | {r['time'] * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
