@@ -1,0 +1,187 @@
+"""Run a :class:`~hexagram.parallel.plan.Plan` on PyTorch's own engine, step by step.
+
+- :func:`apply_stage`: this rank's contiguous slice of the ``nn.Sequential`` (names kept).
+- :func:`apply_sharding`: ``parallelize_module`` with Colwise/Rowwise styles on the stage's
+  ``tp`` mesh (DTensor does the plan's reshardings at the linears' edges).
+- :func:`apply_pipeline`: a ``torch.distributed.pipelining`` stage and a GPipe / 1F1B schedule.
+- :func:`sync_gradients`: average gradients over the stage's ``dp`` ranks (allreduce; the
+  ZeRO communication pattern reduce-scatter + all-gather for ``+zero`` parameters. This
+  executor keeps full parameters, so ZeRO's memory saving is planned, not realised).
+
+Every rank calls :func:`parallelize` (process groups are created collectively).
+
+Example:
+    >>> dist_model = parallelize(model, plan)                    # doctest: +SKIP
+    >>> loss = dist_model.train_step(inputs, targets)            # doctest: +SKIP
+    >>> optimizer.step()                                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from hexagram.errors import HexagramError
+from hexagram.parallel.plan import Plan, StagePlan
+from hexagram.parallel.runner import ParallelModel
+
+__all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "check_executable",
+           "default_loss", "parallelize", "sync_gradients"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the last dimension (``[..., C]`` logits, ``[...]`` labels)."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def check_executable(model: nn.Module, plan: Plan, world_size: int) -> None:
+    """Clear errors for plans this executor cannot run on this model and job."""
+    if not isinstance(model, nn.Sequential):
+        raise HexagramError("parallelize needs an nn.Sequential of layers (stages are slices "
+                            f"of its children), got {type(model).__name__}")
+    n_layers = plan.stages[-1].layers[1]
+    if len(model) != n_layers:
+        raise HexagramError(f"the plan covers {n_layers} layers but the model has "
+                            f"{len(model)} children: plan the same model")
+    if plan.devices != world_size:
+        raise HexagramError(f"the plan is for {plan.devices} devices but {world_size} ranks "
+                            f"run: launch with torchrun --nproc-per-node {plan.devices}")
+    if len({(s.dp, s.tp) for s in plan.stages}) > 1:
+        raise HexagramError("stages of different dp x tp shapes cannot be linked by "
+                            "torch.distributed.pipelining here; plan with Constraints(dp=, tp=)")
+    if plan.blockers:
+        raise HexagramError("the plan reshards between non-linear operators, which this "
+                            f"executor cannot place: {plan.blockers[:3]}")
+
+
+def apply_stage(model: nn.Sequential, stage: StagePlan) -> nn.Sequential:
+    """The stage's layers as an ``nn.Sequential`` keeping the model's parameter names."""
+    start, end = stage.layers
+    return nn.Sequential(OrderedDict((str(k), model[k]) for k in range(start, end)))
+
+
+def _layout(code: str) -> Shard | Replicate:
+    return Shard(-1) if code == "S" else Replicate()
+
+
+def _style(kind: str, given: str, handed: str) -> ParallelStyle | None:
+    """The ParallelStyle of one linear: receive ``given``, hand on ``handed``."""
+    base = kind.split("+")[0]
+    if base == "colwise":
+        return ColwiseParallel(input_layouts=_layout(given), output_layouts=_layout(handed))
+    if base == "rowwise":
+        return RowwiseParallel(input_layouts=_layout(given), output_layouts=_layout(handed))
+    if given == "S" and handed == "S":
+        raise HexagramError("a replicated linear between sharded tensors is not executable")
+    if given == "S":
+        return PrepareModuleInput(input_layouts=(Shard(-1),), desired_input_layouts=(
+            Replicate(),))
+    if handed == "S":
+        return PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(
+            Shard(-1),))
+    return None
+
+
+def apply_sharding(module: nn.Module, stage: StagePlan, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard the stage's linears over ``tp_mesh`` as the plan says (no-op when tp == 1)."""
+    if stage.tp == 1:
+        return module
+    styles = {}
+    for path, kind in stage.shardings.items():
+        given, handed = stage.layouts.get(path, ("R", "R"))
+        style = _style(kind, given, handed)
+        if style is not None:
+            styles[path] = style
+    return parallelize_module(module, tp_mesh, styles)
+
+
+def apply_pipeline(module: nn.Module, plan: Plan, index: int, group: dist.ProcessGroup,
+                   loss_fn: LossFn) -> ScheduleGPipe | Schedule1F1B:
+    """A pipeline stage over ``group`` (one rank per stage) and the plan's schedule."""
+    stage = PipelineStage(module, index, len(plan.stages), torch.device("cpu"), group=group)
+    schedule = Schedule1F1B if plan.schedule == "1f1b" else ScheduleGPipe
+    return schedule(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def sync_gradients(module: nn.Module, stage: StagePlan, group: dist.ProcessGroup) -> None:
+    """Average gradients over the stage's data-parallel ranks (``group``)."""
+    if stage.dp == 1:
+        return
+    zero = {p for p, kind in stage.shardings.items() if kind.endswith("+zero")}
+    for name, p in module.named_parameters():
+        if p.grad is None:
+            continue
+        g = _local(p.grad)
+        if name.rsplit(".", 1)[0] in zero:  # ZeRO pattern: reduce-scatter, then all-gather
+            flat = g.detach().reshape(-1)
+            pad = (-flat.numel()) % stage.dp
+            full = torch.cat([flat, flat.new_zeros(pad)])
+            shard = full.new_empty(full.numel() // stage.dp)
+            dist.reduce_scatter_single(shard, full, group=group)
+            dist.all_gather_single(full, shard, group=group)
+            g.copy_(full[: flat.numel()].view_as(g))
+        else:
+            dist.all_reduce(g, group=group)
+        g.div_(stage.dp)
+
+
+def _groups(plan: Plan, rank: int) -> tuple[int, DeviceMesh, dist.ProcessGroup | None]:
+    """(my stage, my stage's dp x tp mesh, my pipeline group); collective on all ranks."""
+    mine, my_mesh, my_pp = -1, None, None
+    for k, st in enumerate(plan.stages):
+        mesh = DeviceMesh("cpu", torch.tensor(st.ranks).view(st.dp, st.tp),
+                          mesh_dim_names=("dp", "tp"))
+        if rank in st.ranks:
+            mine, my_mesh = k, mesh
+    for local in range(len(plan.stages[0].ranks)):
+        ranks = [st.ranks[local] for st in plan.stages]
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            my_pp = group
+    assert my_mesh is not None
+    return mine, my_mesh, my_pp
+
+
+def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss) -> ParallelModel:
+    """Apply ``plan`` to ``model`` on this rank (all ranks call it with the same plan).
+
+    Returns a :class:`~hexagram.parallel.runner.ParallelModel` whose ``train_step(inputs,
+    targets)`` runs forward and backward of one global batch and averages gradients.
+    """
+    if not dist.is_initialized():
+        raise HexagramError("parallelize runs on the ranks torchrun started: call "
+                            "hexagram.init() first")
+    rank = dist.get_rank()
+    check_executable(model, plan, dist.get_world_size())
+    index, mesh, pp_group = _groups(plan, rank)
+    stage = plan.stages[index]
+    assert isinstance(model, nn.Sequential)
+    module = apply_sharding(apply_stage(model, stage), stage, mesh["tp"])
+    schedule = apply_pipeline(module, plan, index, pp_group, loss_fn) \
+        if pp_group is not None else None
+    dp_rank = stage.ranks.index(rank) // stage.tp
+    return ParallelModel(module=module, plan=plan, stage_index=index, dp_rank=dp_rank,
+                         dp_group=mesh.get_group("dp"), schedule=schedule, loss_fn=loss_fn,
+                         sync=sync_gradients)

@@ -1,0 +1,168 @@
+"""The planner's input: a validated description of the cluster and of the degrees to keep.
+
+:class:`Cluster` gives devices, memory and link rates (torchtitan ``ParallelDims`` style:
+every field checked in ``__post_init__`` with an actionable message naming it). Rates are
+*achievable* figures, not peaks; :mod:`hexagram.parallel.calibrate` measures them here.
+
+Units: link rates in gigabits per second (Gbit/s, as NICs are sold), compute in TFLOP/s,
+memory in GB (1e9 bytes), latencies in microseconds.
+
+Example:
+    >>> c = Cluster(hosts=2, devices_per_host=8, intra_host_gbps=600, inter_host_gbps=100,
+    ...             device_memory_gb=80)
+    >>> c.devices, [m.devices for m in c.submeshes()]
+    (16, [1, 2, 4, 8, 16])
+    >>> Cluster.parse("4x8").devices
+    32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from hexagram.config import check_choice, check_float, check_int
+from hexagram.errors import ConfigError
+
+__all__ = ["Cluster", "Constraints", "Submesh"]
+
+
+@dataclass(frozen=True)
+class Submesh:
+    """``hosts`` x ``devices`` per host: Alpa's submesh shapes ((1, 2^k) or (n, all))."""
+
+    hosts: int
+    per_host: int
+
+    @property
+    def devices(self) -> int:
+        return self.hosts * self.per_host
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Devices, memory and links of the cluster to plan for.
+
+    Attributes:
+        hosts: machines; more hosts => more devices behind the slow inter-host link.
+        devices_per_host: accelerators per host (a power of two: Alpa's (1, 2^k) submeshes
+            must tile a host).
+        intra_host_gbps: link rate between devices of one host (Gbit/s); higher => tensor
+            parallelism inside a host gets cheaper.
+        inter_host_gbps: network rate of one host (Gbit/s, shared by its devices); lower =>
+            pipeline stages across hosts win over data parallelism.
+        device_memory_gb: memory per device (GB); lower => more sharding/stages needed.
+        device_tflops: achievable TFLOP/s of one device in the training dtype.
+        memory_gbps: device memory bandwidth (GB/s) for memory-bound operators.
+        intra_latency_us, inter_latency_us: alpha of one message on each link.
+        op_overhead_us: fixed cost per operator launch (kernel launch, Python dispatch).
+        dtype_bytes: bytes per element of parameters, gradients and activations.
+        optimizer_bytes: optimizer state bytes per parameter (Adam fp32 master + m + v: 12).
+    """
+
+    hosts: int = 1
+    devices_per_host: int = 8
+    intra_host_gbps: float = 2400.0
+    inter_host_gbps: float = 200.0
+    device_memory_gb: float = 80.0
+    device_tflops: float = 150.0
+    memory_gbps: float = 1500.0
+    intra_latency_us: float = 10.0
+    inter_latency_us: float = 25.0
+    op_overhead_us: float = 5.0
+    dtype_bytes: int = 2
+    optimizer_bytes: int = 12
+
+    def __post_init__(self) -> None:
+        check_int(self, "hosts", low=1)
+        check_int(self, "devices_per_host", low=1)
+        if self.devices_per_host & (self.devices_per_host - 1):
+            raise ConfigError(f"Cluster.devices_per_host must be a power of two (submeshes "
+                              f"(1, 2^k) tile a host), got {self.devices_per_host}")
+        for name in ("intra_host_gbps", "inter_host_gbps", "device_memory_gb", "device_tflops",
+                     "memory_gbps"):
+            check_float(self, name, low=0.0, low_open=True)
+        for name in ("intra_latency_us", "inter_latency_us", "op_overhead_us"):
+            check_float(self, name, low=0.0)
+        check_choice(self, "dtype_bytes", (1, 2, 4, 8))
+        check_int(self, "optimizer_bytes", low=0)
+
+    @property
+    def devices(self) -> int:
+        return self.hosts * self.devices_per_host
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.device_memory_gb * 1e9
+
+    def link(self, inter: bool) -> tuple[float, float]:
+        """(alpha seconds, bytes per second) of the inter-host or intra-host link."""
+        if inter:
+            return self.inter_latency_us * 1e-6, self.inter_host_gbps * 1e9 / 8
+        return self.intra_latency_us * 1e-6, self.intra_host_gbps * 1e9 / 8
+
+    def submeshes(self) -> list[Submesh]:
+        """Alpa's submesh shapes: (1, 1), (1, 2), ..., (1, per_host), (2, per_host), ..."""
+        out, k = [], 1
+        while k < self.devices_per_host:
+            out.append(Submesh(1, k))
+            k *= 2
+        out += [Submesh(n, self.devices_per_host) for n in range(1, self.hosts + 1)]
+        return out
+
+    def replace(self, **changes: Any) -> Cluster:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def parse(cls, text: str, **fields: Any) -> Cluster:
+        """``"2x8"`` -> 2 hosts of 8 devices (other fields from ``fields``)."""
+        try:
+            hosts, per_host = (int(v) for v in text.lower().split("x"))
+        except ValueError:
+            raise ConfigError(f"cluster must look like HOSTSxDEVICES (e.g. 2x8), got "
+                              f"{text!r}") from None
+        return cls(hosts=hosts, devices_per_host=per_host, **fields)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """Degrees to impose on the search (None: the planner chooses).
+
+    Attributes:
+        pp: pipeline stages; more => less memory per device, more bubbles.
+        tp: tensor-parallel degree inside every stage; more => less memory, more collectives.
+        dp: data-parallel degree inside every stage; more => more gradient traffic.
+        microbatches: micro-batches per step; more => smaller bubbles, smaller matmuls.
+        schedule: ``"1f1b"`` (activations of at most #stages micro-batches live) or
+            ``"gpipe"`` (all micro-batches live).
+    """
+
+    pp: int | None = None
+    tp: int | None = None
+    dp: int | None = None
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "tp", "dp", "microbatches"):
+            if getattr(self, name) is not None:
+                check_int(self, name, low=1)
+        check_choice(self, "schedule", ("1f1b", "gpipe"))
+
+    def validate(self, cluster: Cluster) -> None:
+        """Degrees must multiply to (or divide) the cluster's devices; error names the field."""
+        fixed = {k: v for k, v in (("pp", self.pp), ("tp", self.tp), ("dp", self.dp)) if v}
+        prod = 1
+        for v in fixed.values():
+            prod *= v
+        if len(fixed) == 3 and prod != cluster.devices:
+            raise ConfigError(f"Constraints pp*tp*dp = {prod} but the cluster has "
+                              f"{cluster.devices} devices; change pp, tp or dp")
+        if cluster.devices % prod:
+            raise ConfigError(f"Constraints {fixed} multiply to {prod}, which does not divide "
+                              f"the cluster's {cluster.devices} devices")
+        if self.tp and self.tp > cluster.devices_per_host:
+            raise ConfigError(f"Constraints.tp={self.tp} exceeds Cluster.devices_per_host="
+                              f"{cluster.devices_per_host}: tensor parallelism stays in a host")

@@ -1,0 +1,148 @@
+"""Cost model: compute (roofline), alpha-beta collectives per mesh axis, memory.
+
+A stage runs on a logical ``d x t`` mesh: the batch is split over ``d`` (data parallel,
+optionally ZeRO-sharded parameters), operators choose a layout over ``t`` (tensor parallel).
+Activation layouts over ``t``: ``R`` replicated, ``S`` sharded on the feature dimension,
+``P`` partial sums (the output of a row-split matmul).
+
+Collectives on ``n`` devices of a link with latency ``a`` and rate ``w`` bytes/s, ``X``
+the full tensor size (ring algorithms):
+    allreduce 2(n-1)a + 2(n-1)/n X/w;  allgather, reduce-scatter, all-to-all (n-1)a +
+    (n-1)/n X/w;  send/recv a + X/w.
+
+Example:
+    >>> from hexagram.parallel.cluster import Cluster
+    >>> m = Mesh(cluster=Cluster(hosts=1, devices_per_host=8), d=2, t=4, b=4, microbatches=1)
+    >>> round(m.collective("allreduce", "t", 1e6) * 1e6, 1)   # microseconds
+    65.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hexagram.parallel.cluster import Cluster, Submesh
+from hexagram.parallel.graph import Layer, Op
+
+__all__ = ["Mesh", "Strategy", "edge_cost", "logical_meshes", "strategies"]
+
+_FACTOR = {"allreduce": 2.0, "allgather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mesh:
+    """A logical ``d x t`` mesh of a stage, and the per-device micro-batch ``b`` (samples).
+
+    ``t`` groups consecutive devices (inside a host); ``d`` crosses hosts when ``spans_hosts``.
+    """
+
+    cluster: Cluster
+    d: int
+    t: int
+    b: float
+    microbatches: int
+    spans_hosts: bool = False
+
+    def _link(self, axis: str) -> tuple[float, float, int]:
+        """(alpha, bytes/s per ring, ring size) of a mesh axis."""
+        if axis == "t":
+            return (*self.cluster.link(self.t > self.cluster.devices_per_host), self.t)
+        alpha, rate = self.cluster.link(self.spans_hosts)
+        # t data-parallel rings (one per tensor-parallel rank) share each host's NIC
+        share = min(self.t, self.cluster.devices_per_host) if self.spans_hosts else 1
+        return alpha, rate / share, self.d
+
+    def collective(self, kind: str, axis: str, nbytes: float) -> float:
+        """Seconds of a collective of ``nbytes`` (full tensor) over mesh axis ``"d"``/``"t"``."""
+        alpha, rate, n = self._link(axis)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        f = _FACTOR[kind]
+        return f * (n - 1) * alpha + f * (n - 1) / n * nbytes / rate
+
+    def compute(self, flops: float, nbytes: float) -> float:
+        """Forward + backward seconds of an operator (backward ~ 2x forward)."""
+        c = self.cluster
+        return 3.0 * (c.op_overhead_us * 1e-6 + max(flops / (c.device_tflops * 1e12),
+                                                     nbytes / (c.memory_gbps * 1e9)))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an operator: layouts over ``t``, ZeRO over ``d``, costs and memory.
+
+    ``time`` is per micro-batch plus the per-step gradient sync divided by #micro-batches;
+    ``state`` bytes are parameters + gradients + optimizer state, ``act`` saved activations
+    of one micro-batch.
+    """
+
+    name: str
+    in_layout: str
+    out_layout: str
+    zero: bool
+    time: float
+    state: float
+    act: float
+
+
+def _param_costs(op: Op, mesh: Mesh, psplit: int, zero: bool) -> tuple[float, float]:
+    """(seconds per micro-batch incl. amortised sync, state bytes) of an op's parameters."""
+    c = mesh.cluster
+    pbytes = op.params * c.dtype_bytes / psplit
+    state = op.params * (2 * c.dtype_bytes + c.optimizer_bytes) / psplit
+    if not zero or mesh.d == 1:
+        return mesh.collective("allreduce", "d", pbytes) / mesh.microbatches, state
+    # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients once
+    per_mb = 2 * mesh.collective("allgather", "d", pbytes)
+    return per_mb + mesh.collective("reduce_scatter", "d", pbytes) / mesh.microbatches, \
+        state / mesh.d
+
+
+def _make(op: Op, in_elems: float, mesh: Mesh, name: str, layouts: tuple[str, str],
+          zero: bool) -> Strategy:
+    c, b = mesh.cluster, mesh.b
+    split = mesh.t if name in ("colwise", "rowwise", "sharded") else 1
+    psplit = mesh.t if name in ("colwise", "rowwise") else 1
+    moved = (op.out_elems * b + op.out_const + in_elems * b) * c.dtype_bytes / split \
+        + op.params * c.dtype_bytes / psplit
+    time = mesh.compute(op.flops * b / split, moved) if op.kind not in ("input", "view") else 0.0
+    if name == "colwise":  # backward: the replicated input's gradient is partial -> allreduce
+        time += mesh.collective("allreduce", "t", in_elems * b * c.dtype_bytes)
+    sync, state = _param_costs(op, mesh, psplit, zero) if op.params else (0.0, 0.0)
+    act = (op.out_elems * b / (mesh.t if layouts[1] == "S" else 1) + op.out_const) \
+        * c.dtype_bytes if op.kind not in ("input", "view") else 0.0
+    return Strategy(name, layouts[0], layouts[1], zero, time + sync, state, act)
+
+
+def strategies(layer: Layer, i: int, mesh: Mesh) -> list[Strategy]:
+    """Candidate strategies of operator ``i`` of ``layer`` on ``mesh``."""
+    op = layer.ops[i]
+    in_elems = layer.ops[op.inputs[0]].out_elems if op.inputs else 0.0
+    if op.kind == "linear" and mesh.t > 1:
+        kinds = [("replicate", ("R", "R")), ("colwise", ("R", "S")), ("rowwise", ("S", "P"))]
+    elif op.kind in ("elementwise", "view", "attention") and mesh.t > 1:
+        kinds = [("replicate", ("R", "R")), ("sharded", ("S", "S"))]
+    else:  # input, source, norm, embedding, unknown: replicated over t
+        kinds = [("replicate", ("R", "R"))]
+    zeros = (False, True) if op.params and mesh.d > 1 else (False,)
+    return [_make(op, in_elems, mesh, name, lay, z) for name, lay in kinds for z in zeros]
+
+
+def edge_cost(src: str, dst: str, elems: float, mesh: Mesh) -> float:
+    """Seconds (forward + backward, one micro-batch) to turn layout ``src`` into ``dst``."""
+    if src == dst:
+        return 0.0
+    nbytes = elems * mesh.b * mesh.cluster.dtype_bytes
+    gather = mesh.collective("allgather", "t", nbytes)
+    if src == "R" or src == "S":  # R->S: backward gathers the gradient; S->R: forward gathers
+        return gather
+    if dst == "R":  # P->R
+        return mesh.collective("allreduce", "t", nbytes)
+    return mesh.collective("reduce_scatter", "t", nbytes) + gather  # P->S
+
+
+def logical_meshes(sub: Submesh, cluster: Cluster) -> list[tuple[int, int]]:
+    """(d, t) factorisations of a submesh with ``t`` inside one host."""
+    n = sub.devices
+    return [(n // t, t) for t in range(1, n + 1)
+            if n % t == 0 and t <= cluster.devices_per_host and sub.per_host % t == 0]

@@ -1,0 +1,213 @@
+"""Inter-operator pass: dynamic programming over stage boundaries and submeshes (Alpa).
+
+For ``B`` micro-batches, a pipeline's step time is ``sum(stage latencies) + (B - 1) x
+max(stage latency)``. Alpa's DP fixes a bound ``t_max`` on the slowest stage, then
+``F[s][i][n]`` = least sum of latencies of ``s`` stages covering layers ``i..L-1`` on ``n``
+devices, each stage a contiguous layer range on a submesh with its best intra-op option
+that fits in memory (the ``s``-th stage from the end holds ``min(s, B)`` micro-batches of
+activations under 1F1B, ``B`` under GPipe). ``t_max`` runs over the distinct stage
+latencies in increasing order and stops once ``B x t_max`` cannot beat the best plan.
+
+Example:
+    >>> # see hexagram.parallel.planner.plan, which builds the tables and calls solve()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hexagram.parallel.cluster import Cluster, Constraints, Submesh
+from hexagram.parallel.cost import Mesh, logical_meshes
+from hexagram.parallel.graph import ModelGraph
+from hexagram.parallel.intra import LayerOption, fastest, layer_options
+
+__all__ = ["StageChoice", "Tables", "build_tables", "solve", "transfer_time"]
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """A stage: layers ``[start, end)`` on ``sub`` as a ``d x t`` mesh, per-layer options."""
+
+    start: int
+    end: int
+    sub: Submesh
+    mesh: Mesh
+    options: tuple[LayerOption, ...]
+    latency: float
+    memory: float
+
+
+@dataclass
+class Tables:
+    """Best stage latency ``cost[q, sub, i, j]`` for ``q`` in-flight micro-batches."""
+
+    microbatches: int
+    subs: list[Submesh]
+    inflight: list[int]
+    cost: np.ndarray                      # [Q, nsub, L+1, L+1] seconds (inf: impossible)
+    arg: np.ndarray                       # [Q, nsub, L+1, L+1] index into ``configs``
+    configs: list[tuple[Mesh, list[list[LayerOption]], int]]  # mesh, options, option index
+    memory: np.ndarray                    # [Q, nsub, L+1, L+1] bytes of the chosen config
+
+
+def transfer_time(cluster: Cluster, sub: Submesh, nbytes: float) -> float:
+    """Forward activation + backward gradient between consecutive stages (one micro-batch).
+
+    Stages smaller than a host are packed several to a host, so only a fraction of their
+    boundaries cross the inter-host link."""
+    if nbytes <= 0:
+        return 0.0
+    p_inter = 0.0 if cluster.hosts == 1 else min(1.0, sub.devices / cluster.devices_per_host)
+    t = [(a + nbytes / w) for a, w in (cluster.link(False), cluster.link(True))]
+    return 2.0 * ((1 - p_inter) * t[0] + p_inter * t[1])
+
+
+def _layer_table(graph: ModelGraph, mesh: Mesh, inflight: int,
+                 cache: dict) -> list[list[LayerOption]]:
+    """Per layer its options on ``mesh``; only the fastest when the whole model fits with it
+    (then no stage ever needs a smaller option, and the extra ILPs are skipped)."""
+    fast = []
+    for layer in graph.layers:
+        key = ("fast", layer.signature(), mesh)
+        if key not in cache:
+            cache[key] = fastest(layer, mesh)
+        fast.append(cache[key])
+    if sum(o.state + inflight * o.act for o in fast) <= mesh.cluster.memory_bytes:
+        return [[o] for o in fast]
+    out = []
+    for layer, best in zip(graph.layers, fast):
+        key = ("all", layer.signature(), mesh)
+        if key not in cache:
+            cache[key] = layer_options(layer, mesh, best=best)
+        out.append(cache[key])
+    return out
+
+
+def _meshes(graph: ModelGraph, cluster: Cluster, cons: Constraints, b_mb: int,
+            sub: Submesh) -> list[Mesh]:
+    out = []
+    for d, t in logical_meshes(sub, cluster):
+        if (cons.tp and t != cons.tp) or (cons.dp and d != cons.dp) or b_mb % d:
+            continue
+        out.append(Mesh(cluster=cluster, d=d, t=t, b=b_mb // d,
+                        microbatches=graph.batch // b_mb, spans_hosts=sub.hosts > 1))
+    return out
+
+
+def build_tables(graph: ModelGraph, cluster: Cluster, cons: Constraints, microbatches: int,
+                 cache: dict) -> Tables:
+    """Stage latency and memory of every (layer range, submesh, in-flight count)."""
+    n_layers, b_mb = len(graph.layers), graph.batch // microbatches
+    subs = cluster.submeshes()
+    max_stages = cons.pp or min(n_layers, cluster.devices)
+    inflight = [microbatches] if cons.schedule == "gpipe" else \
+        list(range(1, min(max_stages, microbatches) + 1))
+    shape = (len(inflight), len(subs), n_layers + 1, n_layers + 1)
+    cost, memory = np.full(shape, np.inf), np.full(shape, np.inf)
+    arg = np.zeros(shape, dtype=np.int64)
+    configs: list[tuple[Mesh, list[list[LayerOption]], int]] = []
+    out_bytes = np.array([0.0] + [layer.out_elems * b_mb * cluster.dtype_bytes
+                                  for layer in graph.layers])
+    last = np.arange(n_layers + 1) == n_layers
+    for si, sub in enumerate(subs):
+        send = np.array([transfer_time(cluster, sub, x) for x in out_bytes])
+        send[last] = 0.0
+        for mesh in _meshes(graph, cluster, cons, b_mb, sub):
+            table = _layer_table(graph, mesh, max(inflight), cache)
+            width = max(len(opts) for opts in table)
+            for k in range(width):
+                picks = [opts[min(k, len(opts) - 1)] for opts in table]
+                cum = [np.concatenate([[0.0], np.cumsum([getattr(o, f) for o in picks])])
+                       for f in ("time", "state", "act")]
+                lat, state, act = (c[None, :] - c[:, None] for c in cum)
+                lat = lat + send[None, :]
+                configs.append((mesh, table, k))
+                for qi, q in enumerate(inflight):
+                    mem = state + q * act
+                    ok = (mem <= cluster.memory_bytes) & (np.arange(n_layers + 1)[None, :] >
+                                                          np.arange(n_layers + 1)[:, None])
+                    better = ok & (lat < cost[qi, si])
+                    cost[qi, si][better] = lat[better]
+                    memory[qi, si][better] = mem[better]
+                    arg[qi, si][better] = len(configs) - 1
+    return Tables(microbatches, subs, inflight, cost, arg, configs, memory)
+
+
+def _dp(tables: Tables, t_max: float, devices: int, stage_counts: list[int]
+        ) -> tuple[np.ndarray, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """F[s, i, n] under the bound, and per s the argmin (next boundary, submesh)."""
+    n_layers = tables.cost.shape[-1] - 1
+    top = max(stage_counts)
+    f = np.full((top + 1, n_layers + 1, devices + 1), np.inf)
+    f[0, n_layers, 0] = 0.0
+    choice = {}
+    for s in range(1, top + 1):
+        qi = min(s, len(tables.inflight)) - 1
+        best = np.full((n_layers + 1, devices + 1), np.inf)
+        bj = np.zeros_like(best, dtype=np.int64)
+        bsub = np.zeros_like(bj)
+        for si, sub in enumerate(tables.subs):
+            n = sub.devices
+            if n > devices:
+                continue
+            c = np.where(tables.cost[qi, si] <= t_max, tables.cost[qi, si], np.inf)
+            g = np.full((devices + 1, n_layers + 1), np.inf)   # g[n', j] = F[s-1][j, n' - n]
+            g[n:, :] = f[s - 1][:, : devices + 1 - n].T
+            cand = c[:, None, :] + g[None, :, :]          # [i, n', j]
+            j = np.argmin(cand, axis=2)
+            val = np.take_along_axis(cand, j[:, :, None], axis=2)[:, :, 0]
+            better = val < best
+            best[better], bj[better], bsub[better] = val[better], j[better], si
+        f[s], choice[s] = best, (bj, bsub)
+    return f, choice
+
+
+def _rebuild(tables: Tables, choice: dict, s: int, devices: int) -> list[StageChoice]:
+    stages, i, n = [], 0, devices
+    for left in range(s, 0, -1):
+        bj, bsub = choice[left]
+        j, si = int(bj[i, n]), int(bsub[i, n])
+        qi = min(left, len(tables.inflight)) - 1
+        mesh, table, k = tables.configs[int(tables.arg[qi, si, i, j])]
+        opts = tuple(table[layer][min(k, len(table[layer]) - 1)] for layer in range(i, j))
+        stages.append(StageChoice(i, j, tables.subs[si], mesh, opts,
+                                  float(tables.cost[qi, si, i, j]),
+                                  float(tables.memory[qi, si, i, j])))
+        i, n = j, n - tables.subs[si].devices
+    return stages
+
+
+def _bounds(tables: Tables, eps: float) -> list[float]:
+    vals = np.unique(tables.cost[np.isfinite(tables.cost)])
+    if tables.microbatches == 1 or len(vals) == 0:
+        return [np.inf]
+    out: list[float] = []
+    start = 0.0
+    for v in vals:  # one bound per (1 + eps) bucket of latencies: the bucket's largest value
+        if out and v <= start * (1 + eps):
+            out[-1] = float(v)
+        else:
+            out.append(float(v))
+            start = float(v)
+    return out
+
+
+def solve(tables: Tables, devices: int, stage_counts: list[int], eps: float = 0.1
+          ) -> tuple[float, list[StageChoice]] | None:
+    """Best pipeline (step seconds, stages) using all ``devices``; None if nothing fits."""
+    b = tables.microbatches
+    best: tuple[float, list[StageChoice]] | None = None
+    for t_max in _bounds(tables, eps):
+        if best is not None and b * t_max >= best[0]:
+            break  # every plan left has its slowest stage above t_max
+        f, choice = _dp(tables, t_max, devices, stage_counts)
+        for s in stage_counts:
+            if s < f.shape[0] and np.isfinite(f[s, 0, devices]):
+                stages = _rebuild(tables, choice, s, devices)
+                lat = [st.latency for st in stages]
+                total = sum(lat) + (b - 1) * max(lat)
+                if best is None or total < best[0]:
+                    best = (total, stages)
+    return best

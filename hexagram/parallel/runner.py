@@ -1,0 +1,104 @@
+"""The model :func:`hexagram.parallel.parallelize` returns: one training step at a time.
+
+Example:
+    >>> pm = parallelize(model, plan)                           # doctest: +SKIP
+    >>> opt = torch.optim.SGD(pm.parameters(), lr=0.1)          # doctest: +SKIP
+    >>> loss = pm.train_step(x, y); opt.step(); opt.zero_grad() # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hexagram.errors import HexagramError
+from hexagram.parallel.plan import Plan
+
+__all__ = ["ParallelModel"]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (collective over its mesh), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of a planned model.
+
+    Attributes:
+        module: the stage's layers (linears sharded over tp as DTensors).
+        stage_index, dp_rank: where this rank sits in the plan.
+        schedule: the pipelining schedule (None for a single stage).
+    """
+
+    module: nn.Module
+    plan: Plan
+    stage_index: int
+    dp_rank: int
+    dp_group: dist.ProcessGroup
+    schedule: Any
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    sync: Callable[..., None]
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == len(self.plan.stages) - 1
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def _my_share(self, t: torch.Tensor) -> torch.Tensor:
+        dp = self.plan.stages[self.stage_index].dp
+        if t.shape[0] % (dp * self.plan.microbatches):
+            raise HexagramError(f"batch {t.shape[0]} must divide into dp={dp} x "
+                                f"{self.plan.microbatches} micro-batches")
+        per = t.shape[0] // dp
+        return t[self.dp_rank * per:(self.dp_rank + 1) * per]
+
+    def _single_stage(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        total = x.new_zeros((), dtype=torch.float64)
+        for xc, yc in zip(x.chunk(self.plan.microbatches), y.chunk(self.plan.microbatches)):
+            loss = self.loss_fn(self.module(xc), yc) / self.plan.microbatches
+            loss.backward()
+            total += loss.detach().to(torch.float64)
+        return total
+
+    def _pipelined(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        losses: list[torch.Tensor] = []
+        if self.stage_index == 0:
+            self.schedule.step(x)
+        elif self.is_last:
+            self.schedule.step(target=y, losses=losses)
+        else:
+            self.schedule.step()
+        if not self.is_last:
+            return None
+        return torch.stack([v.detach().to(torch.float64) for v in losses]).mean()
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Forward + backward of the global batch (every rank passes the same one), then
+        average gradients over dp. Returns the mean loss on the last stage, else None."""
+        x, y = self._my_share(inputs), self._my_share(targets)
+        loss = self._single_stage(x, y) if self.schedule is None else self._pipelined(x, y)
+        self.sync(self.module, self.plan.stages[self.stage_index], self.dp_group)
+        if loss is None:
+            return None
+        dp = self.plan.stages[self.stage_index].dp
+        if dp > 1:
+            dist.all_reduce(loss, group=self.dp_group)
+        return float(loss) / dp
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Gradients of this stage's parameters, whole (collective over the stage's tp)."""
+        return {n: _full(p.grad).detach().clone() for n, p in self.module.named_parameters()
+                if p.grad is not None}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters, whole (collective over the stage's tp)."""
+        return {n: _full(p.detach()).clone() for n, p in self.module.named_parameters()}

@@ -1,0 +1,82 @@
+"""A small MILP front end: HiGHS (highspy, in memory) with PuLP's CBC as the fallback.
+
+Problem: minimise ``c @ x`` subject to ``lo <= A x <= hi`` (rows given sparsely) with
+``0 <= x <= 1`` and the first ``n_binary`` variables binary.
+
+Example:
+    >>> # pick one of two items, the cheaper
+    >>> solve([3.0, 1.0], [({0: 1.0, 1: 1.0}, 1.0, 1.0)], n_binary=2)
+    [0.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["Row", "solve"]
+
+#: one constraint: ({variable: coefficient}, lower bound, upper bound)
+Row = tuple[dict[int, float], float, float]
+
+
+def _solve_highs(c: Sequence[float], rows: Sequence[Row], n_binary: int) -> list[float] | None:
+    import highspy
+    import numpy as np
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 1e-6)
+    n = len(c)
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = n, len(rows)
+    lp.col_cost_ = np.asarray(c, dtype=np.float64)
+    lp.col_lower_, lp.col_upper_ = np.zeros(n), np.ones(n)
+    lp.row_lower_ = np.array([r[1] for r in rows], dtype=np.float64)
+    lp.row_upper_ = np.array([r[2] for r in rows], dtype=np.float64)
+    starts, index, value = [0], [], []
+    for coeffs, _lo, _hi in rows:
+        index += list(coeffs)
+        value += list(coeffs.values())
+        starts.append(len(index))
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(value, dtype=np.float64)
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * n_binary + \
+        [highspy.HighsVarType.kContinuous] * (n - n_binary)
+    h.passModel(lp)
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return [float(v) for v in h.getSolution().col_value]
+
+
+def _solve_pulp(c: Sequence[float], rows: Sequence[Row], n_binary: int) -> list[float] | None:
+    import pulp
+
+    prob = pulp.LpProblem("hexagram_ilp", pulp.LpMinimize)
+    xs = [pulp.LpVariable(f"x{i}", 0, 1, cat="Binary" if i < n_binary else "Continuous")
+          for i in range(len(c))]
+    prob += pulp.lpSum(ci * x for ci, x in zip(c, xs))
+    for coeffs, lo, hi in rows:
+        expr = pulp.lpSum(v * xs[i] for i, v in coeffs.items())
+        if lo == hi:
+            prob += expr == lo
+        else:
+            if math.isfinite(lo):
+                prob += expr >= lo
+            if math.isfinite(hi):
+                prob += expr <= hi
+    status = prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    if pulp.LpStatus[status] != "Optimal":
+        return None
+    return [float(x.value() or 0.0) for x in xs]
+
+
+def solve(c: Sequence[float], rows: Sequence[Row], n_binary: int) -> list[float] | None:
+    """Optimal ``x`` or ``None`` when infeasible (HiGHS; CBC if highspy is missing)."""
+    try:
+        return _solve_highs(c, rows, n_binary)
+    except ImportError:
+        return _solve_pulp(c, rows, n_binary)
