@@ -181,6 +181,7 @@ class CompressedAlgorithm(Algorithm):
         self.skipped_steps = 0
         self.residuals: dict[str, Tensor] = {}
         self.generator = torch.Generator()
+        self.reduce_generator = torch.Generator()
         self._shared_seed = False  # subclasses whose ranks must draw the same numbers set it
         self._generator_loaded = False
 
@@ -192,6 +193,10 @@ class CompressedAlgorithm(Algorithm):
             offset = 0 if self._shared_seed else ctx.comm.rank
             self.generator = torch.Generator(device=ctx.runtime.device)
             self.generator.manual_seed(self.config.seed * 1_000_003 + offset)
+            # draws made on the communicator's thread (scatter-gather's second leg) use
+            # their own generator, so their order never depends on thread timing
+            self.reduce_generator = torch.Generator(device=ctx.runtime.device)
+            self.reduce_generator.manual_seed(self.config.seed * 1_000_003 + offset + 500_009)
 
     # -- the hook ------------------------------------------------------------------------
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
@@ -254,13 +259,15 @@ class CompressedAlgorithm(Algorithm):
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "skipped_steps": self.skipped_steps,
                 "residuals": {n: t.clone() for n, t in self.residuals.items()},
-                "generator": self.generator.get_state()}
+                "generator": self.generator.get_state(),
+                "reduce_generator": self.reduce_generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
         self.residuals = {n: t.clone() for n, t in state["residuals"].items()}
         self.generator.set_state(state["generator"])
+        self.reduce_generator.set_state(state["reduce_generator"])
         self._generator_loaded = True
 
 
@@ -291,7 +298,8 @@ class CompressorAlgorithm(CompressedAlgorithm):
                 return primitives.allreduce_compressed(comm, tensor, comp)
             return self._sum_payload(self.compress_with_feedback(segment, tensor, comp, True))
         if comp.aggregation is Aggregation.SCATTER_GATHER and not self.feedback:
-            return primitives.scatter_gather(comm, tensor, comp, generator=self.generator)
+            return primitives.scatter_gather(comm, tensor, comp, generator=self.generator,
+                                             reduce_generator=self.reduce_generator)
         payload = self.compress_with_feedback(segment, tensor, comp, self.feedback)
         h = primitives.allgather_payloads(comm, payload)
         return JoinedHandle([h], lambda r: self.aggregate(

@@ -160,13 +160,18 @@ def _chunks(tensor: Tensor, parts: int) -> tuple[Tensor, int]:
 
 
 def scatter_gather(comm: Communicator, tensor: Tensor, compressor: Compressor,
-                   average: bool = True, generator: torch.Generator | None = None
-                   ) -> Handle[Tensor]:
+                   average: bool = True, generator: torch.Generator | None = None,
+                   reduce_generator: torch.Generator | None = None) -> Handle[Tensor]:
     """Reduce ``tensor`` with compression on both legs (BAGUA's ByteGrad pattern).
 
     Each rank compresses P chunks, all-to-all sends chunk j to rank j, rank j decompresses
     and sums its P copies, recompresses the reduced chunk and allgathers it; everyone then
     decompresses all P reduced chunks. Returns a new tensor shaped like ``tensor``.
+
+    The first compression runs on the caller's thread with ``generator``, the second on the
+    issuing thread with ``reduce_generator`` (default: ``generator``). Give stochastic
+    compressors two generators when calls overlap: one generator drawn from by both threads
+    makes the draws' order, hence the results, depend on thread timing.
     """
     if comm.size == 1:
         return Handle.completed(compressor.decompress(compressor.compress(tensor, generator)),
@@ -185,7 +190,8 @@ def scatter_gather(comm: Communicator, tensor: Tensor, compressor: Compressor,
         assert isinstance(mine, Tensor)
         if average:
             mine = mine / comm.size
-        reduced = compressor.compress(mine, generator)
+        second = generator if reduce_generator is None else reduce_generator
+        reduced = compressor.compress(mine, second)
         buf = reduced.to_buffer()
         comm.counter.add("scatter_gather.allgather", comm.allgather_bytes(buf.numel()))
         out = [torch.empty_like(buf) for _ in range(comm.size)]
