@@ -275,12 +275,11 @@ def test_powersgd_exact_on_rank_one_mean(wire_results: list[dict[str, Any]]) -> 
     assert torch.allclose(got, mean, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["bytegrad", "qsgd"])
-def test_quantized_close_to_mean(name: str, wire_results: list[dict[str, Any]]) -> None:
-    got, xs = _step0(name, wire_results)
+def test_bytegrad_close_to_mean(wire_results: list[dict[str, Any]]) -> None:
+    got, xs = _step0("bytegrad", wire_results)
     mean = torch.cat([torch.stack([x[n] for x in xs]).mean(0).reshape(-1) for n in SHAPES])
-    err = float((got - mean).norm() / mean.norm())
-    assert err < (0.05 if name == "bytegrad" else 0.6), err
+    # two 8-bit legs, 64-element chunks of N(0, 1) data: about 1% relative error
+    assert float((got - mean).norm() / mean.norm()) < 0.03
 
 
 def test_nan_is_reported_with_step_and_parameter(wire_results: list[dict[str, Any]]) -> None:
