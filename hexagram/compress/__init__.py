@@ -35,6 +35,10 @@ _ENTRIES: dict[str, _Entry] = {
                    "IEEE half precision, 16 bits/element, summable"),
     "bf16": _Entry("hexagram.compress.quantize_fp", "CastConfig", "BF16Compressor",
                    "bfloat16, 16 bits/element, summable"),
+    "minmax8": _Entry("hexagram.compress.quantize", "MinMax8Config", "MinMax8Compressor",
+                      "8-bit min-max per chunk (BAGUA ByteGrad), scatter-gather"),
+    "qsgd": _Entry("hexagram.compress.quantize", "QSGDConfig", "QSGDCompressor",
+                   "QSGD: s levels, stochastic, unbiased, ceil(log2(2s+1)) bits/element"),
 }
 
 

@@ -29,7 +29,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Aggregation", "Compressor", "Payload", "check_compressible"]
+from hexagram.errors import NonFiniteGradientError
+
+__all__ = [
+    "Aggregation",
+    "Compressor",
+    "Payload",
+    "SeededCompressor",
+    "check_compressible",
+    "check_finite",
+    "ensure_finite",
+]
 
 
 class Aggregation(enum.Enum):
@@ -86,7 +96,12 @@ class Payload:
         offset = 0
         for t in self.tensors:
             n = t.numel() * t.element_size()
-            out.append(buffer[offset : offset + n].view(t.dtype).reshape(t.shape))
+            part = buffer[offset : offset + n]
+            if part.storage_offset() % t.element_size():
+                # a uint8 slice can only be viewed as a wider dtype at an aligned offset
+                # (e.g. a 3-byte bit field before a float32 scale): copy the few bytes
+                part = part.clone()
+            out.append(part.view(t.dtype).reshape(t.shape))
             offset += n
         return replace(self, tensors=tuple(out))
 
@@ -121,7 +136,7 @@ class Compressor(ABC):
         """Compressor state needed to resume exactly (RNG state, warm-start factors)."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 (no-op default)
         """Restore what :meth:`state_dict` returned."""
 
     def __repr__(self) -> str:
@@ -129,7 +144,10 @@ class Compressor(ABC):
 
 
 def check_compressible(tensor: Tensor, who: str) -> None:
-    """Raise a clear error for tensors no compressor accepts (empty, integer, non-finite).
+    """Raise a clear error for tensors no compressor accepts (not a tensor, integer, empty).
+
+    Non-finite values are checked by each compressor with :func:`ensure_finite` (from a
+    reduction it computes anyway) or :func:`check_finite`.
 
     Args:
         tensor: the tensor about to be compressed.
@@ -144,3 +162,58 @@ def check_compressible(tensor: Tensor, who: str) -> None:
         )
     if tensor.numel() == 0:
         raise ValueError(f"{who}: cannot compress an empty tensor (numel == 0)")
+
+
+def check_finite(tensor: Tensor, who: str) -> None:
+    """Raise :class:`NonFiniteGradientError` if ``tensor`` holds NaN or Inf (one full pass)."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise NonFiniteGradientError(
+            f"{who}: the tensor holds NaN or Inf; compressing it would silently corrupt every "
+            "rank's result. Find the step/parameter that produced it (lower the learning "
+            "rate, clip gradients or use a loss scaler) before compressing"
+        )
+
+
+def ensure_finite(tensor: Tensor, probe: Tensor, who: str) -> None:
+    """Cheap finiteness check: ``probe`` is a small reduction of ``tensor`` already computed.
+
+    NaN and Inf propagate through sums, norms, minima and maxima, so a finite ``probe``
+    proves a finite ``tensor`` at no extra cost. A non-finite probe triggers the full check
+    (the probe may also have overflowed on finite data, e.g. a float32 sum of squares).
+    """
+    if not bool(torch.isfinite(probe).all()):
+        check_finite(tensor, who)
+
+
+class SeededCompressor(Compressor):
+    """Base of stochastic compressors: an own generator per device, seeded from ``seed``.
+
+    ``compress(x, generator=g)`` draws only from ``g``; with ``None`` it draws from the
+    compressor's generator for ``x.device``, created from ``seed`` and saved in
+    :meth:`state_dict`, so a run resumed from a checkpoint draws the same numbers.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generator_for(self, tensor: Tensor, generator: torch.Generator | None) -> torch.Generator:
+        """``generator`` if given, else this compressor's own generator for the device."""
+        if generator is not None:
+            return generator
+        key = str(tensor.device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=tensor.device).manual_seed(self.seed)
+        return self._generators[key]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed,
+                "generators": {k: g.get_state() for k, g in self._generators.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state["seed"])
+        self._generators = {}
+        for key, rng_state in state["generators"].items():
+            g = torch.Generator(device=key)
+            g.set_state(rng_state)
+            self._generators[key] = g

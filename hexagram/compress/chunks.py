@@ -1,0 +1,145 @@
+"""Per-chunk helpers shared by the chunked quantizers (``minmax8``, ``qsgd``).
+
+A flat tensor of ``n`` elements is cut into ``ceil(n / c)`` chunks of ``c`` elements (the
+last one may be shorter); each chunk gets its own scale. These helpers compute per-chunk
+reductions without copying the tensor, and apply per-chunk scales to a block in place
+through (rows, c) views of its chunk-aligned pieces.
+
+Example:
+    >>> import torch
+    >>> chunk_reduce(torch.arange(5.0), 2, lambda rows: rows.amax(dim=1))
+    tensor([1., 3., 4.])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from hexagram.compress.base import ensure_finite
+from hexagram.compress.packing import BLOCK, decode_blocks
+
+__all__ = [
+    "affine_rows",
+    "chunk_reduce",
+    "decode_affine",
+    "pieces",
+    "robust_norms",
+    "work_dtype",
+]
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic and header dtype: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def chunk_reduce(flat: Tensor, chunk: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``fn`` applied to the (rows, c) view of the full chunks and to the short last chunk.
+
+    ``fn`` maps a (rows, c) tensor to a (rows, ...) tensor; results are concatenated in
+    chunk order, so the output has ``ceil(n / chunk)`` rows.
+    """
+    n = flat.numel()
+    full = n // chunk
+    parts = []
+    if full:
+        parts.append(fn(flat[: full * chunk].view(full, chunk)))
+    if n % chunk:
+        parts.append(fn(flat[full * chunk :].view(1, n - full * chunk)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def pieces(start: int, length: int, chunk: int) -> list[tuple[int, int, int, int]]:
+    """Chunk-aligned pieces of the block ``[start, start + length)`` of a flat tensor.
+
+    Returns ``(offset, rows, cols, first_chunk)`` tuples: the block's elements
+    ``[offset, offset + rows * cols)`` form a (rows, cols) view whose row ``i`` lies in
+    chunk ``first_chunk + i``. A block that starts and ends on chunk boundaries is one
+    piece; otherwise a partial head and/or tail chunk adds a one-row piece.
+    """
+    out = []
+    pos, end = start, start + length
+    while pos < end:
+        chunk_start = pos // chunk * chunk
+        if pos > chunk_start or end - pos < chunk:  # partial chunk: one row
+            cols = min(end, chunk_start + chunk) - pos
+            out.append((pos - start, 1, cols, pos // chunk))
+            pos += cols
+        else:  # whole chunks
+            rows = (end - pos) // chunk
+            out.append((pos - start, rows, chunk, pos // chunk))
+            pos += rows * chunk
+    return out
+
+
+def affine_rows(buf: Tensor, start: int, chunk: int, *, sub: Tensor | None = None,
+                mul: Tensor | None = None, add: Tensor | None = None) -> None:
+    """In place, per chunk: ``buf[i] = (buf[i] - sub[c]) * mul[c] + add[c]``.
+
+    ``c`` is the chunk of element ``start + i``; each of ``sub``, ``mul``, ``add`` holds one
+    value per chunk (or is None: skipped).
+    """
+    for off, rows, cols, first in pieces(start, buf.numel(), chunk):
+        view = buf[off : off + rows * cols].view(rows, cols)
+        for op, per_chunk in ((view.sub_, sub), (view.mul_, mul), (view.add_, add)):
+            if per_chunk is not None:
+                op(per_chunk[first : first + rows, None])
+
+
+def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
+                  offset: Tensor | None, shift: float, dtype: torch.dtype) -> Tensor:
+    """Dense ``(code - shift) * scale[chunk] + offset[chunk]`` of ``n`` packed codes.
+
+    ``scale`` and ``offset`` hold one value per chunk (``expand`` a single value for a
+    per-tensor scale); arithmetic runs block by block in ``scale.dtype``.
+    """
+    out = torch.empty(n, dtype=dtype, device=packed.device)
+    direct = out.dtype == scale.dtype  # decode in the output itself, no temporary
+    tmp = torch.empty(0 if direct else min(BLOCK, n), dtype=scale.dtype, device=packed.device)
+
+    def use(start: int, stop: int, codes: Tensor) -> None:
+        buf = out[start:stop] if direct else tmp[: stop - start]
+        buf.copy_(codes)
+        if shift:
+            buf.sub_(shift)
+        affine_rows(buf, start, chunk, mul=scale, add=offset)
+        if not direct:
+            out[start:stop].copy_(buf)
+
+    decode_blocks(packed, bits, n, use)
+    return out
+
+
+def robust_norms(flat: Tensor, chunk: int, dtype: torch.dtype, who: str) -> Tensor:
+    """L2 norm of each chunk in ``dtype``, exact also where squares over/underflow.
+
+    The fast norm squares in ``dtype``; chunks whose norm came out non-finite or below
+    ``sqrt(tiny)`` (squares may have underflowed, e.g. values of 1e-30 in float32) are
+    recomputed in float64 as ``max|x| * ||x / max|x|||``.
+    NaN or Inf in ``flat`` raise :class:`NonFiniteGradientError` (they make a norm
+    non-finite, which triggers the full check).
+    """
+    norms = chunk_reduce(flat, chunk,
+                         lambda rows: torch.linalg.vector_norm(rows, dim=1, dtype=dtype))
+    ensure_finite(flat, norms, who)
+    suspect = ~torch.isfinite(norms) | (norms < torch.finfo(dtype).tiny ** 0.5)
+    if bool(suspect.any()):  # rare: all-zero, tiny or huge chunks
+        full = flat.numel() // chunk
+        idx = suspect[:full].nonzero().flatten()
+        if idx.numel():
+            norms[idx] = _scaled_norms(flat[: full * chunk].view(full, chunk)[idx]).to(dtype)
+        if norms.numel() > full and bool(suspect[-1]):
+            norms[-1:] = _scaled_norms(flat[full * chunk :].view(1, -1)).to(dtype)
+    return norms
+
+
+def _scaled_norms(rows: Tensor) -> Tensor:
+    """Row norms of a (rows, c) tensor in float64, scaled by each row's max so squares of
+    huge or tiny values neither overflow nor underflow."""
+    rows = rows.to(torch.float64)
+    peak = rows.abs().amax(dim=1, keepdim=True)
+    unit = rows / torch.where(peak > 0, peak, 1.0)
+    return peak.squeeze(1) * torch.linalg.vector_norm(unit, dim=1)

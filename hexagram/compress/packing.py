@@ -1,0 +1,168 @@
+"""Bit packing of small integer codes, and block-wise encode/decode loops.
+
+A code is an integer in ``[0, 2**bits)`` held in a uint8. ``pack_codes`` stores ``n`` codes
+of ``bits`` bits in exactly ``ceil(n * bits / 8)`` bytes, little-endian within each group of
+8 codes: 8 codes of ``bits`` bits form one ``8 * bits``-bit word whose low ``bits`` bits are
+code 0, and the word's ``bits`` bytes are stored lowest first. Every width from 1 to 8 bits
+is supported (QSGD with 3 levels needs 3 bits), all with shifts and ors on uint8/int64
+views — no Python loop over elements.
+
+Compressors encode large tensors block by block (:func:`encode_blocks`,
+:func:`decode_blocks`): the float temporaries of a block of ``BLOCK`` elements stay in the
+CPU cache and are reused, instead of allocating (and page-faulting) several tensors as
+large as the gradient, which costs more than the arithmetic itself.
+
+Example:
+    >>> import torch
+    >>> codes = torch.tensor([1, 0, 1, 1, 0, 0, 0, 0, 1], dtype=torch.uint8)
+    >>> packed = pack_codes(codes, bits=1)
+    >>> packed.tolist(), packed_nbytes(9, 1)
+    ([13, 1], 2)
+    >>> torch.equal(unpack_codes(packed, bits=1, n=9), codes)
+    True
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BLOCK",
+    "blocks",
+    "decode_blocks",
+    "encode_blocks",
+    "pack_codes",
+    "packed_nbytes",
+    "unpack_codes",
+]
+
+#: elements per block in block-wise loops: 128 KiB of float32 fits in L2 cache, and ops on
+#: fewer than 32768 elements run on one thread (torch's grain size), so a block never waits
+#: for a second thread that a busy machine has descheduled
+BLOCK = 1 << 15
+
+if sys.byteorder != "little":  # the int64 <-> uint8 views below assume little-endian words
+    raise ImportError("hexagram.compress.packing needs a little-endian machine")
+
+# Moves bit 8i of a word (byte i's low bit) to bit 56 + i: the product sums
+# b_i * 2**(8i + 56 - 7j); only i == j lands in bits 56..63 and no two terms collide.
+_GATHER_LOW_BITS = 0x0102040810204080
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes taken by ``n`` codes of ``bits`` bits: ``ceil(n * bits / 8)``."""
+    return (n * bits + 7) // 8
+
+
+def blocks(n: int, block: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of consecutive blocks of ``block`` elements covering ``range(n)``."""
+    for start in range(0, n, block):
+        yield start, min(n, start + block)
+
+
+def _steps(bits: int) -> list[tuple[int, int, int]]:
+    """(shift, low mask, high mask) of the 3 steps that squeeze 8 byte-aligned fields of
+    ``bits`` bits into the low ``8 * bits`` bits of an int64 word.
+
+    Step k merges pairs of fields ``width = 8 * 2**k`` bits apart: in each lane of
+    ``2 * width`` bits the high field moves down next to the low one. All masks stay below
+    bit 63 (bits <= 7), so arithmetic shifts of the signed words never see a sign bit.
+    """
+    steps = []
+    for width in (8, 16, 32):
+        per = bits * (width // 8)  # bits in each field before this step
+        lane = 2 * width
+        low = sum(((1 << per) - 1) << (k * lane) for k in range(64 // lane))
+        steps.append((width - per, low, low << per))
+    return steps
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """``codes`` (1-D uint8, each < ``2**bits``) packed into ``ceil(n * bits / 8)`` bytes."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in [1, 8], got {bits}")
+    n = codes.numel()
+    if bits == 8:
+        return codes.clone()
+    groups = -(-n // 8)
+    if groups * 8 != n:  # pad to whole groups of 8 codes with zero codes
+        codes = torch.cat([codes, codes.new_zeros(groups * 8 - n)])
+    w = codes.view(torch.int64)  # (groups,): byte i of a word = code i
+    if bits == 1:
+        packed = ((w * _GATHER_LOW_BITS) >> 56).to(torch.uint8)  # truncation keeps bits 56..63
+        return packed[: packed_nbytes(n, 1)]
+    w = w.clone()
+    for shift, low, high in _steps(bits):
+        kept = w & low
+        w.bitwise_right_shift_(shift).bitwise_and_(high).bitwise_or_(kept)
+    packed = w.view(torch.uint8).view(groups, 8)[:, :bits]  # the word's low `bits` bytes
+    return packed.reshape(-1)[: packed_nbytes(n, bits)]
+
+
+def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
+    """The ``n`` uint8 codes that :func:`pack_codes` stored in ``packed``."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in [1, 8], got {bits}")
+    if packed.numel() != packed_nbytes(n, bits):
+        raise ValueError(f"{n} codes of {bits} bits take {packed_nbytes(n, bits)} bytes, "
+                         f"got {packed.numel()}")
+    if bits == 8:
+        return packed.clone()
+    groups = -(-n // 8)
+    if bits == 1:
+        shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+        codes = (packed.unsqueeze(1) >> shifts) & 1  # (groups, 8): bit i of byte g
+        return codes.reshape(-1)[:n]
+    words = packed.new_zeros(groups, 8)  # each group's bytes, zero-extended to an int64
+    flat = words[:, :bits]
+    flat.copy_(_pad_to(packed, groups * bits).view(groups, bits))
+    w = words.view(torch.int64).view(groups)
+    for shift, low, high in reversed(_steps(bits)):
+        kept = w & low
+        w.bitwise_and_(high).bitwise_left_shift_(shift).bitwise_or_(kept)
+    return words.view(-1)[:n]
+
+
+def _pad_to(t: Tensor, size: int) -> Tensor:
+    if t.numel() == size:
+        return t
+    return torch.cat([t, t.new_zeros(size - t.numel())])
+
+
+def encode_blocks(n: int, bits: int, fill: Callable[[int, int, Tensor], None],
+                  device: torch.device, block: int = BLOCK) -> Tensor:
+    """Packed codes of ``n`` elements, computed block by block.
+
+    ``fill(start, stop, codes)`` writes the uint8 codes of elements ``[start, stop)`` into
+    ``codes`` (a reused buffer). ``block`` must be a multiple of 8 so every block starts
+    on a byte boundary of the packed output.
+    """
+    if block % 8:
+        raise ValueError(f"block must be a multiple of 8, got {block}")
+    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=device)
+    if bits == 8:  # codes are the bytes: fill the output directly
+        for start, stop in blocks(n, block):
+            fill(start, stop, out[start:stop])
+        return out
+    buf = torch.empty(min(block, n), dtype=torch.uint8, device=device)
+    for start, stop in blocks(n, block):
+        codes = buf[: stop - start]
+        fill(start, stop, codes)
+        first = start * bits // 8
+        out[first : first + packed_nbytes(stop - start, bits)] = pack_codes(codes, bits)
+    return out
+
+
+def decode_blocks(packed: Tensor, bits: int, n: int, use: Callable[[int, int, Tensor], None],
+                  block: int = BLOCK) -> None:
+    """Calls ``use(start, stop, codes)`` with the uint8 codes of each block of elements."""
+    if block % 8:
+        raise ValueError(f"block must be a multiple of 8, got {block}")
+    for start, stop in blocks(n, block):
+        first = start * bits // 8
+        part = packed[first : first + packed_nbytes(stop - start, bits)]
+        use(start, stop, part if bits == 8 else unpack_codes(part, bits, stop - start))

@@ -1,0 +1,213 @@
+"""Chunked quantizers: ``minmax8`` (BAGUA's ByteGrad) and ``qsgd`` (Alistarh et al. 2017).
+
+Both cut the flat tensor into chunks of a configured size, each with its own scale, so the
+payload layout depends only on ``numel``: they are ``Aggregation.SCATTER_GATHER``
+compressors (a rank's chunk can be decompressed, reduced and recompressed on its own).
+
+Wire formats (``n`` elements, chunks of ``c``, ``G = ceil(n / c)``, ``h`` = 4 bytes, 8 for
+float64 inputs):
+
+- ``minmax8``: header (G, 2) [min, step] + n uint8 codes: ``n + 2*h*G`` bytes.
+  ``x ~ min + code * step`` with ``step = (max - min) / 255``, rounding to nearest
+  (error <= step / 2 per element, deterministic, biased).
+- ``qsgd``: header (G,) L2 norms + codes of ``b = ceil(log2(2s + 1))`` bits, bit-packed:
+  ``ceil(n * b / 8) + h*G`` bytes. ``x ~ norm * l / s`` with ``l`` in ``[-s, s]`` the
+  stochastic rounding of ``s * x / norm`` (unbiased; the variance of a chunk is at most
+  ``min(c/s^2, sqrt(c)/s) * ||chunk||^2``, so at most ``min(n/s^2, sqrt(n)/s) * ||x||^2``).
+  The dither comes from 16 random bits per element: the rounding bias is at most
+  ``2**-17`` of a level.
+
+Example:
+    >>> import torch
+    >>> from hexagram.compress.quantize import MinMax8Compressor
+    >>> c = MinMax8Compressor()
+    >>> p = c.compress(torch.linspace(-1, 1, 2048))
+    >>> p.nbytes, float((c.decompress(p) - torch.linspace(-1, 1, 2048)).abs().max()) < 0.004
+    (2064, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hexagram.compress.base import (
+    Aggregation,
+    Compressor,
+    Payload,
+    SeededCompressor,
+    check_compressible,
+    ensure_finite,
+)
+from hexagram.compress.chunks import (
+    affine_rows,
+    chunk_reduce,
+    decode_affine,
+    robust_norms,
+    work_dtype,
+)
+from hexagram.compress.packing import BLOCK, encode_blocks
+from hexagram.config import check_int
+
+__all__ = ["MinMax8Compressor", "MinMax8Config", "QSGDCompressor", "QSGDConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MinMax8Config:
+    """Settings of ``minmax8``.
+
+    Attributes:
+        chunk_size: elements sharing one (min, step) pair. Smaller => smaller error
+            (range of a chunk / 510), more header bytes (8 per chunk).
+    """
+
+    chunk_size: int = 1024
+
+    def __post_init__(self) -> None:
+        check_int(self, "chunk_size", low=1, high=1 << 24)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QSGDConfig:
+    """Settings of ``qsgd``.
+
+    Attributes:
+        levels: s, quantization levels per sign. More => lower variance, more bits
+            (ceil(log2(2s + 1)): 1 -> 2 bits, 7 -> 4 bits, 127 -> 8 bits).
+        bucket_size: elements sharing one norm. Smaller => lower variance, more header
+            bytes (4 per bucket).
+        seed: seed of the compressor's own generator (used when none is passed).
+    """
+
+    levels: int = 7
+    bucket_size: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_int(self, "levels", low=1, high=127)
+        check_int(self, "bucket_size", low=1, high=1 << 24)
+        check_int(self, "seed", low=0)
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    return tensor.detach().reshape(-1)
+
+
+def _check_header(payload: Payload, chunk: int, who: str) -> int:
+    """Number of elements, after checking the header matches this compressor's chunks."""
+    n = payload.shape.numel()
+    rows = -(-n // chunk)
+    if payload.tensors[0].shape[0] != rows:
+        raise ValueError(f"{who}: payload has {payload.tensors[0].shape[0]} chunk headers, "
+                         f"expected {rows} for {n} elements; was it compressed with another "
+                         "chunk size?")
+    return n
+
+
+class MinMax8Compressor(Compressor):
+    """8-bit min-max quantization per chunk (BAGUA ByteGrad). See the module docstring."""
+
+    name = "minmax8"
+    aggregation = Aggregation.SCATTER_GATHER
+    unbiased = False
+
+    def __init__(self, config: MinMax8Config | None = None) -> None:
+        self.config = config or MinMax8Config()
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        check_compressible(tensor, self.name)
+        flat, c, wd = _flat(tensor), self.config.chunk_size, work_dtype(tensor.dtype)
+        ext = chunk_reduce(flat, c, lambda r: torch.stack(torch.aminmax(r, dim=1), 1)).to(wd)
+        ensure_finite(flat, ext, self.name)  # NaN/Inf make a chunk's min or max non-finite
+        lo, hi = ext[:, 0], ext[:, 1]
+        step = (hi / 2 - lo / 2) / 127.5  # (hi - lo) / 255 without overflowing
+        inv = torch.where(step > 0, 1 / step, 0.0)
+        inv = torch.where(torch.isfinite(inv), inv, 0.0)  # subnormal step: all codes 0 (= lo)
+        # x - lo overflows where a chunk spans more than the dtype's range: use float64 then
+        calc = torch.float64 if not bool(torch.isfinite(hi - lo).all()) else wd
+        lo_c, inv_c = lo.to(calc), inv.to(calc)
+        tmp = torch.empty(min(BLOCK, flat.numel()), dtype=calc, device=flat.device)
+
+        def fill(start: int, stop: int, codes: Tensor) -> None:
+            buf = tmp[: stop - start]
+            buf.copy_(flat[start:stop])
+            # code = trunc((x - lo) / step + 0.5): round to nearest, in [0, 255]
+            affine_rows(buf, start, c, sub=lo_c, mul=inv_c)
+            codes.copy_(buf.add_(0.5).clamp_(0, 255))
+
+        codes = encode_blocks(flat.numel(), 8, fill, flat.device)
+        return Payload(tensors=(torch.stack([lo, step], 1), codes), shape=tensor.shape,
+                       dtype=tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        c = self.config.chunk_size
+        n = _check_header(payload, c, self.name)
+        header, codes = payload.tensors
+        lo, step = header[:, 0], header[:, 1]
+        if not bool(torch.isfinite(step * 255).all()):  # a chunk spans beyond the range
+            lo, step = lo.double(), step.double()
+        return decode_affine(codes, 8, n, c, step, lo, 0.0, payload.dtype).view(payload.shape)
+
+
+def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
+                     gen: torch.Generator) -> Tensor:
+    """Packed codes ``floor(x * scale[chunk] + u) + levels``, ``u ~ U(0, 1)``, clamped to
+    ``[0, 2 * levels]``: the unbiased stochastic rounding of ``x * scale`` to an integer
+    in ``[-levels, levels]`` (values beyond are clipped), in ceil(log2(2s + 1)) bits."""
+    s, n = levels, flat.numel()
+    tmp = torch.empty(min(BLOCK, n), dtype=scale.dtype, device=flat.device)
+    dither = torch.empty_like(tmp)
+    words = torch.empty(-(-tmp.numel() // 4), dtype=torch.int64, device=flat.device)
+
+    def fill(start: int, stop: int, codes: Tensor) -> None:
+        length = stop - start
+        buf = tmp[:length]
+        buf.copy_(flat[start:stop])
+        affine_rows(buf, start, chunk, mul=scale)  # in [-s, s] (beyond only when clipping)
+        # 16 random bits per element: u = (r + 32768.5) / 65536 in (0, 1), r an int16
+        rnd = words[: -(-length // 4)].random_(-(2**63), None, generator=gen)
+        dither[:length].copy_(rnd.view(torch.int16)[:length])
+        buf.add_(dither[:length], alpha=2.0**-16).add_(s + 0.5 + 2.0**-17)
+        codes.copy_(buf.clamp_(0, 2 * s))  # trunc(x * scale + u + s) = floor(...) + s
+
+    return encode_blocks(n, (2 * s).bit_length(), fill, flat.device)
+
+
+class QSGDCompressor(SeededCompressor):
+    """QSGD: stochastic rounding to ``s`` levels of ``|x| / norm`` per bucket (unbiased)."""
+
+    name = "qsgd"
+    aggregation = Aggregation.SCATTER_GATHER
+    unbiased = True
+
+    def __init__(self, config: QSGDConfig | None = None) -> None:
+        self.config = config or QSGDConfig()
+        super().__init__(self.config.seed)
+        self.bits = (2 * self.config.levels).bit_length()  # ceil(log2(2s + 1))
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        check_compressible(tensor, self.name)
+        flat, d, wd = _flat(tensor), self.config.bucket_size, work_dtype(tensor.dtype)
+        s = self.config.levels
+        norms = robust_norms(flat, d, wd, self.name)
+        if not bool(torch.isfinite(norms).all()):
+            raise ValueError(f"{self.name}: a bucket's L2 norm exceeds the {wd} range; "
+                             "scale the tensor down (e.g. divide by the world size) first")
+        scale = torch.where(norms > 0, s / norms.double(), 0.0)  # (G,) float64
+        # s / norm overflows float32 for subnormal norms: compute those tensors in float64
+        calc = wd if bool((scale <= torch.finfo(wd).max).all()) else torch.float64
+        codes = stochastic_codes(flat, d, scale.to(calc), s,
+                                 self.generator_for(tensor, generator))
+        return Payload(tensors=(norms, codes), shape=tensor.shape, dtype=tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        d, s = self.config.bucket_size, self.config.levels
+        n = _check_header(payload, d, self.name)
+        norms, codes = payload.tensors
+        return decode_affine(codes, self.bits, n, d, norms / s, None, float(s),
+                              payload.dtype).view(payload.shape)
+
+    def __repr__(self) -> str:
+        return f"QSGDCompressor({self.config})"
