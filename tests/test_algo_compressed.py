@@ -36,7 +36,8 @@ BAD_CONFIGS = [
     ("topk", "density", 0.0), ("topk", "density", 1.5), ("gtopk", "density", -0.1),
     ("randomk", "density", 2.0), ("dgc", "momentum", 1.0), ("dgc", "clip_norm", -1.0),
     ("dgc", "warmup_steps", -5), ("powersgd", "rank", 0), ("powersgd", "start_iter", -1),
-    ("terngrad", "seed", -1),
+    ("terngrad", "seed", -1), ("topk", "error_feedback", "yes"),
+    ("powersgd", "warm_start", None),
 ]
 
 

@@ -21,6 +21,7 @@ Example (a subclass)::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,9 @@ class CompressedConfig:
         check_choice(self, "granularity", GRANULARITIES)
         check_choice(self, "on_nonfinite", NONFINITE_POLICIES)
         check_int(self, "seed", low=0)
+        for f in dataclasses.fields(self):  # subclasses' switches (error_feedback, ...)
+            if f.type in ("bool", bool):
+                check_choice(self, f.name, (True, False))
 
 
 @dataclass(frozen=True)
