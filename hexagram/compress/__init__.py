@@ -39,6 +39,20 @@ _ENTRIES: dict[str, _Entry] = {
                       "8-bit min-max per chunk (BAGUA ByteGrad), scatter-gather"),
     "qsgd": _Entry("hexagram.compress.quantize", "QSGDConfig", "QSGDCompressor",
                    "QSGD: s levels, stochastic, unbiased, ceil(log2(2s+1)) bits/element"),
+    "terngrad": _Entry("hexagram.compress.quantize", "TernGradConfig", "TernGradCompressor",
+                       "TernGrad: max-scaled ternary, stochastic, unbiased, 2 bits/element"),
+    "onebit": _Entry("hexagram.compress.signs", "SignConfig", "OneBitCompressor",
+                     "1-bit SGD: sign bit + mean of each half, use with error feedback"),
+    "sign": _Entry("hexagram.compress.signs", "SignConfig", "SignCompressor",
+                   "signSGD: 1 bit/element, decodes to +-1 (majority vote)"),
+    "efsign": _Entry("hexagram.compress.signs", "SignConfig", "EFSignCompressor",
+                     "scaled sign (||x||_1/n) * sign(x), use with error feedback"),
+    "topk": _Entry("hexagram.compress.sparsify", "TopKConfig", "TopKCompressor",
+                   "k largest magnitudes (exact, or approximate threshold from a sample)"),
+    "randomk": _Entry("hexagram.compress.sparsify", "RandomKConfig", "RandomKCompressor",
+                      "k random entries (stratified), rescaled to be unbiased"),
+    "threshold": _Entry("hexagram.compress.sparsify", "ThresholdConfig", "ThresholdCompressor",
+                        "entries with |x| >= threshold, fixed capacity + count header"),
 }
 
 

@@ -1,8 +1,10 @@
-"""Chunked quantizers: ``minmax8`` (BAGUA's ByteGrad) and ``qsgd`` (Alistarh et al. 2017).
+"""Quantizers: ``minmax8`` (BAGUA's ByteGrad), ``qsgd`` (Alistarh et al. 2017) and
+``terngrad`` (Wen et al. 2017; per-tensor scale, see :class:`TernGradCompressor`).
 
-Both cut the flat tensor into chunks of a configured size, each with its own scale, so the
-payload layout depends only on ``numel``: they are ``Aggregation.SCATTER_GATHER``
-compressors (a rank's chunk can be decompressed, reduced and recompressed on its own).
+``minmax8`` and ``qsgd`` cut the flat tensor into chunks of a configured size, each with
+its own scale, so the payload layout depends only on ``numel``: they are
+``Aggregation.SCATTER_GATHER`` compressors (a rank's chunk can be decompressed, reduced and
+recompressed on its own).
 
 Wire formats (``n`` elements, chunks of ``c``, ``G = ceil(n / c)``, ``h`` = 4 bytes, 8 for
 float64 inputs):
@@ -49,9 +51,17 @@ from hexagram.compress.chunks import (
     work_dtype,
 )
 from hexagram.compress.packing import BLOCK, encode_blocks
-from hexagram.config import check_int
+from hexagram.config import check_float, check_int
 
-__all__ = ["MinMax8Compressor", "MinMax8Config", "QSGDCompressor", "QSGDConfig"]
+__all__ = [
+    "MinMax8Compressor",
+    "MinMax8Config",
+    "QSGDCompressor",
+    "QSGDConfig",
+    "TernGradCompressor",
+    "TernGradConfig",
+    "stochastic_codes",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,3 +221,65 @@ class QSGDCompressor(SeededCompressor):
 
     def __repr__(self) -> str:
         return f"QSGDCompressor({self.config})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TernGradConfig:
+    """Settings of ``terngrad``.
+
+    Attributes:
+        clip: c, clip ``|x|`` to ``c * std(x)`` before ternarizing (the paper's gradient
+            clipping, c = 2.5 there); 0 turns clipping off. Smaller (nonzero) => smaller
+            scale and variance, more bias (clipped values lose magnitude).
+        seed: seed of the compressor's own generator (used when none is passed).
+    """
+
+    clip: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_float(self, "clip", low=0.0)
+        check_int(self, "seed", low=0)
+
+
+class TernGradCompressor(SeededCompressor):
+    """TernGrad: ``x -> scale * sign(x) * Bernoulli(|x| / scale)``, ``scale = max|x|``.
+
+    Wire format: header (1,) [scale] (4 bytes, 8 for float64) + 2-bit codes
+    (``ceil(n / 4)`` bytes). Unbiased without clipping; with ``clip`` the scale is
+    ``min(max|x|, clip * std(x))`` and larger entries become ``+-scale``.
+    """
+
+    name = "terngrad"
+    aggregation = Aggregation.GATHER
+
+    def __init__(self, config: TernGradConfig | None = None) -> None:
+        self.config = config or TernGradConfig()
+        super().__init__(self.config.seed)
+        self.unbiased = self.config.clip == 0
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        check_compressible(tensor, self.name)
+        flat, wd = _flat(tensor), work_dtype(tensor.dtype)
+        lo, hi = torch.aminmax(flat)
+        ensure_finite(flat, torch.stack([lo, hi]), self.name)
+        peak = max(-float(lo), float(hi))
+        if self.config.clip:
+            peak = min(peak, self.config.clip * float(flat.to(wd).std(correction=0)))
+        inv = 1 / peak if peak > 0 else 0.0
+        # 1 / peak overflows float32 for subnormal peaks: scale in float64 then
+        calc = wd if inv <= torch.finfo(wd).max else torch.float64
+        scale = torch.tensor([inv], dtype=calc, device=flat.device)
+        codes = stochastic_codes(flat, flat.numel(), scale, 1,
+                                 self.generator_for(tensor, generator))
+        header = torch.tensor([peak], dtype=wd, device=flat.device)
+        return Payload(tensors=(header, codes), shape=tensor.shape, dtype=tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        header, codes = payload.tensors
+        n = payload.shape.numel()
+        return decode_affine(codes, 2, n, n, header, None, 1.0,
+                             payload.dtype).view(payload.shape)
+
+    def __repr__(self) -> str:
+        return f"TernGradCompressor({self.config})"

@@ -1,5 +1,9 @@
 """Floating-point casts: ``fp16`` and ``bf16`` (2 bytes per element, summable).
 
+Wire format: the tensor cast to the wire dtype, ``2 * n`` bytes. NaN or Inf in the input
+raise :class:`~hexagram.errors.NonFiniteGradientError`; values that overflow the wire
+dtype (beyond +-65504 for fp16) raise ``ValueError`` instead of becoming inf.
+
 Example:
     >>> import torch
     >>> from hexagram.compress.quantize_fp import HalfCompressor
@@ -15,7 +19,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hexagram.compress.base import Aggregation, Compressor, Payload, check_compressible
+from hexagram.compress.base import (
+    Aggregation,
+    Compressor,
+    Payload,
+    check_compressible,
+    check_finite,
+)
 
 __all__ = ["BF16Compressor", "CastConfig", "HalfCompressor"]
 
@@ -35,8 +45,16 @@ class _Cast(Compressor):
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
-        return Payload(tensors=(tensor.detach().to(self.wire_dtype),), shape=tensor.shape,
-                       dtype=tensor.dtype)
+        wire = tensor.detach().to(self.wire_dtype)
+        probe = wire.sum(dtype=torch.float64)  # NaN/Inf in the input or from overflow
+        if not bool(torch.isfinite(probe)):
+            check_finite(tensor, self.name)
+            raise ValueError(
+                f"{self.name}: values beyond +-{torch.finfo(self.wire_dtype).max:g} overflow "
+                f"{self.wire_dtype} to inf; scale the tensor down first (e.g. divide by the "
+                "world size) or use bf16"
+            )
+        return Payload(tensors=(wire,), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
         return payload.tensors[0].to(payload.dtype).reshape(payload.shape)

@@ -1,0 +1,164 @@
+"""One-bit compressors: ``sign`` (signSGD), ``efsign`` (scaled sign) and ``onebit`` (1-bit SGD).
+
+All three send one bit per element, bit-packed (``ceil(n / 8)`` bytes), bit = 1 where
+``x >= 0`` (zero counts as positive), plus a small header:
+
+- ``sign``: no header; decodes to +-1 (signSGD, Bernstein et al.). Meant for majority vote:
+  the algorithm sums the decoded signs of all ranks and takes the sign.
+- ``efsign``: header (1,) [mean |x|]; decodes to ``mean|x| * sign(x)`` (Karimireddy et al.'s
+  scaled sign, ``||x||_1 / n``), meant to be wrapped in :class:`ErrorFeedback`.
+- ``onebit``: header (2,) [mean of the negative entries, mean of the non-negative ones], the
+  reconstruction values of Seide et al.'s 1-bit SGD (also meant for error feedback): each
+  half decodes to its own mean, so the sum of the tensor is preserved.
+
+Headers are float32 (float64 for float64 inputs): ``ceil(n/8) + 4`` bytes for ``efsign``,
+``ceil(n/8) + 8`` for ``onebit``. All are deterministic and biased, and ``Aggregation.GATHER``
+(sign bits of different ranks cannot be added in packed form).
+
+Example:
+    >>> import torch
+    >>> from hexagram.compress.signs import OneBitCompressor
+    >>> c = OneBitCompressor()
+    >>> x = torch.tensor([1.0, 3.0, -2.0, 0.0])
+    >>> c.compress(x).nbytes, c.decompress(c.compress(x)).tolist()
+    (9, [1.3333333730697632, 1.3333333730697632, -2.0, 1.3333333730697632])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hexagram.compress.base import (
+    Aggregation,
+    Compressor,
+    Payload,
+    check_compressible,
+    ensure_finite,
+)
+from hexagram.compress.chunks import decode_affine, work_dtype
+from hexagram.compress.packing import decode_blocks, encode_blocks
+
+__all__ = ["EFSignCompressor", "OneBitCompressor", "SignCompressor", "SignConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignConfig:
+    """The one-bit compressors have no settings."""
+
+
+def encode_signs(flat: Tensor, who: str, stats: bool = True) -> tuple[Tensor, Tensor]:
+    """Packed sign bits (1 where ``x >= 0``) and float64 ``[sum |x|, sum x, count(x >= 0)]``.
+
+    With ``stats=False`` only ``sum x`` is computed (it serves as the finiteness probe).
+
+    Raises :class:`NonFiniteGradientError` if ``flat`` holds NaN or Inf (they make the
+    sums non-finite).
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=flat.device)
+
+    def fill(start: int, stop: int, codes: Tensor) -> None:
+        blk = flat[start:stop]
+        positive = blk >= 0
+        codes.copy_(positive)
+        sums[1] += blk.sum(dtype=torch.float64)
+        if stats:
+            sums[0] += blk.abs().sum(dtype=torch.float64)
+            sums[2] += positive.sum()
+
+    packed = encode_blocks(flat.numel(), 1, fill, flat.device)
+    ensure_finite(flat, sums, who)
+    return packed, sums
+
+
+def _decode_signs(payload: Payload, bits: Tensor, scale: Tensor) -> Tensor:
+    """Bit 0 -> ``-scale``, bit 1 -> ``+scale`` (a one-element tensor): ``(b - 0.5) * 2s``."""
+    out = decode_affine(bits, 1, payload.shape.numel(), payload.shape.numel(), scale * 2, None,
+                        0.5, payload.dtype)
+    return out.view(payload.shape)
+
+
+def _header(values: list[float], tensor: Tensor, who: str) -> Tensor:
+    header = torch.tensor(values, dtype=work_dtype(tensor.dtype), device=tensor.device)
+    if not bool(torch.isfinite(header).all()):
+        raise ValueError(f"{who}: the reconstruction values {values} overflow "
+                         f"{header.dtype}; scale the tensor down first")
+    return header
+
+
+class SignCompressor(Compressor):
+    """signSGD: one bit per element, decodes to +-1 (see the module docstring)."""
+
+    name = "sign"
+    aggregation = Aggregation.GATHER
+    unbiased = False
+
+    def __init__(self, config: SignConfig | None = None) -> None:
+        self.config = config or SignConfig()
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        check_compressible(tensor, self.name)
+        bits, _ = encode_signs(tensor.detach().reshape(-1), self.name, stats=False)
+        return Payload(tensors=(bits,), shape=tensor.shape, dtype=tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        one = torch.ones(1, dtype=work_dtype(payload.dtype), device=payload.tensors[0].device)
+        return _decode_signs(payload, payload.tensors[0], one)
+
+
+class EFSignCompressor(Compressor):
+    """Scaled sign ``(||x||_1 / n) * sign(x)``, for use with error feedback."""
+
+    name = "efsign"
+    aggregation = Aggregation.GATHER
+    unbiased = False
+
+    def __init__(self, config: SignConfig | None = None) -> None:
+        self.config = config or SignConfig()
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        check_compressible(tensor, self.name)
+        bits, stats = encode_signs(tensor.detach().reshape(-1), self.name)
+        header = _header([float(stats[0]) / tensor.numel()], tensor, self.name)
+        return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        header, bits = payload.tensors
+        if not bool(torch.isfinite(header * 2).all()):  # 2 * scale overflows: use float64
+            header = header.double()
+        return _decode_signs(payload, bits, header)
+
+
+class OneBitCompressor(Compressor):
+    """1-bit SGD: each sign half decodes to its mean (reconstruction values)."""
+
+    name = "onebit"
+    aggregation = Aggregation.GATHER
+    unbiased = False
+
+    def __init__(self, config: SignConfig | None = None) -> None:
+        self.config = config or SignConfig()
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        check_compressible(tensor, self.name)
+        bits, stats = encode_signs(tensor.detach().reshape(-1), self.name)
+        abs_sum, total, n_pos = (float(v) for v in stats)
+        n_neg = tensor.numel() - n_pos
+        # sum over x >= 0 is (sum x + sum |x|) / 2, over x < 0 (sum x - sum |x|) / 2
+        pos = (total + abs_sum) / 2 / n_pos if n_pos else 0.0
+        neg = (total - abs_sum) / 2 / n_neg if n_neg else 0.0
+        header = _header([neg, pos], tensor, self.name)
+        return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        header, bits = payload.tensors
+        out = torch.empty(payload.shape.numel(), dtype=payload.dtype, device=bits.device)
+        low, high = header.to(payload.dtype)
+
+        def use(start: int, stop: int, codes: Tensor) -> None:
+            torch.where(codes.bool(), high, low, out=out[start:stop])
+
+        decode_blocks(bits, 1, out.numel(), use)
+        return out.view(payload.shape)

@@ -1,0 +1,298 @@
+"""Sparsifiers: ``topk`` (exact or DGC-style approximate), ``randomk`` and ``threshold``.
+
+Each sends (value, index) pairs; indices are int32 (int64 for tensors of 2**31 elements or
+more), values keep the input's dtype. All are ``Aggregation.GATHER``: different ranks keep
+different indices, so payloads are gathered and added after decompression. Payload shapes
+depend only on ``numel`` and the config:
+
+- ``topk``: ``k = config.k`` or ``ceil(density * n)``; values (k,) + indices (k,):
+  ``k * (itemsize + 4)`` bytes. ``approximate=True`` estimates the magnitude threshold
+  from a random sample (as DGC does), keeps the candidates above it block by block and
+  takes the exact top-k among them; if the sample overestimated the threshold (fewer than k
+  candidates) it falls back to the exact ``torch.topk``. The result is the exact top-k
+  (up to ties) either way; only the time differs.
+- ``randomk``: k distinct indices by stratified sampling: the tensor is cut into k strata
+  of ``floor(n/k)`` or ``ceil(n/k)`` elements and one uniform index is drawn in each (O(k),
+  no permutation of n). With ``rescale`` the decoded value is multiplied by the stratum
+  size (the inverse inclusion probability), so the estimate is unbiased.
+- ``threshold``: every entry with ``|x| >= threshold``; the count is data-dependent, so the
+  payload has a fixed capacity ``c = ceil(max_density * n)``: count (1,) int32 + values (c,)
+  + indices (c,), ``4 + c * (itemsize + 4)`` bytes. Slots after ``count`` hold value 0 at
+  index 0; if more than ``c`` entries pass, the ``c`` largest are sent.
+
+Example:
+    >>> import torch
+    >>> from hexagram.compress.sparsify import TopKCompressor, TopKConfig
+    >>> c = TopKCompressor(TopKConfig(k=2))
+    >>> c.decompress(c.compress(torch.tensor([0.1, -3.0, 2.0, 0.5]))).tolist()
+    [0.0, -3.0, 2.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hexagram.compress.base import (
+    Aggregation,
+    Compressor,
+    Payload,
+    SeededCompressor,
+    check_compressible,
+    check_finite,
+    ensure_finite,
+)
+from hexagram.compress.chunks import work_dtype
+from hexagram.compress.packing import BLOCK, blocks
+from hexagram.config import check_float, check_int
+
+__all__ = [
+    "KeepConfig",
+    "RandomKCompressor",
+    "RandomKConfig",
+    "ThresholdCompressor",
+    "ThresholdConfig",
+    "TopKCompressor",
+    "TopKConfig",
+    "above",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeepConfig:
+    """How many elements a sparsifier keeps (base of ``topk``'s and ``randomk``'s settings).
+
+    Attributes:
+        density: fraction of elements kept, k = ceil(density * n). Lower => fewer bytes,
+            larger error.
+        k: exact number of elements kept; overrides ``density`` when > 0 (a tensor with
+            fewer than k elements is an error).
+        seed: seed of the compressor's own generator (used when none is passed).
+    """
+
+    density: float = 0.01
+    k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_float(self, "density", low=0.0, high=1.0, low_open=True)
+        check_int(self, "k", low=0)
+        check_int(self, "seed", low=0)
+
+    def count(self, n: int) -> int:
+        """Elements kept out of ``n``."""
+        if self.k > n:
+            raise ValueError(f"{type(self).__name__}.k={self.k} is larger than the tensor "
+                             f"({n} elements); lower k or use density")
+        return self.k or min(n, max(1, math.ceil(self.density * n)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomKConfig(KeepConfig):
+    """Settings of ``randomk`` (``density``, ``k``, ``seed`` as in :class:`KeepConfig`).
+
+    Attributes:
+        rescale: multiply kept values by the inverse inclusion probability (unbiased,
+            higher variance); turn it off under error feedback.
+    """
+
+    rescale: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopKConfig(KeepConfig):
+    """Settings of ``topk`` (``density``, ``k``, ``seed`` as in :class:`KeepConfig`).
+
+    Attributes:
+        approximate: estimate the threshold from a sample (DGC); much faster on large
+            tensors, same selection unless it must fall back to the exact top-k.
+        sample: fraction of elements sampled to estimate the threshold. More => the
+            fallback is rarer, the sampling slower.
+    """
+
+    approximate: bool = False
+    sample: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_float(self, "sample", low=0.0, high=1.0, low_open=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThresholdConfig:
+    """Settings of ``threshold``.
+
+    Attributes:
+        threshold: entries with ``|x| >= threshold`` are sent. Higher => fewer entries.
+        max_density: capacity of the payload as a fraction of the elements (the wire size
+            is fixed by it). Higher => more bytes, fewer entries dropped when many pass.
+    """
+
+    threshold: float = 1e-3
+    max_density: float = 0.01
+
+    def __post_init__(self) -> None:
+        check_float(self, "threshold", low=0.0, low_open=True)
+        check_float(self, "max_density", low=0.0, high=1.0, low_open=True)
+
+
+def _index_dtype(n: int) -> torch.dtype:
+    return torch.int32 if n < 2**31 else torch.int64
+
+
+def above(flat: Tensor, threshold: float, who: str) -> Tensor:
+    """int64 indices of the entries with ``|x| >= threshold``, found block by block.
+
+    Raises :class:`NonFiniteGradientError` on NaN or Inf (a per-block sum is the probe).
+    """
+    found, probe = [], torch.zeros((), dtype=torch.float64, device=flat.device)
+    for start, stop in blocks(flat.numel(), BLOCK):
+        blk = flat[start:stop]
+        probe += blk.sum(dtype=torch.float64)
+        found.append((blk.abs() >= threshold).nonzero().flatten() + start)
+    ensure_finite(flat, probe, who)
+    return torch.cat(found)
+
+
+def _largest(flat: Tensor, candidates: Tensor, k: int) -> Tensor:
+    """The ``k`` indices among ``candidates`` with the largest ``|x|``."""
+    if candidates.numel() == k:
+        return candidates
+    return candidates[torch.topk(flat[candidates].abs(), k, sorted=False).indices]
+
+
+def _scatter(payload: Payload, values: Tensor, indices: Tensor) -> Tensor:
+    out = torch.zeros(payload.shape.numel(), dtype=payload.dtype, device=values.device)
+    # index_add_: duplicate indices (threshold's empty slots at index 0, value 0) are harmless
+    out.index_add_(0, indices, values.to(payload.dtype))
+    return out.view(payload.shape)
+
+
+class TopKCompressor(SeededCompressor):
+    """Keeps the k entries of largest magnitude (see the module docstring)."""
+
+    name = "topk"
+    aggregation = Aggregation.GATHER
+    unbiased = False
+
+    def __init__(self, config: TopKConfig | None = None) -> None:
+        self.config = config or TopKConfig()
+        super().__init__(self.config.seed)
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        check_compressible(tensor, self.name)
+        flat = tensor.detach().reshape(-1)
+        k = self.config.count(flat.numel())
+        idx = None
+        if self.config.approximate and flat.numel() > BLOCK:
+            idx = self._approximate(flat, k, self.generator_for(tensor, generator))
+        if idx is None:
+            idx = torch.topk(flat.abs(), k, sorted=False).indices
+        values = flat[idx]
+        ensure_finite(flat, values, self.name)  # topk ranks NaN and Inf first
+        return Payload(tensors=(values, idx.to(_index_dtype(flat.numel()))),
+                       shape=tensor.shape, dtype=tensor.dtype)
+
+    def _approximate(self, flat: Tensor, k: int, gen: torch.Generator) -> Tensor | None:
+        """Top-k among the entries above a sampled threshold; None if fewer than k pass."""
+        n = flat.numel()
+        m = min(n, max(4096, math.ceil(self.config.sample * n)))
+        sample = flat[torch.randint(n, (m,), generator=gen, device=flat.device)].abs()
+        # aim a little below the k-th largest: keep ~1.2x the expected sample count + 4 sigma
+        expected = m * k / n
+        rank = min(m, math.ceil(1.2 * expected + 4 * math.sqrt(expected) + 1))
+        threshold = float(torch.topk(sample, rank, sorted=False).values.min())
+        candidates = above(flat, threshold, self.name)
+        if candidates.numel() < k:
+            return None
+        return _largest(flat, candidates, k)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        values, indices = payload.tensors
+        return _scatter(payload, values, indices)
+
+    def __repr__(self) -> str:
+        return f"TopKCompressor({self.config})"
+
+
+class RandomKCompressor(SeededCompressor):
+    """Keeps k entries drawn by stratified sampling (see the module docstring)."""
+
+    name = "randomk"
+    aggregation = Aggregation.GATHER
+
+    def __init__(self, config: RandomKConfig | None = None) -> None:
+        self.config = config or RandomKConfig()
+        super().__init__(self.config.seed)
+        self.unbiased = self.config.rescale
+
+    @staticmethod
+    def _strata(n: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Start (k,) and size (k,) of the k strata ``[floor(j n / k), floor((j+1) n / k))``."""
+        bounds = torch.arange(k + 1, dtype=torch.int64, device=device) * n // k
+        return bounds[:-1], bounds[1:] - bounds[:-1]
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        check_compressible(tensor, self.name)
+        flat = tensor.detach().reshape(-1)
+        check_finite(flat, self.name)
+        n = flat.numel()
+        start, size = self._strata(n, self.config.count(n), flat.device)
+        u = torch.rand(start.numel(), dtype=torch.float64, generator=self.generator_for(
+            tensor, generator), device=flat.device)
+        idx = start + (u * size).long().clamp_(max=size - 1)  # uniform within each stratum
+        return Payload(tensors=(flat[idx], idx.to(_index_dtype(n))), shape=tensor.shape,
+                       dtype=tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        values, indices = payload.tensors
+        if self.config.rescale:  # x_i / P(i kept): the stratum size, recomputed from k and n
+            _, size = self._strata(payload.shape.numel(), values.numel(), values.device)
+            values = values.to(work_dtype(payload.dtype)) * size
+            if not bool(torch.isfinite(values.to(payload.dtype)).all()):
+                raise ValueError(f"{self.name}: rescaled values overflow {payload.dtype}; "
+                                 "use rescale=False or a wider dtype")
+        return _scatter(payload, values, indices)
+
+    def __repr__(self) -> str:
+        return f"RandomKCompressor({self.config})"
+
+
+class ThresholdCompressor(Compressor):
+    """Sends entries with ``|x| >= threshold`` in a fixed-capacity payload."""
+
+    name = "threshold"
+    aggregation = Aggregation.GATHER
+    unbiased = False
+
+    def __init__(self, config: ThresholdConfig | None = None) -> None:
+        self.config = config or ThresholdConfig()
+
+    def capacity(self, n: int) -> int:
+        """Slots in the payload of an ``n``-element tensor."""
+        return min(n, max(1, math.ceil(self.config.max_density * n)))
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
+        check_compressible(tensor, self.name)
+        flat = tensor.detach().reshape(-1)
+        n, cap = flat.numel(), self.capacity(flat.numel())
+        chosen = above(flat, self.config.threshold, self.name)
+        if chosen.numel() > cap:
+            chosen = _largest(flat, chosen, cap)
+        values = flat.new_zeros(cap)
+        indices = torch.zeros(cap, dtype=_index_dtype(n), device=flat.device)
+        values[: chosen.numel()] = flat[chosen]
+        indices[: chosen.numel()] = chosen.to(indices.dtype)
+        count = torch.tensor([chosen.numel()], dtype=torch.int32, device=flat.device)
+        return Payload(tensors=(count, values, indices), shape=tensor.shape, dtype=tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        count, values, indices = payload.tensors
+        used = int(count[0])
+        return _scatter(payload, values[:used], indices[:used])
+
+    def __repr__(self) -> str:
+        return f"ThresholdCompressor({self.config})"
