@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +179,4 @@ def test_killed_owner_ranks_die_and_stale_lab_is_removed() -> None:
     removed = cleanup_stale(PREFIX)
     assert sorted(removed) == sorted([f"{tag}s", f"{tag}h0", f"{tag}h1"])
     assert _our_namespaces(tag) == []
+    assert not list(Path(tempfile.gettempdir()).glob(f"hexagram-lab-{tag}-*"))  # rank logs

@@ -24,7 +24,8 @@ from hexagram.bench.peers import PEERS
 from hexagram.bench.report import markdown_table, plot_throughput, summarize_outcome
 from hexagram.bench.workload import MODELS
 
-__all__ = ["add_arguments", "algorithm_list", "parse_settings", "run", "run_bench"]
+__all__ = ["add_arguments", "algorithm_list", "parse_settings", "run", "run_bench",
+           "split_label"]
 
 
 def algorithm_list(text: str) -> list[str]:
@@ -36,6 +37,26 @@ def algorithm_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def split_label(label: str) -> tuple[str, dict[str, Any]]:
+    """``"allreduce:hierarchical=true"`` -> ``("allreduce", {"hierarchical": True})``, so
+    one run can compare configurations of the same algorithm."""
+    name, *pairs = label.split(":")
+    config = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"algorithm {label!r}: expected NAME:FIELD=VALUE[:FIELD=VALUE]")
+        config[key] = _value(value)
+    return name, config
+
+
 def parse_settings(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``["qsgd.levels=16"]`` -> ``{"qsgd": {"levels": 16}}`` (values parsed as JSON)."""
     out: dict[str, dict[str, Any]] = {}
@@ -44,11 +65,7 @@ def parse_settings(items: Sequence[str]) -> dict[str, dict[str, Any]]:
         algo, dot, field = key.partition(".")
         if not sep or not dot:
             raise SystemExit(f"--set {item!r}: expected ALGORITHM.FIELD=VALUE")
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            parsed = value
-        out.setdefault(algo, {})[field] = parsed
+        out.setdefault(algo, {})[field] = _value(value)
     return out
 
 
@@ -65,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--width", type=int, default=256, help="CNN hidden width / GPT embedding width")
     a("--block", type=int, default=64, help="GPT context length")
     a("--algorithms", default="ddp,ddp-fp16,allreduce",
-      help="comma-separated names, or 'all' (PyTorch peers + every registered algorithm)")
+      help="comma-separated names, or 'all' (PyTorch peers + every registered algorithm); "
+      "NAME:FIELD=VALUE sets a config field, e.g. allreduce:hierarchical=true")
     a("--set", action="append", default=[], metavar="ALGO.FIELD=VALUE",
       help="algorithm config, e.g. --set qsgd.levels=16 (repeatable)")
     a("--steps", type=int, default=20, help="timed steps per algorithm (at most)")
@@ -77,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--lr", type=float, default=0.01)
     a("--threads", type=int, default=1, help="torch threads per rank")
     a("--timeout", type=float, default=900.0, help="deadline per algorithm (s)")
+    a("--stall-timeout", type=float, default=90.0,
+      help="a rank that makes no progress this long ends with a 'hung' error")
     a("--loopback", action="store_true", help="no lab: ranks on 127.0.0.1, unshaped")
     a("--json", help="write every figure here")
     a("--plot", help="write a throughput-against-bandwidth PNG here")
@@ -84,13 +104,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--quiet", action="store_true", help="no progress bar")
 
 
-def _spec(args: argparse.Namespace, algorithm: str,
+def _spec(args: argparse.Namespace, label: str,
           settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {"task": "step", "algorithm": algorithm, "config": settings.get(algorithm, {}),
+    name, config = split_label(label)
+    return {"task": "step", "algorithm": name, "label": label,
+            "config": {**settings.get(name, {}), **config},
             "model": {"name": args.model, "params": args.params, "layers": args.layers,
                       "width": args.width, "block": args.block},
             "steps": args.steps, "min_steps": args.min_steps, "warmup": args.warmup,
-            "time_limit": args.time_limit, "batch": args.batch, "lr": args.lr, "seed": 0}
+            "time_limit": args.time_limit, "batch": args.batch, "lr": args.lr, "seed": 0,
+            "stall_timeout": args.stall_timeout}
 
 
 def _progress(total: int, quiet: bool) -> Any:
@@ -111,7 +134,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     for b in bandwidths:
         parse_rate(b)
     report: dict[str, Any] = {"machine": machine_info(), "settings": vars(args).copy(),
-                              "missing": check_algorithms(names), "results": {}}
+                              "missing": check_algorithms([split_label(n)[0] for n in names]),
+                              "results": {}}
     world = args.hosts * args.ranks_per_host
     progress = _progress(len(names) * len(bandwidths), args.quiet)
     task = progress.task_ids[0]

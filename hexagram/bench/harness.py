@@ -101,10 +101,18 @@ def check_algorithms(names: Sequence[str]) -> dict[str, str]:
     return missing
 
 
+def _root_cause(error: str) -> str:
+    # torch wraps hook errors repeatedly: keep the innermost message, first line only.
+    inner = error.split("Got the following error when running the callback: ")[-1]
+    return inner.splitlines()[0][:300] if inner.strip() else error[:300]
+
+
 def _failure(results: list[RankResult], ranks: list[dict[str, Any]]) -> str | None:
-    errors = [r["error"] for r in ranks if "error" in r]
+    errors = [(r["rank"], r["error"]) for r in ranks if "error" in r]
     if errors:
-        return errors[0].splitlines()[0][:300]
+        errors.sort(key=lambda e: not e[1].startswith("hung"))  # a hang explains the rest
+        rank, error = errors[0]
+        return f"rank {rank}: {_root_cause(error)}"
     bad = [r for r in results if r.returncode != 0]
     if bad:
         first = bad[0]
@@ -120,16 +128,17 @@ def run_task(lab: NetworkLab | LoopbackLab, spec: Mapping[str, Any],
              timeout: float = 600.0, threads: int = 1) -> Outcome:
     """Run the worker with ``spec`` on every rank of ``lab``; collect ``rank<r>.json``."""
     name = str(spec["algorithm"])
+    label = str(spec.get("label", name))
     missing = check_algorithms([name])
     if missing:
-        return Outcome(name, error=missing[name])
+        return Outcome(label, error=missing[name])
     with tempfile.TemporaryDirectory(prefix="hexagram-task-") as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(dict(spec)))
         results = lab.run([*WORKER, str(spec_path), tmp], timeout=timeout, threads=threads)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
     ranks.sort(key=lambda r: r["rank"])
-    return Outcome(name, ranks, _failure(results, ranks))
+    return Outcome(label, ranks, _failure(results, ranks))
 
 
 def _load() -> list[float]:

@@ -168,12 +168,19 @@ def _pid_alive(pid: int) -> bool:
 def cleanup_stale(prefix: str = "hxl", everything: bool = False) -> list[str]:
     """Delete namespaces ``<prefix><pid>...`` whose owner is dead (all of them if
     ``everything``); return their names."""
+    def stale(pid: str) -> bool:
+        return everything or not _pid_alive(int(pid))
+
     removed = []
     for name in _namespaces():
         match = re.fullmatch(rf"{prefix}(\d+)[sh]\d*", name)
-        if match and (everything or not _pid_alive(int(match.group(1)))):
+        if match and stale(match.group(1)):
             _kill_namespace(name)
             removed.append(name)
+    for folder in Path(tempfile.gettempdir()).glob(f"hexagram-lab-{prefix}*"):
+        match = re.match(rf"hexagram-lab-{prefix}(\d+)-", folder.name)
+        if match and stale(match.group(1)):  # rank logs of a killed owner
+            shutil.rmtree(folder, ignore_errors=True)
     return removed
 
 
@@ -197,7 +204,8 @@ class NetworkLab:
         self.tag = f"{config.prefix}{os.getpid()}"
         self.switch = f"{self.tag}s"
         self.host_ns = [f"{self.tag}h{i}" for i in range(config.hosts)]
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="hexagram-lab-")
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(
+            prefix=f"hexagram-lab-{self.tag}-")
         self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
         self._procs: list[subprocess.Popen[bytes]] = []
         self._old_handlers: dict[int, object] = {}

@@ -115,14 +115,18 @@ def _wrap_localsgd(ddp: nn.Module, nbytes: int, world: int) -> Wrapped:
                                                  start_localSGD_iter=1)
     ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)  # type: ignore[operator]
     averager = averagers.PeriodicModelAverager(period=LOCALSGD_PERIOD, warmup_steps=1)
-    steps = [0]
+    rounds = [0]
 
     def after_step() -> None:
+        # the averager communicates when step >= warmup and (step - warmup) % period == 0
+        step = averager.step
+        if step >= averager.warmup_steps and (step - averager.warmup_steps) % \
+                LOCALSGD_PERIOD == 0:
+            rounds[0] += 1
         averager.average_parameters(ddp.parameters())
-        steps[0] += 1
 
     def sent() -> int:
-        return (steps[0] // LOCALSGD_PERIOD) * ring_bytes(nbytes, world)
+        return rounds[0] * ring_bytes(nbytes, world)
 
     return Wrapped(ddp, after_step, sent, estimated=True)
 

@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from hexagram.bench.cli import algorithm_list, parse_settings
+from hexagram.bench.cli import algorithm_list, parse_settings, split_label
 from hexagram.bench.harness import LoopbackLab, check_algorithms, machine_info, run_task
 from hexagram.bench.lab import LabConfig, LabUnavailableError, NetworkLab
 
@@ -54,9 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--markdown")
 
 
-def _spec(args: argparse.Namespace, name: str, settings: dict[str, Any]) -> dict[str, Any]:
+def _spec(args: argparse.Namespace, label: str, settings: dict[str, Any]) -> dict[str, Any]:
     text = args.dataset == "text"
-    return {"task": "train", "algorithm": name, "config": settings.get(name, {}),
+    name, config = split_label(label)
+    return {"task": "train", "algorithm": name, "label": label,
+            "config": {**settings.get(name, {}), **config},
             "dataset": args.dataset, "epochs": args.epochs, "target": args.target,
             "model": {"name": "gpt" if text else args.model, "params": args.params,
                       "layers": args.layers, "width": args.width, "block": args.block},
@@ -89,7 +91,8 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     config = LabConfig(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
                        bandwidth="unshaped" if args.loopback else args.bandwidth)
     report: dict[str, Any] = {"machine": machine_info(), "settings": vars(args).copy(),
-                              "missing": check_algorithms(names), "results": []}
+                              "missing": check_algorithms([split_label(n)[0] for n in names]),
+                              "results": []}
     lab_cls: Any = LoopbackLab if args.loopback else NetworkLab
     with lab_cls(config) as lab:
         for name in names:

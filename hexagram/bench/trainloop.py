@@ -104,6 +104,7 @@ def _agree(metric: float, clock: float) -> tuple[float, float]:
 def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     """Train until target / epochs / time limit; return the curve of this rank."""
     from hexagram.bench.peers import wrap
+    from hexagram.bench.watchdog import beat
 
     text = spec["dataset"] == "text"
     model, epoch_batches, evaluate = (_text_task if text else _image_task)(spec)
@@ -121,6 +122,7 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
         marks = {max(1, round(len(batches) * (k + 1) / spec["evals_per_epoch"]))
                  for k in range(spec["evals_per_epoch"])}
         for i, (x, y) in enumerate(batches, start=1):
+            beat(f"training step {step + 1}")
             t0 = time.perf_counter()
             loss_fn(wrapped.model(x), y).backward()
             opt.step()

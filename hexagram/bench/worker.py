@@ -24,6 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hexagram.bench import watchdog
+from hexagram.bench.watchdog import beat
+
 __all__ = ["interface_tx_bytes", "main", "run_step_benchmark"]
 
 
@@ -66,6 +69,7 @@ def _compute_time(work: Any, spec: dict[str, Any], gen: torch.Generator) -> floa
 
 
 def _step(wrapped: Any, work: Any, opt: torch.optim.Optimizer, x: Any, y: Any) -> float:
+    beat("a training step")
     t0 = time.perf_counter()
     loss = work.loss(wrapped.model(x), y)
     loss.backward()
@@ -82,8 +86,10 @@ def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
 
     work = build_workload(ModelSpec(**spec["model"]), seed=spec.get("seed", 0))
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    beat("the local compute measurement")
     compute = _compute_time(work, spec, gen)
     opt = _optimizer(work.model.parameters(), spec["lr"])
+    beat("wrapping the model")
     wrapped = wrap(spec["algorithm"], work.model, opt, spec.get("config") or {})
     warm = [_step(wrapped, work, opt, *work.batch(spec["batch"], gen))
             for _ in range(spec["warmup"])]
@@ -111,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     import hexagram as hx
 
     rank = int(os.environ.get("RANK", "0"))
+    watchdog.start(spec.get("stall_timeout", 150.0), out / f"rank{rank}.json")
     code = 0
     try:
         hx.init(timeout=spec.get("comm_timeout", 120))
