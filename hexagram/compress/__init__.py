@@ -1,6 +1,12 @@
 """Compressors: tensor -> Payload (the bytes on the wire) -> tensor.
 
 ``hexagram.compress.get(name, **config)`` returns a compressor; ``names()`` lists them.
+:class:`ErrorFeedback` wraps any compressor with keyed residuals.
+
+Modules: ``quantize_fp`` (fp16, bf16), ``quantize`` (minmax8, qsgd, terngrad), ``signs``
+(sign, efsign, onebit), ``sparsify`` (topk, randomk, threshold), ``lowrank`` (powersgd and
+its two-phase step API), ``feedback`` (error feedback), ``packing`` (bit packing). Each
+module's docstring gives its wire format (``Payload.nbytes`` as a formula).
 
 Example:
     >>> import torch, hexagram.compress as hc
@@ -16,9 +22,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from hexagram.compress.base import Aggregation, Compressor, Payload, check_compressible
+from hexagram.compress.feedback import ErrorFeedback
 from hexagram.config import build_config
 
-__all__ = ["Aggregation", "Compressor", "Payload", "check_compressible", "get", "names"]
+__all__ = [
+    "Aggregation",
+    "Compressor",
+    "ErrorFeedback",
+    "Payload",
+    "check_compressible",
+    "get",
+    "names",
+    "summaries",
+]
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,8 @@ _ENTRIES: dict[str, _Entry] = {
                       "k random entries (stratified), rescaled to be unbiased"),
     "threshold": _Entry("hexagram.compress.sparsify", "ThresholdConfig", "ThresholdCompressor",
                         "entries with |x| >= threshold, fixed capacity + count header"),
+    "powersgd": _Entry("hexagram.compress.lowrank", "PowerSGDConfig", "PowerSGDCompressor",
+                       "PowerSGD rank-r factors, warm start; two allreduces (step API)"),
 }
 
 

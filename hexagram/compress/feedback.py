@@ -1,0 +1,113 @@
+"""Error feedback (Seide et al. 2014; Karimireddy et al. 2019) as a wrapper of any compressor.
+
+What compression drops is kept in a residual and added to the next input, so biased
+compressors (top-k, sign, PowerSGD) converge like SGD. One wrapper serves many tensors: each
+residual is stored under a key (a parameter or bucket name). The invariant, for every key:
+
+    sent + new residual == gradient + old residual
+
+Two ways to use it:
+
+- ``payload = ef.compress(key, grad)``: compress ``grad + residual`` and keep what the
+  payload does not carry (``decompress(payload)``) as the new residual.
+- ``corrected = ef.correct(key, grad)`` ... ``ef.update(key, corrected, sent)``: when what
+  finally counts differs from the local compression (gTop-k: local entries that lost in the
+  global selection go back into the residual; PowerSGD: the averaged P Q^T), the algorithm
+  passes the dense tensor that was actually counted as ``sent``.
+
+Residuals keep the gradient's dtype and shape; :meth:`ErrorFeedback.state_dict` holds them
+(and the inner compressor's state) for checkpoints.
+
+Example:
+    >>> import torch, hexagram.compress as hc
+    >>> ef = hc.ErrorFeedback(hc.get("topk", k=1))
+    >>> g = torch.tensor([3.0, 1.0, -2.0])
+    >>> ef.decompress(ef.compress("w", g)).tolist(), ef.residual("w").tolist()
+    ([3.0, 0.0, 0.0], [0.0, 1.0, -2.0])
+    >>> ef.decompress(ef.compress("w", g)).tolist()   # corrected: [3, 2, -4]
+    [0.0, 0.0, -4.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hexagram.compress.base import Aggregation, Compressor, Payload
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """Keyed residuals around ``compressor`` (see the module docstring)."""
+
+    def __init__(self, compressor: Compressor) -> None:
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"ErrorFeedback wraps a Compressor, got {type(compressor).__name__}")
+        self.compressor = compressor
+        self._residuals: dict[Hashable, Tensor] = {}
+
+    @property
+    def aggregation(self) -> Aggregation:
+        """The inner compressor's aggregation (error feedback does not change the format)."""
+        return self.compressor.aggregation
+
+    def residual(self, key: Hashable) -> Tensor | None:
+        """The residual of ``key`` (None before its first update)."""
+        return self._residuals.get(key)
+
+    def correct(self, key: Hashable, grad: Tensor) -> Tensor:
+        """``grad + residual[key]`` as a new tensor (``grad`` itself is not modified)."""
+        residual = self._residuals.get(key)
+        if residual is None:
+            return grad.detach().clone()
+        if residual.shape != grad.shape or residual.dtype != grad.dtype:
+            raise ValueError(
+                f"error feedback key {key!r}: residual is {tuple(residual.shape)} "
+                f"{residual.dtype} but the tensor is {tuple(grad.shape)} {grad.dtype}; use "
+                "one key per tensor (or reset(key) after changing it)"
+            )
+        return grad.detach() + residual
+
+    def update(self, key: Hashable, corrected: Tensor, sent: Tensor) -> None:
+        """Residual of ``key`` := ``corrected - sent`` (``sent``: the dense tensor counted)."""
+        if sent.shape != corrected.shape:
+            raise ValueError(f"error feedback key {key!r}: sent has shape {tuple(sent.shape)}, "
+                             f"corrected {tuple(corrected.shape)}")
+        self._residuals[key] = corrected.detach() - sent.detach().to(corrected.dtype)
+
+    def compress(self, key: Hashable, grad: Tensor,
+                 generator: torch.Generator | None = None) -> Payload:
+        """Compress ``grad + residual[key]``; the part the payload does not carry stays."""
+        corrected = self.correct(key, grad)
+        payload = self.compressor.compress(corrected, generator)
+        sent = self.compressor.decompress(payload)
+        self._residuals[key] = corrected.sub_(sent)  # corrected is ours: reuse its memory
+        return payload
+
+    def decompress(self, payload: Payload) -> Tensor:
+        """The inner compressor's :meth:`~Compressor.decompress`."""
+        return self.compressor.decompress(payload)
+
+    def reset(self, key: Hashable | None = None) -> None:
+        """Drop the residual of ``key`` (all residuals when None)."""
+        if key is None:
+            self._residuals.clear()
+        else:
+            self._residuals.pop(key, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals (copied) and the inner compressor's state."""
+        return {"residuals": {k: v.clone() for k, v in self._residuals.items()},
+                "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self.compressor.load_state_dict(state["compressor"])
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.compressor!r}, keys={len(self._residuals)})"
