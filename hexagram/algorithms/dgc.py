@@ -54,6 +54,8 @@ class DGCConfig(CompressedConfig):
     """Config of :class:`DGCAlgorithm` (plus :class:`CompressedConfig`'s fields).
 
     Attributes:
+        approximate: estimate the top-k threshold from a sample (DGC's trick): faster on
+            large tensors, same selection (falls back to exact top-k when it misses).
         density: fraction of elements sent per segment after warm-up; lower => fewer bytes.
         momentum: momentum of the correction (the optimizer must have none); higher =>
             smoother, larger accumulated updates.
@@ -64,6 +66,7 @@ class DGCConfig(CompressedConfig):
     """
 
     density: float = 0.01
+    approximate: bool = True
     momentum: float = 0.9
     clip_norm: float = 0.0
     warmup_steps: int = 0
@@ -111,7 +114,8 @@ class DGCAlgorithm(CompressorAlgorithm):
 
     def _compressor(self, density: float) -> Compressor:
         if density not in self._by_density:
-            self._by_density[density] = compress.get("topk", density=density)
+            self._by_density[density] = compress.get("topk", density=density,
+                                                         approximate=self.config.approximate)
         return self._by_density[density]
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:

@@ -44,12 +44,15 @@ class GTopKConfig(CompressedConfig):
     """Config of :class:`GTopKAlgorithm` (plus :class:`CompressedConfig`'s fields).
 
     Attributes:
+        approximate: estimate the top-k threshold from a sample (DGC's trick): faster on
+            large tensors, same selection (falls back to exact top-k when it misses).
         density: fraction of elements applied per segment and step (the paper uses 0.001);
             lower => fewer bytes, slower convergence.
         error_feedback: keep what was not applied for the next step (on, as the paper).
     """
 
     density: float = 0.01
+    approximate: bool = False
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
@@ -75,7 +78,8 @@ class GTopKAlgorithm(CompressedAlgorithm):
     def __init__(self, config: GTopKConfig | None = None) -> None:
         super().__init__(config or GTopKConfig())
         self.config: GTopKConfig
-        self.compressor = compress.get("topk", density=self.config.density)
+        self.compressor = compress.get("topk", density=self.config.density,
+                                       approximate=self.config.approximate)
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
         acc = tensor + self.residual(segment, tensor) if self.config.error_feedback \

@@ -47,6 +47,9 @@ class RandomKAlgorithm(CompressorAlgorithm):
     def __init__(self, config: RandomKConfig | None = None) -> None:
         super().__init__(config or RandomKConfig())
         self.config: RandomKConfig
+        # Unscaled values: error feedback keeps the rest. (Rescaling by n/k makes the
+        # estimate unbiased but the residual would then grow without bound.)
         self.compressor = compress.get("randomk", density=self.config.density,
-                                       seed=self.config.seed)
+                                       seed=self.config.seed,
+                                       rescale=not self.config.error_feedback)
         self._shared_seed = True  # the same positions on every rank

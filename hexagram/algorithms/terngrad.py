@@ -1,9 +1,10 @@
-"""TernGrad (Wen et al. 2017): ternary gradients {-s, 0, +s}, unbiased.
+"""TernGrad (Wen et al. 2017): ternary gradients {-s, 0, +s}.
 
 Each segment (a layer, by default: TernGrad's layer-wise scaling keeps ``s = max|g|`` small)
-becomes ``s * sign(g) * b`` with ``b ~ Bernoulli(|g| / s)``: 2 bits per element plus one
-scale. Payloads cannot be summed, so every rank gathers all of them and averages. Unbiased,
-so no error feedback by default.
+is clipped to ``clip`` standard deviations, then becomes ``s * sign(g) * b`` with
+``b ~ Bernoulli(|g| / s)``: 2 bits per element plus one scale. Payloads cannot be summed, so
+every rank gathers all of them and averages. Unbiased apart from the clipping, so no error
+feedback by default.
 
 Example:
     >>> import hexagram as hx
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from hexagram import compress
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm
+from hexagram.config import check_float
 
 __all__ = ["TernGradAlgorithm", "TernGradConfig"]
 
@@ -26,10 +28,17 @@ class TernGradConfig(CompressedConfig):
     """Config of :class:`TernGradAlgorithm` (plus :class:`CompressedConfig`'s fields).
 
     Attributes:
+        clip: clip ``|g|`` to ``clip * std(g)`` before ternarizing (the paper's 2.5): a
+            smaller scale ``s`` and variance, a little bias; 0 => no clipping.
         error_feedback: carry the ternarization error to the next step (off: unbiased).
     """
 
+    clip: float = 2.5
     error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_float(self, "clip", low=0.0)
 
 
 class TernGradAlgorithm(CompressorAlgorithm):
@@ -40,4 +49,5 @@ class TernGradAlgorithm(CompressorAlgorithm):
     def __init__(self, config: TernGradConfig | None = None) -> None:
         super().__init__(config or TernGradConfig())
         self.config: TernGradConfig
-        self.compressor = compress.get("terngrad", seed=self.config.seed)
+        self.compressor = compress.get("terngrad", clip=self.config.clip,
+                                       seed=self.config.seed)

@@ -27,12 +27,15 @@ class TopKConfig(CompressedConfig):
     """Config of :class:`TopKAlgorithm` (plus :class:`CompressedConfig`'s fields).
 
     Attributes:
+        approximate: estimate the top-k threshold from a sample (DGC's trick): faster on
+            large tensors, same selection (falls back to exact top-k when it misses).
         density: fraction of elements sent per segment; lower => fewer bytes, slower
             convergence.
         error_feedback: keep unsent values for the next step (on: needed for convergence).
     """
 
     density: float = 0.01
+    approximate: bool = False
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
@@ -48,4 +51,5 @@ class TopKAlgorithm(CompressorAlgorithm):
     def __init__(self, config: TopKConfig | None = None) -> None:
         super().__init__(config or TopKConfig())
         self.config: TopKConfig
-        self.compressor = compress.get("topk", density=self.config.density)
+        self.compressor = compress.get("topk", density=self.config.density,
+                                       approximate=self.config.approximate)
