@@ -148,9 +148,10 @@ class PowerSGDCompressor(Compressor):
         """Gram-Schmidt on the columns of ``p`` in place (zero columns stay zero); returns p."""
         for i in range(p.shape[1]):
             col = p[:, i]
-            norm = torch.linalg.vector_norm(col)
-            if float(norm) > 0:
-                col /= norm
+            peak = float(col.abs().max())
+            if peak > 0:  # divide by the max first: squares of 1e30 or 1e-30 stay finite
+                col /= peak
+                col /= torch.linalg.vector_norm(col)
             if i + 1 < p.shape[1]:  # remove this direction from the remaining columns
                 rest = p[:, i + 1 :]
                 rest -= torch.outer(col, col @ rest)
