@@ -74,7 +74,7 @@ def test_pack_unpack_every_width_and_odd_size(bits: int) -> None:
 def test_pack_layout_by_hand() -> None:
     codes = [1, 2, 3, 4, 5, 6, 7, 0, 5]  # 3-bit codes, little-endian within 8-code groups
     word = sum(c << (3 * i) for i, c in enumerate(codes[:8]))
-    want = list(word.to_bytes(3, "little")) + [5]
+    want = [*word.to_bytes(3, "little"), 5]
     assert pack_codes(torch.tensor(codes, dtype=torch.uint8), 3).tolist() == want
     assert pack_codes(torch.tensor([1, 0, 0, 1, 1, 0, 0, 0, 1], dtype=torch.uint8),
                       1).tolist() == [0b00011001, 1]

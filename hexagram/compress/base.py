@@ -123,6 +123,8 @@ class Compressor(ABC):
     aggregation: Aggregation = Aggregation.GATHER
     #: True where E[decompress(compress(x))] == x
     unbiased: bool = False
+    #: the frozen config dataclass the compressor was built from
+    config: Any = None
 
     @abstractmethod
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
