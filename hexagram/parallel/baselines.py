@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from hexagram.parallel.cluster import Cluster, Constraints, Submesh
@@ -49,7 +50,7 @@ def _submesh(n: int, cluster: Cluster) -> Submesh | None:
 
 def _split(n_layers: int, pp: int) -> list[tuple[int, int]]:
     bounds = [round(k * n_layers / pp) for k in range(pp + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def _stages(graph: ModelGraph, cluster: Cluster, pp: int, dp: int, tp: int, zero: bool,

@@ -11,7 +11,7 @@ Example:
     >>> g = capture(mlp_stack(layers=2, hidden=8, in_features=4, classes=3, device="meta"),
     ...             torch.zeros(5, 4, device="meta"))
     >>> [len(layer.ops) for layer in g.layers], g.layers[1].ops[1].kind
-    ([2, 6, 2], 'linear')
+    ([2, 5, 5, 2], 'linear')
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = ["Layer", "ModelGraph", "Op", "capture"]
 
 _ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity)
 _NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, nn.Softmax)
-_VIEW_MODULES = (nn.Flatten,)
+_VIEW_MODULES = (nn.Flatten, nn.Unflatten)
 _ELEMENTWISE_FUNCS: set[Callable[..., Any]] = {
     operator.add, operator.mul, operator.sub, operator.truediv, torch.add, torch.mul, torch.relu,
     torch.tanh, torch.sigmoid, F.relu, F.gelu, F.silu, F.dropout}
@@ -169,6 +169,8 @@ def _make_op(node: fx.Node, modules: dict[str, nn.Module], batch: int) -> Op | N
     const = 0.0 if batched else float(elems)
     target = str(node.target) if node.op == "call_module" else getattr(
         node.target, "__name__", str(node.target))
+    if kind == "unknown" and mod is not None:
+        target = f"{target} ({type(mod).__name__})"
     return Op(kind=kind, target=target, out_elems=per, out_const=const,
               flops=_flops(kind, node, mod, elems) / batch, params=params)
 

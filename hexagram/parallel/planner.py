@@ -85,7 +85,7 @@ def _stage_plan(graph: ModelGraph, st: StageChoice, first_rank: int,
 def to_plan(graph: ModelGraph, cluster: Cluster, microbatches: int, schedule: str,
             stages: list[StageChoice], step: float) -> Plan:
     """Turn the passes' result into a declarative :class:`Plan`."""
-    out, rank, blockers = [], 0, []
+    out, rank, blockers = [], 0, list[str]()
     for st in stages:
         out.append(_stage_plan(graph, st, rank, blockers))
         rank += st.sub.devices
@@ -124,8 +124,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, constraints: Constraints | N
     if best is None:
         raise NoPlanFitsError(
             f"no plan fits in memory: the best plan needs at least "
-            f"{_least_memory(graph, cluster) / 1e9:.2f} GB per device, devices have "
-            f"{cluster.device_memory_gb:g} GB; add devices or memory, shrink the model or "
+            f"{_least_memory(graph, cluster) / 1e9:.3g} GB per device, devices have "
+            f"{cluster.device_memory_gb:.3g} GB; add devices or memory, shrink the model or "
             f"the batch (global batch {graph.batch})")
     return to_plan(graph, cluster, best[1], cons.schedule, best[2], best[0])
 

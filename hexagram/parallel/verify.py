@@ -35,6 +35,9 @@ class ParitySpec:
     model: str = "mlp"
     layers: int = 2
     hidden: int = 16
+    heads: int = 4
+    vocab: int = 32
+    seq: int = 8
     batch: int = 8
     steps: int = 5
     lr: float = 0.1
@@ -49,9 +52,9 @@ def build(spec: ParitySpec) -> tuple[nn.Sequential, Any, Any]:
     """(model, inputs, targets) of one step, the same on every rank (seeded)."""
     torch.manual_seed(spec.seed)
     if spec.model == "gpt":
-        vocab, seq = 32, 8
-        model = gpt(layers=spec.layers, hidden=spec.hidden, heads=4, vocab=vocab, seq=seq,
-                    dtype=spec.dtype)
+        vocab, seq = spec.vocab, spec.seq
+        model = gpt(layers=spec.layers, hidden=spec.hidden, heads=spec.heads, vocab=vocab,
+                    seq=seq, dtype=spec.dtype)
         return model, torch.randint(0, vocab, (spec.batch, seq)), \
             torch.randint(0, vocab, (spec.batch, seq))
     model = mlp_stack(layers=spec.layers, hidden=spec.hidden, in_features=12, classes=5,
@@ -104,8 +107,9 @@ def parity_worker(spec: ParitySpec) -> dict[str, Any]:
             ref_loss = default_loss(ref(xs), ys)
             ref_loss.backward()
             grads = pm.full_gradients()
+            ref_grads = {n: ref_params[n].grad for n in grads}
             out["grad_diff"] = max(out["grad_diff"], _diff(
-                grads, {n: ref_params[n].grad for n in grads}))
+                grads, {n: g for n, g in ref_grads.items() if g is not None}))
             if loss is not None:
                 out["loss_diff"] = max(out["loss_diff"], abs(loss - ref_loss.item()))
             ref_opt.step()

@@ -1,0 +1,89 @@
+"""``hexagram plan``: plan a GPT or MLP stack for a described cluster, print and save it.
+
+Example:
+    $ hexagram plan --model gpt --layers 24 --hidden 1024 --cluster 2x8 --json plan.json
+    $ hexagram plan --model mlp --layers 16 --hidden 4096 --cluster 1x8 --memory-gb 16 \\
+          --baselines
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from hexagram.errors import ConfigError, HexagramError
+from hexagram.parallel.baselines import baselines
+from hexagram.parallel.cluster import Cluster, Constraints
+from hexagram.parallel.graph import ModelGraph, capture
+from hexagram.parallel.models import gpt, mlp_stack
+from hexagram.parallel.planner import plan_graph
+
+__all__ = ["add_arguments", "build_graph", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, cluster and constraint options of ``hexagram plan``."""
+    m = parser.add_argument_group("model (built on the meta device: no memory)")
+    m.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
+    m.add_argument("--layers", type=int, default=24)
+    m.add_argument("--hidden", type=int, default=1024)
+    m.add_argument("--heads", type=int, default=16)
+    m.add_argument("--vocab", type=int, default=50257)
+    m.add_argument("--seq", type=int, default=1024)
+    m.add_argument("--batch", type=int, default=128, help="global batch (sequences/samples)")
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--cluster", default="1x8", help="HOSTSxDEVICES, e.g. 2x8")
+    c.add_argument("--intra-gbps", type=float, default=2400.0, help="Gbit/s inside a host")
+    c.add_argument("--inter-gbps", type=float, default=200.0, help="Gbit/s of a host's NIC")
+    c.add_argument("--memory-gb", type=float, default=80.0, help="memory per device (GB)")
+    c.add_argument("--tflops", type=float, default=150.0, help="achievable TFLOP/s per device")
+    k = parser.add_argument_group("constraints (default: the planner chooses)")
+    for name in ("pp", "tp", "dp", "microbatches"):
+        k.add_argument(f"--{name}", type=int, default=None)
+    k.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    parser.add_argument("--json", default=None, help="write the plan as JSON to this file")
+    parser.add_argument("--baselines", action="store_true",
+                        help="also evaluate hand-made strategies with the same cost model")
+
+
+def build_graph(args: argparse.Namespace) -> ModelGraph:
+    """Capture the described model on the meta device."""
+    if args.model == "gpt":
+        model = gpt(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                    vocab=args.vocab, seq=args.seq, device="meta")
+        x = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    else:
+        model = mlp_stack(layers=args.layers, hidden=args.hidden, in_features=args.hidden,
+                          classes=1000, device="meta")
+        x = torch.zeros(args.batch, args.hidden, device="meta")
+    return capture(model, x)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, print, optionally compare with baselines and save; 2 on bad input."""
+    try:
+        cluster = Cluster.parse(args.cluster, intra_host_gbps=args.intra_gbps,
+                                inter_host_gbps=args.inter_gbps,
+                                device_memory_gb=args.memory_gb, device_tflops=args.tflops)
+        cons = Constraints(pp=args.pp, tp=args.tp, dp=args.dp,
+                           microbatches=args.microbatches, schedule=args.schedule)
+        graph = build_graph(args)
+        start = time.perf_counter()
+        result = plan_graph(graph, cluster, cons)
+    except (ConfigError, HexagramError) as exc:
+        print(f"hexagram plan: {exc}", file=sys.stderr)
+        return 2
+    print(result)
+    print(f"  planned in {time.perf_counter() - start:.1f} s")
+    if args.baselines:
+        for base in baselines(graph, cluster):
+            text = base.plan.summary() if base.plan else "does not fit"
+            print(f"  {base.name:24s} {text}")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.to_json())
+        print(f"  wrote {args.json}")
+    return 0
