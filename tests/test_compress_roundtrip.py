@@ -52,9 +52,10 @@ def test_casts_equal_the_cast(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 7, 1000, 3000])
-def test_minmax8_error_at_most_half_a_step(dtype: torch.dtype, n: int) -> None:
+@pytest.mark.parametrize("offset", [0.0, 1e4])  # 1e4: chunks far from 0 (exact path)
+def test_minmax8_error_at_most_half_a_step(dtype: torch.dtype, n: int, offset: float) -> None:
     chunk = 512
-    x = _x((n,), dtype, seed=n)
+    x = (_x((n,), torch.float64, seed=n) + offset).to(dtype)
     y = hc.get("minmax8", chunk_size=chunk).decompress(hc.get("minmax8", chunk_size=chunk)
                                                        .compress(x))
     xd = x.double()

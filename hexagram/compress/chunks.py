@@ -25,6 +25,7 @@ __all__ = [
     "affine_rows",
     "chunk_reduce",
     "decode_affine",
+    "fma_rows",
     "pieces",
     "robust_norms",
     "work_dtype",
@@ -89,9 +90,26 @@ def affine_rows(buf: Tensor, start: int, chunk: int, *, sub: Tensor | None = Non
                 op(per_chunk[first : first + rows, None])
 
 
+def fma_rows(dst: Tensor, src: Tensor, start: int, chunk: int, mul: Tensor,
+             add: Tensor | None) -> None:
+    """Per chunk, in one pass: ``dst[i] = src[i] * mul[c] + add[c]`` (``add`` None: 0).
+
+    ``dst`` may be ``src`` itself; ``src`` may have another dtype (e.g. the input tensor,
+    read without a copy).
+    """
+    for off, rows, cols, first in pieces(start, dst.numel(), chunk):
+        d = dst[off : off + rows * cols].view(rows, cols)
+        s = src[off : off + rows * cols].view(rows, cols)
+        m = mul[first : first + rows, None]
+        if add is None:
+            torch.mul(s, m, out=d)
+        else:
+            torch.addcmul(add[first : first + rows, None], s, m, out=d)
+
+
 def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
-                  offset: Tensor | None, shift: float, dtype: torch.dtype) -> Tensor:
-    """Dense ``(code - shift) * scale[chunk] + offset[chunk]`` of ``n`` packed codes.
+                  offset: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """Dense ``code * scale[chunk] + offset[chunk]`` of ``n`` packed codes.
 
     ``scale`` and ``offset`` hold one value per chunk (``expand`` a single value for a
     per-tensor scale); arithmetic runs block by block in ``scale.dtype``.
@@ -103,9 +121,7 @@ def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
     def use(start: int, stop: int, codes: Tensor) -> None:
         buf = out[start:stop] if direct else tmp[: stop - start]
         buf.copy_(codes)
-        if shift:
-            buf.sub_(shift)
-        affine_rows(buf, start, chunk, mul=scale, add=offset)
+        fma_rows(buf, buf, start, chunk, scale, offset)
         if not direct:
             out[start:stop].copy_(buf)
 

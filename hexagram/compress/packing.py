@@ -53,6 +53,11 @@ if sys.byteorder != "little":  # the int64 <-> uint8 views below assume little-e
 _GATHER_LOW_BITS = 0x0102040810204080
 
 
+# byte b * 0x0101..01 = b in all 8 bytes (wraps to -1 for 255, fine for the bit tests below)
+_REPLICATE = 0x0101010101010101
+_BIT_I_OF_BYTE_I = 0x8040201008040201 - (1 << 64)  # as a signed int64
+
+
 def packed_nbytes(n: int, bits: int) -> int:
     """Bytes taken by ``n`` codes of ``bits`` bits: ``ceil(n * bits / 8)``."""
     return (n * bits + 7) // 8
@@ -95,6 +100,12 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     if bits == 1:
         packed = ((w * _GATHER_LOW_BITS) >> 56).to(torch.uint8)  # truncation keeps bits 56..63
         return packed[: packed_nbytes(n, 1)]
+    if bits in (2, 4):  # whole codes per byte: or the shifted columns of (bytes, 8 / bits)
+        cols = codes.view(-1, 8 // bits)
+        packed = cols[:, 0].clone()
+        for i in range(1, 8 // bits):
+            packed |= cols[:, i] << (bits * i)
+        return packed[: packed_nbytes(n, bits)]
     w = w.clone()
     for shift, low, high in _steps(bits):
         kept = w & low
@@ -113,9 +124,12 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     if bits == 8:
         return packed.clone()
     groups = -(-n // 8)
-    if bits == 1:
-        shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-        codes = (packed.unsqueeze(1) >> shifts) & 1  # (groups, 8): bit i of byte g
+    if bits == 1:  # replicate each byte into a word, keep bit i in byte i, test it
+        words = packed.to(torch.int64) * _REPLICATE
+        return (words & _BIT_I_OF_BYTE_I).view(torch.uint8).ne(0).view(torch.uint8)[:n]
+    if bits in (2, 4):  # (bytes, 8 / bits): code i of byte g at bits [bits*i, bits*(i+1))
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
         return codes.reshape(-1)[:n]
     words = packed.new_zeros(groups, 8)  # each group's bytes, zero-extended to an int64
     flat = words[:, :bits]

@@ -47,6 +47,7 @@ from hexagram.compress.chunks import (
     affine_rows,
     chunk_reduce,
     decode_affine,
+    fma_rows,
     robust_norms,
     work_dtype,
 )
@@ -138,14 +139,22 @@ class MinMax8Compressor(Compressor):
         # x - lo overflows where a chunk spans more than the dtype's range: use float64 then
         calc = torch.float64 if not bool(torch.isfinite(hi - lo).all()) else wd
         lo_c, inv_c = lo.to(calc), inv.to(calc)
+        # code = trunc((x - lo) / step + 0.5), in [0, 255]. Where |x| <= 64 (hi - lo) in every
+        # chunk (always, for chunks that straddle 0), x / step + (0.5 - lo / step) in one
+        # pass has an error below 1e-3 of a step; otherwise subtract lo first (exact).
+        fused = calc == wd and bool((torch.maximum(lo.abs(), hi.abs()) <= 64 * (hi - lo)).all())
+        offset = 0.5 - lo_c * inv_c
         tmp = torch.empty(min(BLOCK, flat.numel()), dtype=calc, device=flat.device)
 
         def fill(start: int, stop: int, codes: Tensor) -> None:
             buf = tmp[: stop - start]
-            buf.copy_(flat[start:stop])
-            # code = trunc((x - lo) / step + 0.5): round to nearest, in [0, 255]
-            affine_rows(buf, start, c, sub=lo_c, mul=inv_c)
-            codes.copy_(buf.add_(0.5).clamp_(0, 255))
+            if fused:
+                fma_rows(buf, flat[start:stop], start, c, inv_c, offset)
+            else:
+                buf.copy_(flat[start:stop])
+                affine_rows(buf, start, c, sub=lo_c, mul=inv_c)
+                buf.add_(0.5)
+            codes.copy_(buf)  # float -> uint8 truncates
 
         codes = encode_blocks(flat.numel(), 8, fill, flat.device)
         return Payload(tensors=(torch.stack([lo, step], 1), codes), shape=tensor.shape,
@@ -158,7 +167,7 @@ class MinMax8Compressor(Compressor):
         lo, step = header[:, 0], header[:, 1]
         if not bool(torch.isfinite(step * 255).all()):  # a chunk spans beyond the range
             lo, step = lo.double(), step.double()
-        return decode_affine(codes, 8, n, c, step, lo, 0.0, payload.dtype).view(payload.shape)
+        return decode_affine(codes, 8, n, c, step, lo, payload.dtype).view(payload.shape)
 
 
 def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
@@ -168,19 +177,23 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
     in ``[-levels, levels]`` (values beyond are clipped), in ceil(log2(2s + 1)) bits."""
     s, n = levels, flat.numel()
     tmp = torch.empty(min(BLOCK, n), dtype=scale.dtype, device=flat.device)
+    shift = torch.full((1,), s + 0.5 + 2.0**-17, dtype=scale.dtype,
+                       device=flat.device).expand(scale.numel())
     dither = torch.empty_like(tmp)
     words = torch.empty(-(-tmp.numel() // 4), dtype=torch.int64, device=flat.device)
 
     def fill(start: int, stop: int, codes: Tensor) -> None:
         length = stop - start
         buf = tmp[:length]
-        buf.copy_(flat[start:stop])
-        affine_rows(buf, start, chunk, mul=scale)  # in [-s, s] (beyond only when clipping)
+        # x * scale + s + 0.5 + 2**-17, with x * scale in [-s, s] (beyond only when clipping)
+        fma_rows(buf, flat[start:stop], start, chunk, scale, shift)
         # 16 random bits per element: u = (r + 32768.5) / 65536 in (0, 1), r an int16
         rnd = words[: -(-length // 4)].random_(-(2**63), None, generator=gen)
         dither[:length].copy_(rnd.view(torch.int16)[:length])
-        buf.add_(dither[:length], alpha=2.0**-16).add_(s + 0.5 + 2.0**-17)
-        codes.copy_(buf.clamp_(0, 2 * s))  # trunc(x * scale + u + s) = floor(...) + s
+        buf.add_(dither[:length], alpha=2.0**-16)
+        # trunc(x * scale + u + s) = floor(x * scale + u) + s; values below 0 only when
+        # clipping (trunc toward 0 is then right too), above 2s only by rounding or clipping
+        codes.copy_(buf.clamp_(0, 2 * s))
 
     return encode_blocks(n, (2 * s).bit_length(), fill, flat.device)
 
@@ -216,8 +229,9 @@ class QSGDCompressor(SeededCompressor):
         d, s = self.config.bucket_size, self.config.levels
         n = _check_header(payload, d, self.name)
         norms, codes = payload.tensors
-        return decode_affine(codes, self.bits, n, d, norms / s, None, float(s),
-                              payload.dtype).view(payload.shape)
+        # (code - s) * norm / s = code * (norm / s) - norm
+        return decode_affine(codes, self.bits, n, d, norms / s, -norms,
+                             payload.dtype).view(payload.shape)
 
     def __repr__(self) -> str:
         return f"QSGDCompressor({self.config})"
@@ -278,8 +292,8 @@ class TernGradCompressor(SeededCompressor):
     def decompress(self, payload: Payload) -> Tensor:
         header, codes = payload.tensors
         n = payload.shape.numel()
-        return decode_affine(codes, 2, n, n, header, None, 1.0,
-                             payload.dtype).view(payload.shape)
+        # (code - 1) * scale
+        return decode_affine(codes, 2, n, n, header, -header, payload.dtype).view(payload.shape)
 
     def __repr__(self) -> str:
         return f"TernGradCompressor({self.config})"

@@ -74,9 +74,9 @@ def encode_signs(flat: Tensor, who: str, stats: bool = True) -> tuple[Tensor, Te
 
 
 def _decode_signs(payload: Payload, bits: Tensor, scale: Tensor) -> Tensor:
-    """Bit 0 -> ``-scale``, bit 1 -> ``+scale`` (a one-element tensor): ``(b - 0.5) * 2s``."""
-    out = decode_affine(bits, 1, payload.shape.numel(), payload.shape.numel(), scale * 2, None,
-                        0.5, payload.dtype)
+    """Bit 0 -> ``-scale``, bit 1 -> ``+scale`` (a one-element tensor): ``b * 2s - s``."""
+    out = decode_affine(bits, 1, payload.shape.numel(), payload.shape.numel(), scale * 2,
+                        -scale, payload.dtype)
     return out.view(payload.shape)
 
 

@@ -42,7 +42,6 @@ from hexagram.compress.base import (
     Payload,
     SeededCompressor,
     check_compressible,
-    check_finite,
     ensure_finite,
 )
 from hexagram.compress.chunks import work_dtype
@@ -143,17 +142,16 @@ def _index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 else torch.int64
 
 
-def above(flat: Tensor, threshold: float, who: str) -> Tensor:
-    """int64 indices of the entries with ``|x| >= threshold``, found block by block.
+def above(flat: Tensor, threshold: float) -> Tensor:
+    """int64 indices of the entries with ``|x| >= threshold`` or NaN, found block by block.
 
-    Raises :class:`NonFiniteGradientError` on NaN or Inf (a per-block sum is the probe).
+    NaN and Inf are always included (``not |x| < t`` holds for NaN), so the caller's check
+    of the selected values sees them.
     """
-    found, probe = [], torch.zeros((), dtype=torch.float64, device=flat.device)
+    found = []
     for start, stop in blocks(flat.numel(), BLOCK):
-        blk = flat[start:stop]
-        probe += blk.sum(dtype=torch.float64)
-        found.append((blk.abs() >= threshold).nonzero().flatten() + start)
-    ensure_finite(flat, probe, who)
+        keep = torch.lt(flat[start:stop].abs(), threshold).logical_not_()
+        found.append(keep.nonzero().flatten() + start)
     return torch.cat(found)
 
 
@@ -205,7 +203,7 @@ class TopKCompressor(SeededCompressor):
         expected = m * k / n
         rank = min(m, math.ceil(1.2 * expected + 4 * math.sqrt(expected) + 1))
         threshold = float(torch.topk(sample, rank, sorted=False).values.min())
-        candidates = above(flat, threshold, self.name)
+        candidates = above(flat, threshold)
         if candidates.numel() < k:
             return None
         return _largest(flat, candidates, k)
@@ -238,7 +236,7 @@ class RandomKCompressor(SeededCompressor):
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
         flat = tensor.detach().reshape(-1)
-        check_finite(flat, self.name)
+        ensure_finite(flat, flat.sum(dtype=torch.float64), self.name)  # NaN/Inf: whole input
         n = flat.numel()
         start, size = self._strata(n, self.config.count(n), flat.device)
         u = torch.rand(start.numel(), dtype=torch.float64, generator=self.generator_for(
@@ -279,9 +277,10 @@ class ThresholdCompressor(Compressor):
         check_compressible(tensor, self.name)
         flat = tensor.detach().reshape(-1)
         n, cap = flat.numel(), self.capacity(flat.numel())
-        chosen = above(flat, self.config.threshold, self.name)
+        chosen = above(flat, self.config.threshold)
         if chosen.numel() > cap:
-            chosen = _largest(flat, chosen, cap)
+            chosen = _largest(flat, chosen, cap)  # topk ranks NaN first: the check sees it
+        ensure_finite(flat, flat[chosen], self.name)
         values = flat.new_zeros(cap)
         indices = torch.zeros(cap, dtype=_index_dtype(n), device=flat.device)
         values[: chosen.numel()] = flat[chosen]
