@@ -1,8 +1,9 @@
 """Compressed-gradient algorithms: config validation, helpers, and training on real data.
 
 The training test runs every registered compressed algorithm, and allreduce as the
-reference, on 2 ranks in one spawned job: a 64-64-10 MLP on scikit-learn's digits for 10
-epochs. Each must reach allreduce's test accuracy within 1 point, and both ranks must end
+reference, on 2 ranks in one spawned job: a 64-64-10 MLP on scikit-learn's digits for 20
+epochs, with per-algorithm learning rates where the method needs one (signs: small
+steps). Each must reach allreduce's test accuracy within 1 point, and both ranks must end
 with bit-identical models.
 """
 
@@ -109,19 +110,23 @@ def test_dgc_warmup_schedule_is_four_geometric_stages() -> None:
 
 
 # -- training on real data ------------------------------------------------------------------
+EPOCHS = 20  # 420 steps of 2 x 32 samples, lr / 10 after 15: allreduce reaches 97.3%
 SPECS = [
     Spec("allreduce"),
     Spec("fp16"),
     Spec("bytegrad"),
     Spec("qsgd"),
     Spec("terngrad"),
-    Spec("onebit"),
-    Spec("efsign"),
-    Spec("signsgd", lr=0.002),
+    Spec("onebit", lr=0.05),
+    Spec("efsign", lr=0.05),
+    Spec("signsgd", lr=0.0015),
     Spec("topk", {"density": 0.1}),
     Spec("gtopk", {"density": 0.1}),
-    Spec("dgc", {"density": 0.1, "warmup_steps": 40}, momentum=0.0),
-    Spec("randomk", {"density": 0.25}),
+    # DGC keeps the momentum itself (optimizer without); momentum factor masking damps it,
+    # so it takes a larger step
+    Spec("dgc", {"density": 0.1, "warmup_steps": 40}, lr=0.2, momentum=0.0),
+    # random-k with error feedback needs more steps at lower density (0.25: 0.9 point below)
+    Spec("randomk", {"density": 0.5}, lr=0.05),
     Spec("powersgd", {"rank": 2, "start_iter": 10}),
 ]
 
@@ -133,7 +138,7 @@ def _available(specs: list[Spec]) -> list[Spec]:
 
 @pytest.fixture(scope="module")
 def trained() -> list[dict[str, dict[str, Any]]]:
-    return run_local(train_specs, 2, args=(_available(SPECS), 10, 32), timeout=280)
+    return run_local(train_specs, 2, args=(_available(SPECS), EPOCHS, 32), timeout=280)
 
 
 @pytest.mark.slow

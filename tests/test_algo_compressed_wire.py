@@ -170,7 +170,7 @@ def _payload_bytes(comp: str, cfg: dict[str, Any], numel: int) -> int:
 
 
 def _k(ccfg: dict[str, Any], numel: int) -> int:
-    """Pairs the top-k compressor keeps of ``numel`` elements."""
+    """Pairs a sparsifier of this config keeps of ``numel`` elements (its payload size)."""
     return sparse_pairs(hc.get("topk", **ccfg).compress(torch.randn(numel)))[0].numel()
 
 
@@ -188,6 +188,8 @@ def expected_bytes(name: str, rank: int, world: int) -> int:
         ks = [_k(ccfg, n) for n in sizes]
         edges = (rank != 0) + len(tree_children(rank, world))
         return sum(8 * k * edges for k in ks)
+    if name == "randomk":  # shared positions: ring allreduce of the k float32 values only
+        return sum(2 * (world - 1) * 4 * _k(ccfg, n) // world for n in sizes)
     agg = hc.get(comp, **ccfg).aggregation
     total = 0
     for n in sizes:

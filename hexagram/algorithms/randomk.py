@@ -1,9 +1,10 @@
 """Random-k sparsification: the same ``k`` random positions on every rank, error feedback.
 
-Ranks draw the positions from generators seeded identically (``seed``), so position ``i``
-holds every rank's value for the same element and the values are summed by allreduce when
-the compressor says its payloads are summable (only values on the wire); otherwise the
-pairs are allgathered. Unsent values stay in the residual (on by default).
+Ranks draw the positions from generators seeded identically (``seed``), so slot ``i`` of
+every rank's payload holds the same element: only the ``k`` values cross the wire, summed by
+a ring allreduce (``2 (P-1)/P * k`` values per rank instead of ``(P-1) k`` (index, value)
+pairs for an allgather), and each rank rebuilds the mean with its own copy of the indices.
+Unsent values stay in the residual (error feedback, on by default).
 
 Example:
     >>> import hexagram as hx
@@ -15,8 +16,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from hexagram import compress
-from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm
+from hexagram.algorithms.compressed import (
+    CompressedConfig,
+    CompressorAlgorithm,
+    JoinedHandle,
+    Segment,
+)
+from hexagram.algorithms.gtopk import sparse_pairs
+from hexagram.comm import primitives
+from hexagram.comm.communicator import Handle
 from hexagram.config import check_float
 
 __all__ = ["RandomKAlgorithm", "RandomKConfig"]
@@ -53,3 +64,10 @@ class RandomKAlgorithm(CompressorAlgorithm):
                                        seed=self.config.seed,
                                        rescale=not self.config.error_feedback)
         self._shared_seed = True  # the same positions on every rank
+
+    def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
+        payload = self.compress_with_feedback(segment, tensor, self.compressor, self.feedback)
+        values, _ = sparse_pairs(payload)  # the payload's own values tensor, summed in place
+        handle = primitives.allreduce(self.ctx.comm, values, average=True)
+        return JoinedHandle([handle], lambda _: self.compressor.decompress(payload)
+                            .reshape(-1), "randomk.allreduce")
