@@ -127,8 +127,10 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     if bits == 1:  # replicate each byte into a word, keep bit i in byte i, test it
         words = packed.to(torch.int64) * _REPLICATE
         return (words & _BIT_I_OF_BYTE_I).view(torch.uint8).ne(0).view(torch.uint8)[:n]
-    if bits in (2, 4):  # (bytes, 8 / bits): code i of byte g at bits [bits*i, bits*(i+1))
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    if bits == 4:  # low and high nibbles, interleaved
+        return torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)[:n]
+    if bits == 2:  # (bytes, 4): code i of byte g at bits [2i, 2i + 2)
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=packed.device)
         codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
         return codes.reshape(-1)[:n]
     words = packed.new_zeros(groups, 8)  # each group's bytes, zero-extended to an int64
