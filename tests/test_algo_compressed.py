@@ -9,7 +9,7 @@ with bit-identical models.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -19,10 +19,11 @@ import hexagram.compress as hc
 from hexagram.algorithms import registry
 from hexagram.algorithms.compressed import JoinedHandle, check_finite, segments
 from hexagram.algorithms.dgc import DGCConfig, density_at
-from hexagram.algorithms.powersgd import matrix_shape
+from hexagram.algorithms.powersgd import compressible, segment_shape
 from hexagram.algorithms.signsgd import majority_vote
 from hexagram.buckets import build_buckets
 from hexagram.comm.communicator import Handle
+from hexagram.compress.lowrank import PowerSGDCompressor
 from hexagram.errors import ConfigError
 from hexagram.launch import run_local
 
@@ -95,10 +96,12 @@ def test_majority_vote_ties_give_zero() -> None:
 
 def test_powersgd_compresses_only_matrices_that_shrink() -> None:
     bucket = _bucket({"w": torch.ones(40, 30), "b": torch.ones(30), "tiny": torch.ones(3, 3)})
-    layer = segments(bucket, "layer")
-    assert [matrix_shape(s, "layer", 2) for s in layer] == [(40, 30), None, None]
+    psgd = cast(PowerSGDCompressor, hc.get("powersgd", rank=2))
+    layer = [segment_shape(s, "layer") for s in segments(bucket, "layer")]
+    assert [compressible(s, "layer", psgd) for s in layer] == [True, False, False]
     (whole,) = segments(bucket, "bucket")
-    assert matrix_shape(whole, "bucket", 2) == (36, 35)  # 1239 elements, ceil(sqrt) rows
+    assert segment_shape(whole, "bucket") == torch.Size([1239])  # one 36 x 35 matrix
+    assert compressible(segment_shape(whole, "bucket"), "bucket", psgd)
 
 
 def test_dgc_warmup_schedule_is_four_geometric_stages() -> None:

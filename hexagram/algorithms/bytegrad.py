@@ -50,4 +50,5 @@ class ByteGradAlgorithm(CompressorAlgorithm):
     def __init__(self, config: ByteGradConfig | None = None) -> None:
         super().__init__(config or ByteGradConfig())
         self.config: ByteGradConfig
-        self.compressor = compress.get("minmax8", chunk_size=self.config.chunk_size)
+        self.use_compressor(compress.get("minmax8", chunk_size=self.config.chunk_size),
+                            feedback=False)

@@ -9,7 +9,8 @@ gradient. Subclasses only say how a segment is reduced.
 
 Per-tensor state (error-feedback residuals, momenta) is kept per parameter *name*, so it
 survives the engine re-forming buckets after the first step; a bucket-granularity segment's
-residual is the concatenation of its tensors' residuals.
+residual is the concatenation of its tensors' residuals. Residuals live in a
+:class:`hexagram.compress.ErrorFeedback` keyed by parameter name.
 
 Example (a subclass)::
 
@@ -35,6 +36,7 @@ from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Aggregation, Compressor, Payload
+from hexagram.compress.feedback import ErrorFeedback
 from hexagram.config import check_choice, check_int
 from hexagram.errors import NonFiniteGradientError
 
@@ -140,6 +142,12 @@ def scatter_state(store: dict[str, Tensor], segment: Segment, value: Tensor) -> 
         offset += e.numel
 
 
+def _spans(segment: Segment) -> list[tuple[BucketEntry, int, int]]:
+    """Each tensor of the segment with its [start, stop) inside the segment."""
+    return [(e, e.offset - segment.start, e.offset - segment.start + e.numel)
+            for e in segment.entries]
+
+
 def mean_of(tensors: Sequence[Tensor]) -> Tensor:
     """Element-wise mean, summed in rank order (identical on every rank)."""
     total = tensors[0].clone()
@@ -173,7 +181,8 @@ class CompressedAlgorithm(Algorithm):
 
     Subclasses implement :meth:`reduce_segment` (return a handle of the *averaged* segment)
     and may extend :meth:`state_dict`. ``self.step`` counts backward passes that
-    communicated; ``self.residuals`` maps parameter names to flat error-feedback residuals.
+    communicated; ``self.error_feedback`` (set by subclasses that use it) holds the
+    error-feedback residuals, one per parameter name.
     """
 
     kind = "grad"
@@ -183,7 +192,7 @@ class CompressedAlgorithm(Algorithm):
         self.config: CompressedConfig
         self.step = 0
         self.skipped_steps = 0
-        self.residuals: dict[str, Tensor] = {}
+        self.error_feedback: ErrorFeedback | None = None
         self.generator = torch.Generator()
         self.reduce_generator = torch.Generator()
         self._shared_seed = False  # subclasses whose ranks must draw the same numbers set it
@@ -237,39 +246,49 @@ class CompressedAlgorithm(Algorithm):
         self.step += 1
 
     # -- helpers for subclasses ----------------------------------------------------------
-    def residual(self, segment: Segment, like: Tensor) -> Tensor:
-        """The segment's error-feedback residual (zeros the first time), 1-D."""
-        return gather_state(self.residuals, segment, like)
+    def _feedback(self) -> ErrorFeedback:
+        if self.error_feedback is None:
+            raise RuntimeError(f"{self.name}: error feedback is off in this configuration")
+        return self.error_feedback
 
-    def set_residual(self, segment: Segment, value: Tensor) -> None:
-        """Store a segment's residual, split per tensor name."""
-        scatter_state(self.residuals, segment, value)
+    def correct(self, segment: Segment, tensor: Tensor) -> Tensor:
+        """``tensor`` (the segment, 1-D) plus each of its tensors' residual: a new tensor."""
+        ef = self._feedback()
+        return torch.cat([ef.correct(e.name, tensor[a:b]) for e, a, b in _spans(segment)])
 
-    def compress_with_feedback(self, segment: Segment, tensor: Tensor, compressor: Compressor,
-                               feedback: bool) -> Payload:
-        """Compress ``tensor`` (+ residual); keep what compression lost as the new residual.
+    def update(self, segment: Segment, corrected: Tensor, sent: Tensor) -> None:
+        """Residuals of the segment's tensors := ``corrected - sent`` (both 1-D)."""
+        ef = self._feedback()
+        for e, a, b in _spans(segment):
+            ef.update(e.name, corrected[a:b], sent[a:b])
 
-        Invariant (error feedback, Karimireddy et al. 2019): ``sent + residual == input``
-        where ``sent = decompress(payload)`` and ``input = tensor + old residual``.
+    def compress_with_feedback(self, segment: Segment, tensor: Tensor,
+                               compressor: Compressor) -> Payload:
+        """Compress ``tensor`` (+ residual, if error feedback is on); keep what was lost.
+
+        Invariant (Karimireddy et al. 2019): ``sent + new residual == tensor + old residual``
+        where ``sent = decompress(payload)``.
         """
-        if not feedback:
+        if self.error_feedback is None:
             return compressor.compress(tensor, self.generator)
-        acc = tensor + self.residual(segment, tensor)
-        payload = compressor.compress(acc, self.generator)
-        self.set_residual(segment, acc - compressor.decompress(payload).reshape(-1))
+        corrected = self.correct(segment, tensor)
+        payload = compressor.compress(corrected, self.generator)
+        self.update(segment, corrected, compressor.decompress(payload).reshape(-1))
         return payload
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "skipped_steps": self.skipped_steps,
-                "residuals": {n: t.clone() for n, t in self.residuals.items()},
+                "feedback": None if self.error_feedback is None
+                else self.error_feedback.state_dict(),
                 "generator": self.generator.get_state(),
                 "reduce_generator": self.reduce_generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
-        self.residuals = {n: t.clone() for n, t in state["residuals"].items()}
+        if self.error_feedback is not None:
+            self.error_feedback.load_state_dict(state["feedback"])
         self.generator.set_state(state["generator"])
         self.reduce_generator.set_state(state["reduce_generator"])
         self._generator_loaded = True
@@ -284,27 +303,27 @@ class CompressorAlgorithm(CompressedAlgorithm):
     ``GATHER`` (or ``SCATTER_GATHER`` with error feedback, which needs the exact local
     compression error) -> allgather of payloads, then :meth:`aggregate`.
 
-    Subclasses set ``name``, build ``self.compressor`` and say whether error feedback is on
-    (``feedback``).
+    Subclasses set ``name`` and call :meth:`use_compressor` in ``__init__``.
     """
 
     compressor: Compressor
 
-    @property
-    def feedback(self) -> bool:
-        """Error feedback on? (subclass configs have an ``error_feedback`` field)."""
-        return bool(getattr(self.config, "error_feedback", False))
+    def use_compressor(self, compressor: Compressor, feedback: bool) -> None:
+        """Set the compressor, wrapped in error feedback if ``feedback``."""
+        self.compressor = compressor
+        self.error_feedback = ErrorFeedback(compressor) if feedback else None
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
         comm, comp = self.ctx.comm, self.compressor
+        feedback = self.error_feedback is not None
         if comp.aggregation is Aggregation.SUM:
-            if not self.feedback:
+            if not feedback:
                 return primitives.allreduce_compressed(comm, tensor, comp)
-            return self._sum_payload(self.compress_with_feedback(segment, tensor, comp, True))
-        if comp.aggregation is Aggregation.SCATTER_GATHER and not self.feedback:
+            return self._sum_payload(self.compress_with_feedback(segment, tensor, comp))
+        if comp.aggregation is Aggregation.SCATTER_GATHER and not feedback:
             return primitives.scatter_gather(comm, tensor, comp, generator=self.generator,
                                              reduce_generator=self.reduce_generator)
-        payload = self.compress_with_feedback(segment, tensor, comp, self.feedback)
+        payload = self.compress_with_feedback(segment, tensor, comp)
         h = primitives.allgather_payloads(comm, payload)
         return JoinedHandle([h], lambda r: self.aggregate(
             [comp.decompress(p).reshape(-1) for p in r[0]]), f"{self.name}.gather")

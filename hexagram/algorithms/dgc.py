@@ -106,7 +106,8 @@ class DGCAlgorithm(CompressorAlgorithm):
         self.config: DGCConfig
         self.momenta: dict[str, Tensor] = {}
         self._by_density: dict[float, Compressor] = {}
-        self.compressor = self._compressor(self.config.density)
+        # the accumulated velocity v is DGC's error-feedback residual
+        self.use_compressor(self._compressor(self.config.density), feedback=True)
 
     def density_at(self, step: int) -> float:
         """Density used at ``step`` (see :func:`density_at`)."""
@@ -127,13 +128,13 @@ class DGCAlgorithm(CompressorAlgorithm):
             if norm > limit:
                 grad = grad * (limit / norm)
         u = gather_state(self.momenta, segment, grad).mul_(c.momentum).add_(grad)
-        v = self.residual(segment, grad).add_(u)
+        v = self.correct(segment, u)
         comp = self._compressor(self.density_at(self.step))
         payload = comp.compress(v, self.generator)
         sent = comp.decompress(payload).reshape(-1)
         mask = sent != 0
         scatter_state(self.momenta, segment, u.masked_fill_(mask, 0.0))
-        self.set_residual(segment, v.sub_(sent))  # zero where sent: v - v
+        self.update(segment, v, sent)  # v - sent: zero where sent
         handle = primitives.allgather_payloads(self.ctx.comm, payload)
         return JoinedHandle([handle], lambda r: mean_of(
             [comp.decompress(p).reshape(-1) for p in r[0]]), "dgc.gather")

@@ -40,4 +40,4 @@ class EFSignAlgorithm(CompressorAlgorithm):
     def __init__(self, config: EFSignConfig | None = None) -> None:
         super().__init__(config or EFSignConfig())
         self.config: EFSignConfig
-        self.compressor = compress.get("efsign")
+        self.use_compressor(compress.get("efsign"), self.config.error_feedback)

@@ -34,6 +34,7 @@ from hexagram.algorithms.compressed import (
 from hexagram.comm.communicator import Handle
 from hexagram.comm.gtopk import gtopk_allreduce
 from hexagram.compress.base import Payload
+from hexagram.compress.feedback import ErrorFeedback
 from hexagram.config import check_float
 
 __all__ = ["GTopKAlgorithm", "GTopKConfig", "sparse_pairs"]
@@ -80,10 +81,12 @@ class GTopKAlgorithm(CompressedAlgorithm):
         self.config: GTopKConfig
         self.compressor = compress.get("topk", density=self.config.density,
                                        approximate=self.config.approximate)
+        if self.config.error_feedback:
+            self.error_feedback = ErrorFeedback(self.compressor)
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
-        acc = tensor + self.residual(segment, tensor) if self.config.error_feedback \
-            else tensor.clone()
+        feedback = self.error_feedback is not None
+        acc = self.correct(segment, tensor) if feedback else tensor.clone()
         values, indices = sparse_pairs(self.compressor.compress(acc, self.generator))
         handle = gtopk_allreduce(self.ctx.comm, values, indices, segment.numel)
         size = self.ctx.comm.size
@@ -92,13 +95,13 @@ class GTopKAlgorithm(CompressedAlgorithm):
             gvalues, gindices = results[0]
             out = torch.zeros_like(acc)
             out[gindices] = gvalues / size
-            if self.config.error_feedback:
-                # applied here = selected locally AND globally; the rest stays
+            if feedback:
+                # counted as sent = selected locally AND globally; the rest stays
                 applied = torch.zeros(acc.numel(), dtype=torch.bool, device=acc.device)
                 applied[indices] = True
                 kept = torch.zeros_like(applied)
                 kept[gindices] = True
-                self.set_residual(segment, acc.masked_fill(applied & kept, 0.0))
+                self.update(segment, acc, acc * (applied & kept))
             return out
 
         return JoinedHandle([handle], finish, "gtopk")

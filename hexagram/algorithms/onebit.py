@@ -40,4 +40,4 @@ class OneBitAlgorithm(CompressorAlgorithm):
     def __init__(self, config: OneBitConfig | None = None) -> None:
         super().__init__(config or OneBitConfig())
         self.config: OneBitConfig
-        self.compressor = compress.get("onebit")
+        self.use_compressor(compress.get("onebit"), self.config.error_feedback)

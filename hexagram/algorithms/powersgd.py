@@ -23,21 +23,23 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hexagram import compress
 from hexagram.algorithms.compressed import CompressedAlgorithm, CompressedConfig, Segment, segments
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
+from hexagram.compress.feedback import ErrorFeedback
+from hexagram.compress.lowrank import PowerSGDCompressor
 from hexagram.config import check_int
 
-__all__ = ["PowerSGDAlgorithm", "PowerSGDConfig", "matrix_shape"]
+__all__ = ["PowerSGDAlgorithm", "PowerSGDConfig", "compressible", "segment_shape"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,26 +66,29 @@ class PowerSGDConfig(CompressedConfig):
         check_int(self, "start_iter", low=0)
 
 
-def matrix_shape(segment: Segment, granularity: str, rank: int) -> tuple[int, int] | None:
-    """(n, m) the segment is compressed as, or ``None`` to send it uncompressed."""
-    if granularity == "bucket":
-        n = math.isqrt(segment.numel - 1) + 1 if segment.numel > 1 else 1
-        shape = (n, -(-segment.numel // n))
-    else:
-        e = segment.entries[0]
-        if len(e.shape) < 2:
-            return None
-        shape = (e.shape[0], e.numel // e.shape[0])
-    n, m = shape
-    return shape if rank * (n + m) < n * m else None
+def segment_shape(segment: Segment, granularity: str) -> torch.Size:
+    """Shape the compressor sees: the tensor's own (layer) or a flat vector (bucket)."""
+    if granularity == "layer":
+        return segment.entries[0].shape
+    return torch.Size([segment.numel])
+
+
+def compressible(shape: torch.Size, granularity: str, compressor: PowerSGDCompressor) -> bool:
+    """Layer-wise, vectors (biases) go uncompressed, as in the paper; any segment goes
+    uncompressed when its factors would not be smaller than itself."""
+    if granularity == "layer" and len(shape) < 2:
+        return False
+    return compressor.worthwhile(shape)
 
 
 @dataclass
 class _Matrix:
     segment: Segment
     key: str
-    m: Tensor  # (n, m): gradient + residual, zero padded
-    q: Tensor  # (m, r)
+    shape: torch.Size
+    corrected: Tensor  # (numel,): gradient + residual
+    m: Tensor  # (rows, cols): its matrix view, zero padded
+    p: Tensor  # (rows, r) = M Q, this rank's
 
 
 class PowerSGDAlgorithm(CompressedAlgorithm):
@@ -94,17 +99,22 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
     def __init__(self, config: PowerSGDConfig | None = None) -> None:
         super().__init__(config or PowerSGDConfig())
         self.config: PowerSGDConfig
-        self.q_factors: dict[str, Tensor] = {}
-        self._shared_seed = True  # fresh Q must be the same on every rank
+        c = self.config
+        # the compressor's step API: matrix, compute_p, orthogonalize, compute_q, store_q
+        # (warm-start Q per key, initial Q seeded by key: the same on every rank)
+        self.compressor = cast(PowerSGDCompressor, compress.get(
+            "powersgd", rank=c.rank, warm_start=c.warm_start, seed=c.seed))
+        if c.error_feedback:
+            self.error_feedback = ErrorFeedback(self.compressor)
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
         comm = self.ctx.comm
         if self.step < self.config.start_iter:
             return primitives.allreduce(comm, bucket.flat, average=True)
         mats, dense = self._prepare(bucket)
-        # stage 1 buffer: every P (n x r) then the uncompressed segments
-        first = torch.cat([(x.m @ x.q).reshape(-1) for x in mats]
-                          + [bucket.flat[s.start:s.stop] for s in dense])
+        # stage 1 buffer: every P (rows x r) then the uncompressed segments
+        first = torch.cat([x.p.reshape(-1) for x in mats]
+                          + [bucket.flat[s.start:s.stop].float() for s in dense])
         if comm.size == 1:
             return Handle.completed(self._finish(bucket, mats, dense, first, None),
                                     "powersgd")
@@ -117,66 +127,53 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
     def _prepare(self, bucket: Bucket) -> tuple[list[_Matrix], list[Segment]]:
         mats: list[_Matrix] = []
         dense: list[Segment] = []
-        r = self.config.rank
         for seg in segments(bucket, self.config.granularity):
-            shape = matrix_shape(seg, self.config.granularity, r)
-            if shape is None:
+            shape = segment_shape(seg, self.config.granularity)
+            if not compressible(shape, self.config.granularity, self.compressor):
                 dense.append(seg)
                 continue
-            n, m = shape
             grad = bucket.flat[seg.start:seg.stop]
-            if self.config.error_feedback:
-                grad = grad + self.residual(seg, grad)
-            padded = torch.zeros(n * m, dtype=grad.dtype, device=grad.device)
-            padded[:seg.numel] = grad
+            corrected = self.correct(seg, grad) if self.error_feedback is not None else grad
+            m = self.compressor.matrix(corrected.view(shape))
             key = "|".join(seg.names)
-            mats.append(_Matrix(seg, key, padded.view(n, m), self._q(key, m, grad)))
+            mats.append(_Matrix(seg, key, shape, corrected, m, self.compressor.compute_p(key, m)))
         return mats, dense
-
-    def _q(self, key: str, m: int, like: Tensor) -> Tensor:
-        q = self.q_factors.get(key)
-        if q is None or not self.config.warm_start or q.shape[0] != m:
-            q = torch.randn(m, self.config.rank, generator=self.generator, dtype=like.dtype,
-                            device=like.device)
-        return q
 
     def _finish(self, bucket: Bucket, mats: list[_Matrix], dense: list[Segment],
                 first: Tensor, comm: Communicator | None) -> Tensor:
         """Runs on the issuing thread: both allreduces, orthogonalization, residuals."""
+        c = self.compressor
         _allreduce_mean(first, comm)
         ps, offset = [], 0
         for x in mats:
-            n = x.m.shape[0]
-            ps.append(torch.linalg.qr(first[offset:offset + n * x.q.shape[1]]
-                                      .view(n, -1)).Q)  # orthonormal columns, (n, r)
-            offset += n * x.q.shape[1]
-        second = torch.cat([(x.m.T @ p).reshape(-1) for x, p in zip(mats, ps)]) if mats \
-            else first.new_zeros(0)
+            ps.append(c.orthogonalize(first[offset:offset + x.p.numel()].view_as(x.p)))
+            offset += x.p.numel()
+        qs = [c.compute_q(x.m, p) for x, p in zip(mats, ps)]
+        second = torch.cat([q.reshape(-1) for q in qs]) if qs else first.new_zeros(0)
         if comm is not None:
             comm.counter.add("powersgd.q", comm.ring_allreduce_bytes(second))
         _allreduce_mean(second, comm)
         out = torch.empty_like(bucket.flat)
         q_offset = 0
-        for x, p in zip(mats, ps):
-            q = second[q_offset:q_offset + x.q.numel()].view_as(x.q).clone()
-            q_offset += x.q.numel()
-            approx = (p @ q.T).reshape(-1)[:x.segment.numel]
+        for x, p, q in zip(mats, ps, qs):
+            q = second[q_offset:q_offset + q.numel()].view_as(q)
+            q_offset += q.numel()
+            c.store_q(x.key, q)
+            approx = c.reconstruct(p, q, x.shape, bucket.dtype).reshape(-1)
             out[x.segment.start:x.segment.stop] = approx
-            if self.config.error_feedback:
-                self.set_residual(x.segment, x.m.reshape(-1)[:x.segment.numel] - approx)
-            self.q_factors[x.key] = q
+            if self.error_feedback is not None:
+                self.update(x.segment, x.corrected, approx)
         for s in dense:
             out[s.start:s.stop] = first[offset:offset + s.numel]
             offset += s.numel
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(),
-                "q_factors": {k: q.clone() for k, q in self.q_factors.items()}}
+        return {**super().state_dict(), "compressor": self.compressor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.q_factors = {k: q.clone() for k, q in state["q_factors"].items()}
+        self.compressor.load_state_dict(state["compressor"])
 
 
 def _allreduce_mean(buf: Tensor, comm: Communicator | None) -> None:

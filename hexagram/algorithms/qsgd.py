@@ -50,6 +50,6 @@ class QSGDAlgorithm(CompressorAlgorithm):
     def __init__(self, config: QSGDConfig | None = None) -> None:
         super().__init__(config or QSGDConfig())
         self.config: QSGDConfig
-        self.compressor = compress.get("qsgd", levels=self.config.levels,
-                                       bucket_size=self.config.bucket_size,
-                                       seed=self.config.seed)
+        self.use_compressor(compress.get("qsgd", levels=self.config.levels,
+                                         bucket_size=self.config.bucket_size,
+                                         seed=self.config.seed), self.config.error_feedback)

@@ -60,13 +60,14 @@ class RandomKAlgorithm(CompressorAlgorithm):
         self.config: RandomKConfig
         # Unscaled values: error feedback keeps the rest. (Rescaling by n/k makes the
         # estimate unbiased but the residual would then grow without bound.)
-        self.compressor = compress.get("randomk", density=self.config.density,
-                                       seed=self.config.seed,
-                                       rescale=not self.config.error_feedback)
+        self.use_compressor(compress.get("randomk", density=self.config.density,
+                                         seed=self.config.seed,
+                                         rescale=not self.config.error_feedback),
+                            self.config.error_feedback)
         self._shared_seed = True  # the same positions on every rank
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
-        payload = self.compress_with_feedback(segment, tensor, self.compressor, self.feedback)
+        payload = self.compress_with_feedback(segment, tensor, self.compressor)
         values, _ = sparse_pairs(payload)  # the payload's own values tensor, summed in place
         handle = primitives.allreduce(self.ctx.comm, values, average=True)
         return JoinedHandle([handle], lambda _: self.compressor.decompress(payload)

@@ -50,7 +50,7 @@ class SignSGDAlgorithm(CompressorAlgorithm):
     def __init__(self, config: SignSGDConfig | None = None) -> None:
         super().__init__(config or SignSGDConfig())
         self.config: SignSGDConfig
-        self.compressor = compress.get("sign")
+        self.use_compressor(compress.get("sign"), feedback=False)
 
     def aggregate(self, decoded: list[Tensor]) -> Tensor:
         return majority_vote(decoded)

@@ -49,5 +49,5 @@ class TernGradAlgorithm(CompressorAlgorithm):
     def __init__(self, config: TernGradConfig | None = None) -> None:
         super().__init__(config or TernGradConfig())
         self.config: TernGradConfig
-        self.compressor = compress.get("terngrad", clip=self.config.clip,
-                                       seed=self.config.seed)
+        self.use_compressor(compress.get("terngrad", clip=self.config.clip,
+                                         seed=self.config.seed), self.config.error_feedback)

@@ -51,5 +51,6 @@ class TopKAlgorithm(CompressorAlgorithm):
     def __init__(self, config: TopKConfig | None = None) -> None:
         super().__init__(config or TopKConfig())
         self.config: TopKConfig
-        self.compressor = compress.get("topk", density=self.config.density,
-                                       approximate=self.config.approximate)
+        self.use_compressor(compress.get("topk", density=self.config.density,
+                                         approximate=self.config.approximate),
+                            self.config.error_feedback)
