@@ -11,7 +11,8 @@ float64 inputs):
 
 - ``minmax8``: header (G, 2) [min, step] + n uint8 codes: ``n + 2*h*G`` bytes.
   ``x ~ min + code * step`` with ``step = (max - min) / 255``, rounding to nearest
-  (error <= step / 2 per element, deterministic, biased).
+  (error <= step / 2 per element, plus < 1e-3 step of float rounding; deterministic,
+  biased).
 - ``qsgd``: header (G,) L2 norms + codes of ``b = ceil(log2(2s + 1))`` bits, bit-packed:
   ``ceil(n * b / 8) + h*G`` bytes. ``x ~ norm * l / s`` with ``l`` in ``[-s, s]`` the
   stochastic rounding of ``s * x / norm`` (unbiased; the variance of a chunk is at most
@@ -134,29 +135,7 @@ class MinMax8Compressor(Compressor):
         ensure_finite(flat, ext, self.name)  # NaN/Inf make a chunk's min or max non-finite
         lo, hi = ext[:, 0], ext[:, 1]
         step = (hi / 2 - lo / 2) / 127.5  # (hi - lo) / 255 without overflowing
-        inv = torch.where(step > 0, 1 / step, 0.0)
-        inv = torch.where(torch.isfinite(inv), inv, 0.0)  # subnormal step: all codes 0 (= lo)
-        # x - lo overflows where a chunk spans more than the dtype's range: use float64 then
-        calc = torch.float64 if not bool(torch.isfinite(hi - lo).all()) else wd
-        lo_c, inv_c = lo.to(calc), inv.to(calc)
-        # code = trunc((x - lo) / step + 0.5), in [0, 255]. Where |x| <= 64 (hi - lo) in every
-        # chunk (always, for chunks that straddle 0), x / step + (0.5 - lo / step) in one
-        # pass has an error below 1e-3 of a step; otherwise subtract lo first (exact).
-        fused = calc == wd and bool((torch.maximum(lo.abs(), hi.abs()) <= 64 * (hi - lo)).all())
-        offset = 0.5 - lo_c * inv_c
-        tmp = torch.empty(min(BLOCK, flat.numel()), dtype=calc, device=flat.device)
-
-        def fill(start: int, stop: int, codes: Tensor) -> None:
-            buf = tmp[: stop - start]
-            if fused:
-                fma_rows(buf, flat[start:stop], start, c, inv_c, offset)
-            else:
-                buf.copy_(flat[start:stop])
-                affine_rows(buf, start, c, sub=lo_c, mul=inv_c)
-                buf.add_(0.5)
-            codes.copy_(buf)  # float -> uint8 truncates
-
-        codes = encode_blocks(flat.numel(), 8, fill, flat.device)
+        codes = _minmax_codes(flat, c, lo, hi, step)
         return Payload(tensors=(torch.stack([lo, step], 1), codes), shape=tensor.shape,
                        dtype=tensor.dtype)
 
@@ -168,6 +147,34 @@ class MinMax8Compressor(Compressor):
         if not bool(torch.isfinite(step * 255).all()):  # a chunk spans beyond the range
             lo, step = lo.double(), step.double()
         return decode_affine(codes, 8, n, c, step, lo, payload.dtype).view(payload.shape)
+
+
+def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) -> Tensor:
+    """uint8 codes ``trunc((x - lo) / step + 0.5)`` in [0, 255], chunk by chunk."""
+    inv = torch.where(step > 0, 1 / step, 0.0)
+    inv = torch.where(torch.isfinite(inv), inv, 0.0)  # subnormal step: all codes 0 (= lo)
+    # x - lo overflows where a chunk spans more than the dtype's range: use float64 then
+    calc = torch.float64 if not bool(torch.isfinite(hi - lo).all()) else lo.dtype
+    lo_c, inv_c = lo.to(calc), inv.to(calc)
+    # Where |x| <= 64 (hi - lo) in every chunk (always, for chunks that straddle 0),
+    # x / step + (0.5 - lo / step) in one pass errs by less than 1e-3 of a step; otherwise
+    # subtract lo first (exact).
+    fused = calc == lo.dtype and bool((torch.maximum(lo.abs(), hi.abs()) <= 64 * (hi - lo))
+                                      .all())
+    offset = 0.5 - lo_c * inv_c
+    tmp = torch.empty(min(BLOCK, flat.numel()), dtype=calc, device=flat.device)
+
+    def fill(start: int, stop: int, codes: Tensor) -> None:
+        buf = tmp[: stop - start]
+        if fused:
+            fma_rows(buf, flat[start:stop], start, c, inv_c, offset)
+        else:
+            buf.copy_(flat[start:stop])
+            affine_rows(buf, start, c, sub=lo_c, mul=inv_c)
+            buf.add_(0.5)
+        codes.copy_(buf)  # float -> uint8 truncates
+
+    return encode_blocks(flat.numel(), 8, fill, flat.device)
 
 
 def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
