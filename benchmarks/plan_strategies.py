@@ -25,17 +25,21 @@ MODELS = {  # name -> (builder, batch)
                                        classes=1000, device="meta"), 256, "mlp"),
     "GPT-12 h1024": (lambda: gpt(layers=12, hidden=1024, heads=16, device="meta"), 128, "gpt"),
     "GPT-24 h2048": (lambda: gpt(layers=24, hidden=2048, heads=16, device="meta"), 64, "gpt"),
+    "GPT-48 h1024": (lambda: gpt(layers=48, hidden=1024, heads=16, device="meta"), 128, "gpt"),
     "GPT-48 h4096": (lambda: gpt(layers=48, hidden=4096, heads=32, device="meta"), 64, "gpt"),
 }
-CLUSTERS = ["1x8", "2x8", "4x8"]
+#: (hosts x devices, inter-host Gbit/s): InfiniBand-class 200 Gbit/s, and 25 Gbit/s Ethernet
+CLUSTERS = [("1x8", 200.0), ("2x8", 200.0), ("4x8", 200.0), ("4x8", 25.0)]
 
 
-def _graph(name: str) -> ModelGraph:
+def _graph(name: str) -> tuple[ModelGraph, float]:
+    """The captured model and the capture seconds."""
+    start = time.perf_counter()
     build, batch, kind = MODELS[name]
     shape = (batch, 1024) if kind == "gpt" else (batch, 8192)
     x = torch.zeros(*shape, dtype=torch.long if kind == "gpt" else torch.float32,
                     device="meta")
-    return capture(build(), x)
+    return capture(build(), x), time.perf_counter() - start
 
 
 def _cell(p: object) -> str:
@@ -50,26 +54,29 @@ def main() -> None:
           f"{os.cpu_count()} cpus, torch {torch.__version__}")
     models = ["GPT-12 h1024"] if args.quick else list(MODELS)
     clusters = CLUSTERS[:2] if args.quick else CLUSTERS
+    print("# clusters: 80 GB, 150 TFLOP/s, 1500 GB/s per device; 2400 Gbit/s inside a host; "
+          "step times in ms predicted by the cost model (bf16, Adam: 16 B/parameter)")
     head = ["model", "cluster", "planner ms", "DP", "ZeRO-3", "TP(host)", "PP only",
-            "best 3D", "planner vs best", "plan", "plan s"]
+            "best 3D", "best / planner", "plan", "capture+plan s"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for name in models:
-        graph = _graph(name)
-        for spec in clusters:
-            cluster = Cluster.parse(spec, intra_host_gbps=2400, inter_host_gbps=200,
+        graph, captured = _graph(name)
+        for spec, inter in clusters:
+            cluster = Cluster.parse(spec, intra_host_gbps=2400, inter_host_gbps=inter,
                                     device_memory_gb=80, device_tflops=150)
+            label = f"{spec} {inter:g}G"
             start = time.perf_counter()
             try:
                 p = plan_graph(graph, cluster)
             except MemoryError as exc:
-                print(f"| {name} | {spec} | no fit: {exc} |")
+                print(f"| {name} | {label} | no fit: {exc} |")
                 continue
-            took = time.perf_counter() - start
+            took = time.perf_counter() - start + captured
             base = [b.plan for b in baselines(graph, cluster)]
             found = [b.step_time_s for b in base if b is not None]
             ratio = f"{min(found) / p.step_time_s:.2f}x" if found else "only plan"
-            cells = [name, spec, f"{p.step_time_s * 1e3:.1f}", *map(_cell, base), ratio,
+            cells = [name, label, f"{p.step_time_s * 1e3:.1f}", *map(_cell, base), ratio,
                      p.summary().split(":")[0], f"{took:.1f}"]
             print("| " + " | ".join(cells) + " |", flush=True)
 
