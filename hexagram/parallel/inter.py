@@ -96,6 +96,28 @@ def _meshes(graph: ModelGraph, cluster: Cluster, cons: Constraints, b_mb: int,
     return out
 
 
+def _range_sums(picks: list[LayerOption]) -> tuple[np.ndarray, ...]:
+    """(time, state, act) summed over every layer range ``[i, j)``: ``[L+1, L+1]`` each."""
+    cum = [np.concatenate([[0.0], np.cumsum([getattr(o, f) for o in picks])])
+           for f in ("time", "state", "act")]
+    return tuple(c[None, :] - c[:, None] for c in cum)
+
+
+def _admit(tables: Tables, si: int, picks: list[LayerOption], send: np.ndarray,
+           memory_bytes: float) -> None:
+    """Keep, per range and in-flight count, the config (last in ``configs``) if faster."""
+    lat, state, act = _range_sums(picks)
+    lat = lat + send[None, :]  # forward activation + backward gradient to the next stage
+    idx = np.arange(lat.shape[0])
+    for qi, q in enumerate(tables.inflight):
+        mem = state + q * act
+        better = (mem <= memory_bytes) & (idx[None, :] > idx[:, None]) & \
+            (lat < tables.cost[qi, si])
+        tables.cost[qi, si][better] = lat[better]
+        tables.memory[qi, si][better] = mem[better]
+        tables.arg[qi, si][better] = len(tables.configs) - 1
+
+
 def build_tables(graph: ModelGraph, cluster: Cluster, cons: Constraints, microbatches: int,
                  cache: dict) -> Tables:
     """Stage latency and memory of every (layer range, submesh, in-flight count)."""
@@ -105,34 +127,19 @@ def build_tables(graph: ModelGraph, cluster: Cluster, cons: Constraints, microba
     inflight = [microbatches] if cons.schedule == "gpipe" else \
         list(range(1, min(max_stages, microbatches) + 1))
     shape = (len(inflight), len(subs), n_layers + 1, n_layers + 1)
-    cost, memory = np.full(shape, np.inf), np.full(shape, np.inf)
-    arg = np.zeros(shape, dtype=np.int64)
-    configs: list[tuple[Mesh, list[list[LayerOption]], int]] = []
-    out_bytes = np.array([0.0] + [layer.out_elems * b_mb * cluster.dtype_bytes
-                                  for layer in graph.layers])
-    last = np.arange(n_layers + 1) == n_layers
+    tables = Tables(microbatches, subs, inflight, np.full(shape, np.inf),
+                    np.zeros(shape, dtype=np.int64), [], np.full(shape, np.inf))
+    out_bytes = [0.0] + [layer.out_elems * b_mb * cluster.dtype_bytes for layer in graph.layers]
     for si, sub in enumerate(subs):
         send = np.array([transfer_time(cluster, sub, x) for x in out_bytes])
-        send[last] = 0.0
+        send[-1] = 0.0  # the last stage sends nothing
         for mesh in _meshes(graph, cluster, cons, b_mb, sub):
             table = _layer_table(graph, mesh, max(inflight), cache)
-            width = max(len(opts) for opts in table)
-            for k in range(width):
-                picks = [opts[min(k, len(opts) - 1)] for opts in table]
-                cum = [np.concatenate([[0.0], np.cumsum([getattr(o, f) for o in picks])])
-                       for f in ("time", "state", "act")]
-                lat, state, act = (c[None, :] - c[:, None] for c in cum)
-                lat = lat + send[None, :]
-                configs.append((mesh, table, k))
-                for qi, q in enumerate(inflight):
-                    mem = state + q * act
-                    ok = (mem <= cluster.memory_bytes) & (np.arange(n_layers + 1)[None, :] >
-                                                          np.arange(n_layers + 1)[:, None])
-                    better = ok & (lat < cost[qi, si])
-                    cost[qi, si][better] = lat[better]
-                    memory[qi, si][better] = mem[better]
-                    arg[qi, si][better] = len(configs) - 1
-    return Tables(microbatches, subs, inflight, cost, arg, configs, memory)
+            for k in range(max(len(opts) for opts in table)):
+                tables.configs.append((mesh, table, k))
+                _admit(tables, si, [opts[min(k, len(opts) - 1)] for opts in table], send,
+                       cluster.memory_bytes)
+    return tables
 
 
 def _dp(tables: Tables, t_max: float, devices: int, stage_counts: list[int]
