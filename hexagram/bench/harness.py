@@ -108,10 +108,10 @@ def _root_cause(error: str) -> str:
 
 
 def _failure(results: list[RankResult], ranks: list[dict[str, Any]]) -> str | None:
-    errors = [(r["rank"], r["error"]) for r in ranks if "error" in r]
+    errors = [(not r["error"].startswith("hung"), r.get("time", 0.0), r["rank"], r["error"])
+              for r in ranks if "error" in r]
     if errors:
-        errors.sort(key=lambda e: not e[1].startswith("hung"))  # a hang explains the rest
-        rank, error = errors[0]
+        _, _, rank, error = min(errors)  # a hang explains the rest, else the earliest error
         return f"rank {rank}: {_root_cause(error)}"
     bad = [r for r in results if r.returncode != 0]
     if bad:

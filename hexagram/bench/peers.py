@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["PEERS", "Wrapped", "is_peer", "ring_bytes", "wrap"]
+__all__ = ["PEERS", "Wrapped", "is_peer", "make_optimizer", "ring_bytes", "wrap"]
 
 PEERS = ("ddp", "ddp-fp16", "ddp-powersgd", "ddp-localsgd")
 LOCALSGD_PERIOD = 4
@@ -135,6 +135,20 @@ def _hosts() -> int:
     import hexagram
 
     return len(hexagram.get_runtime().hosts)
+
+
+def make_optimizer(name: str, params: Any, lr: float, adaptive: bool = False,
+                   warmup: int = 1) -> torch.optim.Optimizer:
+    """The optimizer a run uses with ``name``: SGD with momentum (AdamW if ``adaptive``),
+    except ``qadam``, which needs :class:`hexagram.optim.QAdamOptimizer` (its variance frozen
+    after ``warmup`` steps, when compression starts)."""
+    if name == "qadam":
+        from hexagram.optim import QAdamOptimizer
+
+        return QAdamOptimizer(params, lr=lr if adaptive else lr / 10, warmup_steps=max(1, warmup))
+    if adaptive:
+        return torch.optim.AdamW(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
 def wrap(name: str, module: nn.Module, optimizer: torch.optim.Optimizer,

@@ -103,15 +103,14 @@ def _agree(metric: float, clock: float) -> tuple[float, float]:
 
 def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     """Train until target / epochs / time limit; return the curve of this rank."""
-    from hexagram.bench.peers import wrap
+    from hexagram.bench.peers import make_optimizer, wrap
     from hexagram.bench.watchdog import beat
 
     text = spec["dataset"] == "text"
     model, epoch_batches, evaluate = (_text_task if text else _image_task)(spec)
     loss_fn = _lm_loss if text else F.cross_entropy
-    opt: torch.optim.Optimizer = (torch.optim.AdamW(model.parameters(), lr=spec["lr"]) if text
-                                  else torch.optim.SGD(model.parameters(), lr=spec["lr"],
-                                                       momentum=0.9))
+    opt = make_optimizer(spec["algorithm"], model.parameters(), spec["lr"], adaptive=text,
+                         warmup=spec.get("optimizer_warmup", 50))
     wrapped = wrap(spec["algorithm"], model, opt, spec.get("config") or {})
     better = (lambda v: v <= spec["target"]) if text else (lambda v: v >= spec["target"])
     clock, step, curve, reached = 0.0, 0, [], None

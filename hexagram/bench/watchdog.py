@@ -38,7 +38,7 @@ class Watchdog:
         while time.monotonic() - self.last < self.limit:
             time.sleep(0.5)
         error = f"hung: no progress for {self.limit:.0f} s during {self.phase}"
-        self.result_path.write_text(json.dumps({"error": error,
+        self.result_path.write_text(json.dumps({"error": error, "time": time.time(),
                                                 "rank": int(os.environ.get("RANK", "0"))}))
         os._exit(4)
 

@@ -81,14 +81,15 @@ def _step(wrapped: Any, work: Any, opt: torch.optim.Optimizer, x: Any, y: Any) -
 
 def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
     """Step-time figures of this rank (see module docstring)."""
-    from hexagram.bench.peers import wrap
+    from hexagram.bench.peers import make_optimizer, wrap
     from hexagram.bench.workload import ModelSpec, build_workload
 
     work = build_workload(ModelSpec(**spec["model"]), seed=spec.get("seed", 0))
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     beat("the local compute measurement")
     compute = _compute_time(work, spec, gen)
-    opt = _optimizer(work.model.parameters(), spec["lr"])
+    opt = make_optimizer(spec["algorithm"], work.model.parameters(), spec["lr"],
+                         warmup=spec["warmup"])
     beat("wrapping the model")
     wrapped = wrap(spec["algorithm"], work.model, opt, spec.get("config") or {})
     warm = [_step(wrapped, work, opt, *work.batch(spec["batch"], gen))
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
             result = run_training(spec)
     except Exception as exc:  # reported to the harness, which shows it
-        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                  "time": time.time()}
         code = 3
     result.update(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                   host=os.environ.get("HEXAGRAM_HOST", ""))
