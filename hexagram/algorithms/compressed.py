@@ -71,7 +71,8 @@ class CompressedConfig:
             (whole-model with a large ``bucket_size_mb``: fewer, larger messages).
         on_nonfinite: ``"raise"`` stops with :class:`NonFiniteGradientError` naming the step
             and parameter; ``"skip"`` makes every rank agree (one tiny allreduce per bucket)
-            and contribute a zero gradient for that bucket instead.
+            and apply a zero gradient for that bucket instead (the whole step when the model
+            fits one bucket; the optimizer still steps, so momentum and weight decay act).
         seed: seeds this algorithm's random generator (stochastic rounding, random-k).
     """
 
@@ -197,6 +198,7 @@ class CompressedAlgorithm(Algorithm):
         self.reduce_generator = torch.Generator()
         self._shared_seed = False  # subclasses whose ranks must draw the same numbers set it
         self._generator_loaded = False
+        self._last_skipped = -1
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -218,7 +220,9 @@ class CompressedAlgorithm(Algorithm):
             if self._any_rank_bad(problem is not None):
                 log.warning("%s: skipping step %d (%s)", self.name, self.step,
                             problem or "non-finite gradient on another rank")
-                self.skipped_steps += 1
+                if self._last_skipped != self.step:  # count steps, not buckets
+                    self.skipped_steps += 1
+                    self._last_skipped = self.step
                 return Handle.completed(torch.zeros_like(bucket.flat), f"{self.name}.skip")
         elif problem is not None:
             raise NonFiniteGradientError(problem)
