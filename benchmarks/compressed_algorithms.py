@@ -16,7 +16,7 @@ per-method learning rates) and prints the test accuracy next to allreduce's.
 Usage:
     .venv/bin/python benchmarks/compressed_algorithms.py [--world 4] [--steps 20]
         [--hidden 1024] [--layers 2] [--batch 64] [--algorithms topk,gtopk,...]
-    .venv/bin/python benchmarks/compressed_algorithms.py --digits
+    .venv/bin/python benchmarks/compressed_algorithms.py --digits [--granularity bucket]
 """
 
 from __future__ import annotations
@@ -111,24 +111,33 @@ def _digits_one(name: str, config: dict[str, Any], lr: float, momentum: float,
     return result
 
 
-def _digits_worker() -> list[dict[str, float]]:
+def _digits_cases(granularity: str) -> list[tuple[str, dict[str, Any], float, float]]:
+    """DIGITS, or with ``granularity`` set on every algorithm where it matters."""
+    if not granularity:
+        return DIGITS
+    elementwise = ("allreduce", "fp16", "signsgd")
+    return [DIGITS[0]] + [(n, {**c, "granularity": granularity}, lr, m)
+                          for n, c, lr, m in DIGITS if n not in elementwise]
+
+
+def _digits_worker(granularity: str) -> list[dict[str, float]]:
     import hexagram as hx
 
     hx.init()
-    return [_digits_one(*case) for case in DIGITS]
+    return [_digits_one(*case) for case in _digits_cases(granularity)]
 
 
-def digits() -> None:
+def digits(granularity: str) -> None:
     """Accuracy on digits per algorithm (2 ranks), next to allreduce's."""
     print(f"machine: {_machine()}")
     print("settings: 2 ranks, MLP 64-64-10 on digits (1348 train / 449 test), batch 32/rank, "
           "20 epochs, SGD with lr / 10 after 15, bucket 25 MiB")
-    results = run_local(_digits_worker, 2, timeout=1800)[0]
+    results = run_local(_digits_worker, 2, args=(granularity,), timeout=1800)[0]
     ref = results[0]["acc"]
     print("\n| algorithm | config | lr, momentum | test accuracy (%) | vs allreduce "
           "| wire bytes/step |")
     print("|---|---|---|---:|---:|---:|")
-    for (name, config, lr, momentum), r in zip(DIGITS, results):
+    for (name, config, lr, momentum), r in zip(_digits_cases(granularity), results):
         print(f"| {name} | {config or ''} | {lr}, {momentum} | {r['acc']:.2f} | "
               f"{r['acc'] - ref:+.2f} | {r['bytes']:,.0f} |")
 
@@ -163,9 +172,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--algorithms", default="", help="comma-separated subset (default: all)")
     p.add_argument("--digits", action="store_true", help="accuracy on digits instead")
+    p.add_argument("--granularity", default="", choices=["", "layer", "bucket"],
+                   help="with --digits: force this granularity (default: each one's own)")
     args = p.parse_args()
     if args.digits:
-        digits()
+        digits(args.granularity)
         return
     chosen = set(args.algorithms.split(",")) if args.algorithms else None
     cases = [(n, c) for n, c in DEFAULT if chosen is None or n in chosen or n == "allreduce"]

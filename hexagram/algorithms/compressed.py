@@ -12,12 +12,14 @@ survives the engine re-forming buckets after the first step; a bucket-granularit
 residual is the concatenation of its tensors' residuals. Residuals live in a
 :class:`hexagram.compress.ErrorFeedback` keyed by parameter name.
 
-Example (a subclass)::
+Example (a subclass; :class:`CompressorAlgorithm` picks the collective from the
+compressor's aggregation)::
 
-    class Fp16(CompressedAlgorithm):
-        name = "fp16"
-        def reduce_segment(self, key, tensor):
-            return primitives.allreduce_compressed(self.ctx.comm, tensor, self.fp16)
+    class TopK(CompressorAlgorithm):
+        name = "topk"
+        def __init__(self, config):
+            super().__init__(config)
+            self.use_compressor(hexagram.compress.get("topk", density=0.01), feedback=True)
 """
 
 from __future__ import annotations
