@@ -40,10 +40,11 @@ __all__ = [
     "unpack_codes",
 ]
 
-#: elements per block in block-wise loops: 128 KiB of float32 fits in L2 cache, and ops on
+#: elements per block in block-wise loops: 124 KiB of float32 fits in L2 cache, and ops on
 #: fewer than 32768 elements run on one thread (torch's grain size), so a block never waits
-#: for a second thread that a busy machine has descheduled
-BLOCK = 1 << 15
+#: for a second thread that a busy machine has descheduled. 31 * 1024: whole chunks of the
+#: usual power-of-two chunk sizes up to 1024.
+BLOCK = 31 * 1024
 
 if sys.byteorder != "little":  # the int64 <-> uint8 views below assume little-endian words
     raise ImportError("hexagram.compress.packing needs a little-endian machine")
