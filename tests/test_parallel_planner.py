@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,16 +26,17 @@ from hexagram.parallel import (
 )
 from hexagram.parallel import cli as plan_cli
 from hexagram.parallel.cost import Mesh, edge_cost, strategies
-from hexagram.parallel.inter import build_tables, solve
+from hexagram.parallel.graph import Layer, ModelGraph
+from hexagram.parallel.inter import Tables, build_tables, solve
 from hexagram.parallel.intra import evaluate, fastest, layer_options, megatron
 
 
-def _mlp_graph(hidden: int = 64, layers: int = 2, batch: int = 16):
+def _mlp_graph(hidden: int = 64, layers: int = 2, batch: int = 16) -> ModelGraph:
     m = mlp_stack(layers=layers, hidden=hidden, in_features=8, classes=4, device="meta")
     return capture(m, torch.zeros(batch, 8, device="meta"))
 
 
-def _gpt_graph(layers: int = 4, hidden: int = 256, batch: int = 32):
+def _gpt_graph(layers: int = 4, hidden: int = 256, batch: int = 32) -> ModelGraph:
     m = gpt(layers=layers, hidden=hidden, heads=8, vocab=1000, seq=128, device="meta")
     return capture(m, torch.zeros(batch, 128, dtype=torch.long, device="meta"))
 
@@ -100,7 +102,7 @@ def test_collective_costs_follow_the_alpha_beta_formulas() -> None:
 
 # --- intra-op ILP -------------------------------------------------------------------------
 
-def _brute_force(layer, mesh) -> float:
+def _brute_force(layer: Layer, mesh: Mesh) -> float:
     """Least time over all executable assignments (same rules as the ILP)."""
     cands = [strategies(layer, i, mesh) for i in range(len(layer.ops))]
     best = math.inf
@@ -138,7 +140,7 @@ def test_ilp_finds_megatron_on_a_wide_block_and_respects_memory() -> None:
 
 # --- inter-op DP --------------------------------------------------------------------------
 
-def _brute_pipeline(tables, devices: int) -> float:
+def _brute_pipeline(tables: Tables, devices: int) -> float:
     """Enumerate every contiguous partition and submesh per stage."""
     n_layers, b, best = tables.cost.shape[-1] - 1, tables.microbatches, math.inf
     for cuts in range(n_layers):
@@ -199,7 +201,7 @@ def test_plan_prints_and_round_trips_through_json() -> None:
     assert back == p and json.loads(p.to_json())["stages"][1]["ranks"] == [1]
 
 
-def test_cli_writes_the_plan(tmp_path, capsys) -> None:
+def test_cli_writes_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
     parser = argparse.ArgumentParser()
