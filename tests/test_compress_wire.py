@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -78,3 +79,25 @@ def test_pack_layout_by_hand() -> None:
     assert pack_codes(torch.tensor(codes, dtype=torch.uint8), 3).tolist() == want
     assert pack_codes(torch.tensor([1, 0, 0, 1, 1, 0, 0, 0, 1], dtype=torch.uint8),
                       1).tolist() == [0b00011001, 1]
+
+
+def test_aggregation_of_each_compressor() -> None:
+    want = {"fp16": "sum", "bf16": "sum", "powersgd": "sum", "minmax8": "scatter_gather",
+            "qsgd": "scatter_gather"}
+    for name in hc.names():
+        assert hc.get(name).aggregation.value == want.get(name, "gather"), name
+    assert hc.ErrorFeedback(hc.get("qsgd")).aggregation is hc.Aggregation.SCATTER_GATHER
+
+
+def test_summable_payloads_add_up_in_compressed_form() -> None:
+    """SUM: summing fp16 payload tensors then decompressing == summing the decompressed."""
+    a, b = torch.randn(100), torch.randn(100)
+    c = hc.get("fp16")
+    pa, pb = c.compress(a), c.compress(b)
+    total = dataclasses.replace(pa, tensors=(pa.tensors[0] + pb.tensors[0],))
+    assert torch.equal(c.decompress(total), (a.half() + b.half()).float())
+
+
+def test_unknown_compressor_lists_the_names() -> None:
+    with pytest.raises(ValueError, match="qsgd"):
+        hc.get("qsgd2")
