@@ -27,8 +27,8 @@ from hexagram.parallel.baselines import Baseline, baselines, evaluate_fixed
 from hexagram.parallel.cluster import Cluster, Constraints, Submesh
 from hexagram.parallel.graph import ModelGraph, capture
 from hexagram.parallel.models import gpt, mlp_stack
-from hexagram.parallel.plan import Plan, StagePlan
 from hexagram.parallel.planner import NoPlanFitsError, plan, plan_graph
+from hexagram.parallel.plans import Plan, StagePlan
 from hexagram.parallel.runner import ParallelModel
 
 __all__ = [

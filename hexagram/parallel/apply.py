@@ -1,4 +1,4 @@
-"""Run a :class:`~hexagram.parallel.plan.Plan` on PyTorch's own engine, step by step.
+"""Run a :class:`~hexagram.parallel.plans.Plan` on PyTorch's own engine, step by step.
 
 - :func:`apply_stage`: this rank's contiguous slice of the ``nn.Sequential`` (names kept).
 - :func:`apply_sharding`: ``parallelize_module`` with Colwise/Rowwise styles on the stage's
@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hexagram.errors import HexagramError
-from hexagram.parallel.plan import Plan, StagePlan
+from hexagram.parallel.plans import Plan, StagePlan
 from hexagram.parallel.runner import ParallelModel
 
 __all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "check_executable",

@@ -27,8 +27,8 @@ from hexagram.parallel.cost import Mesh
 from hexagram.parallel.graph import ModelGraph
 from hexagram.parallel.inter import StageChoice, transfer_time
 from hexagram.parallel.intra import megatron
-from hexagram.parallel.plan import Plan
 from hexagram.parallel.planner import microbatch_choices, to_plan
+from hexagram.parallel.plans import Plan
 
 __all__ = ["Baseline", "baselines", "evaluate_fixed"]
 

@@ -21,7 +21,7 @@ from hexagram.parallel.cluster import Cluster, Constraints
 from hexagram.parallel.graph import Layer, ModelGraph, capture
 from hexagram.parallel.inter import StageChoice, build_tables, solve
 from hexagram.parallel.intra import LayerOption
-from hexagram.parallel.plan import Plan, StagePlan
+from hexagram.parallel.plans import Plan, StagePlan
 
 __all__ = ["NoPlanFitsError", "microbatch_choices", "plan", "plan_graph", "to_plan"]
 

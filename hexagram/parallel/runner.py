@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.errors import HexagramError
-from hexagram.parallel.plan import Plan
+from hexagram.parallel.plans import Plan
 
 __all__ = ["ParallelModel"]
 
