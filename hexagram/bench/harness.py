@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hexagram.bench.lab import LabConfig, NetworkLab, RankResult
+from hexagram.bench.lab import LabConfig, NetworkLab, RankResult, die_with_parent
 from hexagram.bench.peers import PEERS
 from hexagram.launch import free_port
 
@@ -73,16 +73,19 @@ class LoopbackLab:
                         "GROUP_RANK": str(r // per_host), "HEXAGRAM_HOST": f"host{r // per_host}"}
             with open(self.workdir / f"rank{r}.log", "wb") as log:
                 procs.append(subprocess.Popen(list(argv), env=rank_env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                deadline = min(deadline, time.monotonic() + grace)
-            time.sleep(0.05)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+                                              stderr=subprocess.STDOUT, start_new_session=True,
+                                              preexec_fn=die_with_parent))
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                if any(p.poll() not in (None, 0) for p in procs):
+                    deadline = min(deadline, time.monotonic() + grace)
+                time.sleep(0.05)
+        finally:  # also on Ctrl-C
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         return [RankResult(r, r // per_host, p.returncode if p.returncode >= 0 else None,
                            (self.workdir / f"rank{r}.log").read_text(errors="replace")[-3000:])
                 for r, p in enumerate(procs)]

@@ -39,7 +39,7 @@ from hexagram.config import check_int
 from hexagram.errors import ConfigError, HexagramError
 
 __all__ = ["LabConfig", "LabError", "LabUnavailableError", "NetworkLab", "RankResult",
-           "check_available", "cleanup_stale", "format_rate", "parse_rate"]
+           "check_available", "cleanup_stale", "die_with_parent", "format_rate", "parse_rate"]
 
 IFNAME = "eth0"
 SUBNET = "10.213.0"
@@ -184,8 +184,9 @@ def cleanup_stale(prefix: str = "hxl", everything: bool = False) -> list[str]:
     return removed
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: SIGKILL it when the lab's owner dies.
+def die_with_parent() -> None:
+    """``preexec_fn`` for rank processes: the kernel SIGKILLs the child when its parent
+    dies (``PR_SET_PDEATHSIG``), so ranks never outlive a killed harness."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -338,7 +339,7 @@ class NetworkLab:
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=full_env,
                                           stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True,
-                                          preexec_fn=_die_with_parent))
+                                          preexec_fn=die_with_parent))
             log.close()
         self._procs = procs
         return procs

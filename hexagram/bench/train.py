@@ -100,6 +100,9 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             outcome = run_task(lab, _spec(args, name, settings), timeout=args.timeout,
                                threads=args.threads)
             report["results"].append(_summary(name, outcome.ranks, outcome.error))
+            if args.json:  # partial results survive an interrupted run
+                with open(args.json, "w") as f:
+                    json.dump(report, f, indent=1)
     report["machine"]["load_average_end"] = machine_info()["load_average"]
     return report
 
