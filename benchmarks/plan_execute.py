@@ -18,7 +18,7 @@ import torch
 
 from hexagram.launch import run_local
 from hexagram.parallel.calibrate import calibrated_cluster
-from hexagram.parallel.plan import Plan
+from hexagram.parallel.plans import Plan
 from hexagram.parallel.verify import ParitySpec, parity_worker
 
 CASES = [(2, "tensor parallel", {"tp": 2}), (2, "pipeline", {"pp": 2, "microbatches": 4}),
