@@ -69,6 +69,8 @@ def test_pack_unpack_every_width_and_odd_size(bits: int) -> None:
         codes = torch.randint(0, 2**bits, (n,), generator=g, dtype=torch.uint8)
         packed = pack_codes(codes, bits)
         assert packed.numel() == packed_nbytes(n, bits) == math.ceil(n * bits / 8)
+        into = torch.full((packed.numel(),), 255, dtype=torch.uint8)  # stale bytes overwritten
+        assert torch.equal(pack_codes(codes, bits, out=into), packed)
         assert torch.equal(unpack_codes(packed, bits, n), codes)
 
 

@@ -87,11 +87,22 @@ def _steps(bits: int) -> list[tuple[int, int, int]]:
     return steps
 
 
-def pack_codes(codes: Tensor, bits: int) -> Tensor:
-    """``codes`` (1-D uint8, each < ``2**bits``) packed into ``ceil(n * bits / 8)`` bytes."""
+def pack_codes(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor:
+    """``codes`` (1-D uint8, each < ``2**bits``) packed into ``ceil(n * bits / 8)`` bytes.
+
+    With ``out`` (uint8, that many bytes) the result is written there and returned.
+    """
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in [1, 8], got {bits}")
     n = codes.numel()
+    if out is not None:
+        if bits in (2, 4) and n % (8 // bits) == 0:  # or the shifted columns straight into out
+            cols = codes.view(-1, 8 // bits)
+            torch.bitwise_left_shift(cols[:, -1], 8 - bits, out=out)
+            for i in range(8 // bits - 2, -1, -1):
+                out |= cols[:, i] << (bits * i) if i else cols[:, 0]
+            return out
+        return out.copy_(pack_codes(codes, bits))
     if bits == 8:
         return codes.clone()
     groups = -(-n // 8)
@@ -170,7 +181,7 @@ def encode_blocks(n: int, bits: int, fill: Callable[[int, int, Tensor], None],
         codes = buf[: stop - start]
         fill(start, stop, codes)
         first = start * bits // 8
-        out[first : first + packed_nbytes(stop - start, bits)] = pack_codes(codes, bits)
+        pack_codes(codes, bits, out=out[first : first + packed_nbytes(stop - start, bits)])
     return out
 
 
