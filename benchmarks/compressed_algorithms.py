@@ -69,7 +69,7 @@ def _one(name: str, config: dict[str, Any], args: argparse.Namespace) -> dict[st
 
 
 # (algorithm, config, lr, optimizer momentum) for the digits runs
-DIGITS = [
+DIGITS: list[tuple[str, dict[str, Any], float, float]] = [
     ("allreduce", {}, 0.1, 0.9), ("fp16", {}, 0.1, 0.9), ("bytegrad", {}, 0.1, 0.9),
     ("qsgd", {}, 0.1, 0.9), ("terngrad", {}, 0.1, 0.9), ("onebit", {}, 0.05, 0.9),
     ("efsign", {}, 0.05, 0.9), ("signsgd", {}, 0.0015, 0.9), ("topk", {"density": 0.1}, 0.1, 0.9),

@@ -1,17 +1,27 @@
 """gTopKAllReduce: tree shape, merge rule, and the collective on 2 to 5 ranks.
 
-The multi-process part checks, per world size, that every rank gets the same k pairs with
-exactly k distinct indices, that the result is the exact global top-k where it must be
-(disjoint supports; identical supports), and that the counted bytes are 2 (P-1) messages of
-k pairs in total, one message up per non-root rank.
+The multi-process part runs once on 5 ranks and uses the collective over the first 2, 3, 4
+and 5 of them (one spawn instead of four). Per world size it checks that every rank gets
+the same k pairs with exactly k distinct indices, that the result is the exact global top-k
+where it must be (disjoint supports; identical supports), and that the counted bytes are
+2 (P-1) messages of k pairs in total, one message up per non-root rank.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from hexagram.comm.gtopk import gtopk_bytes, merge_topk, tree_children, tree_parent
+from hexagram.comm.communicator import Communicator
+from hexagram.comm.gtopk import (
+    gtopk_allreduce,
+    gtopk_bytes,
+    merge_topk,
+    tree_children,
+    tree_parent,
+)
 from hexagram.launch import run_local
 
 K, NUMEL = 16, 200
@@ -44,26 +54,38 @@ def test_bytes_formula_totals_two_messages_per_edge() -> None:
         assert total == 2 * (size - 1) * 10 * 8
 
 
-def _gtopk_worker(trials: int) -> list[dict[str, object]]:
+def _gtopk_worker(trials: int) -> dict[int, list[dict[str, object]]]:
+    """On 5 ranks: the collective over the first 2, 3, 4 and 5 ranks (one spawn for all)."""
+    import torch.distributed as dist
+
     import hexagram as hx
     from hexagram.comm.communicator import Communicator
-    from hexagram.comm.gtopk import gtopk_allreduce
 
     rt = hx.init()
-    comm = Communicator(None, rt.timeout, "test-gtopk")
+    out: dict[int, list[dict[str, object]]] = {}
+    for size in range(2, rt.world_size + 1):
+        group = dist.new_group(list(range(size)), timeout=rt.timeout)  # every rank calls it
+        if rt.rank < size:
+            comm = Communicator(group, rt.timeout, f"test-gtopk-{size}")
+            out[size] = _trials(comm, trials)
+            comm.close()
+        dist.barrier()
+    return out
+
+
+def _trials(comm: Communicator, trials: int) -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
     for trial in range(trials):
         shared = torch.Generator().manual_seed(trial)  # same on all ranks
-        mine = torch.Generator().manual_seed(100 * trial + rt.rank)
+        mine = torch.Generator().manual_seed(100 * trial + comm.rank)
         perm = torch.randperm(NUMEL, generator=shared)
         # Case A: disjoint supports. Case B: identical support, integer values (exact sums).
         # Case C: random overlapping supports.
-        disjoint = perm[rt.rank * K:(rt.rank + 1) * K]
-        same = perm[:K]
-        overlap = torch.randperm(NUMEL, generator=mine)[:K]
-        cases = {"disjoint": (torch.randn(K, generator=mine), disjoint),
-                 "same": (torch.randint(-50, 50, (K,), generator=mine).float(), same),
-                 "overlap": (torch.randn(K, generator=mine), overlap)}
+        cases = {"disjoint": (torch.randn(K, generator=mine),
+                              perm[comm.rank * K:(comm.rank + 1) * K]),
+                 "same": (torch.randint(-50, 50, (K,), generator=mine).float(), perm[:K]),
+                 "overlap": (torch.randn(K, generator=mine),
+                             torch.randperm(NUMEL, generator=mine)[:K])}
         before = comm.counter.by_op()
         for name, (values, indices) in cases.items():
             v, i = gtopk_allreduce(comm, values, indices, NUMEL).wait()
@@ -74,7 +96,6 @@ def _gtopk_worker(trials: int) -> list[dict[str, object]]:
         out.append({"trial": trial, "case": "bytes",
                     "up": after.get("gtopk.reduce", 0) - before.get("gtopk.reduce", 0),
                     "down": after.get("gtopk.broadcast", 0) - before.get("gtopk.broadcast", 0)})
-    comm.close()
     return out
 
 
@@ -84,9 +105,15 @@ def _dense(values: object, indices: object) -> torch.Tensor:
     return d
 
 
+@pytest.fixture(scope="module")
+def gtopk_results() -> list[dict[int, list[dict[str, Any]]]]:
+    return run_local(_gtopk_worker, 5, args=(2,), timeout=120)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
-def test_gtopk_allreduce_identical_exact_k(world: int) -> None:
-    results = run_local(_gtopk_worker, world, args=(2,), timeout=90)
+def test_gtopk_allreduce_identical_exact_k(
+        world: int, gtopk_results: list[dict[int, list[dict[str, Any]]]]) -> None:
+    results = [r[world] for r in gtopk_results[:world]]
     for idx in range(len(results[0])):
         rows = [r[idx] for r in results]
         case = rows[0]["case"]
