@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -51,8 +52,9 @@ def _entry(fn: Callable[..., Any], rank: int, env: dict[str, str], args: Sequenc
 
     torch.set_num_threads(threads)
     try:
-        value = fn(*args)
-        results.put((rank, True, value))
+        # Plain pickle bytes, not the queue's own pickler: torch would share tensors through
+        # file descriptors that vanish when this process exits before the parent reads them.
+        results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:  # reported to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -99,7 +101,7 @@ def run_local(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     while len(out) < world_size and time.monotonic() < deadline:
         try:
             rank, ok, value = results.get(timeout=0.2)
-            out[rank] = (ok, value)
+            out[rank] = (ok, pickle.loads(value) if ok else value)
         except queue.Empty:
             if all(not p.is_alive() for p in procs) and results.empty():
                 break
