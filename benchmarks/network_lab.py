@@ -3,7 +3,7 @@
 Runs, as `hexagram bench` / `hexagram train` commands (printed before each run):
   1. step time of every algorithm (PyTorch DDP options + every registered Hexagram
      algorithm) for 4 hosts at 100 Mbit/s, 1 Gbit/s and unshaped, MLP of ~10M parameters;
-  2. unshaped, `ddp` against `allreduce` in 5 alternating rounds (noise of a shared machine);
+  2. unshaped, `ddp` against `allreduce` in 3 alternating rounds (noise of a shared machine);
   3. 2 hosts x 2 ranks at 100 Mbit/s: flat against hierarchical allreduce;
   4. time to accuracy on Fashion-MNIST at 100 Mbit/s for DDP and a few Hexagram algorithms.
 Outputs go to --out (JSON, PNG, Markdown tables). Needs root (network namespaces).
@@ -21,8 +21,7 @@ from pathlib import Path
 from hexagram.cli import main as hexagram_main
 
 #: Hexagram algorithms for the time-to-accuracy run, in order, when registered.
-TRAIN_ALGORITHMS = ("allreduce", "fp16", "powersgd", "bytegrad", "qsgd", "gtopk", "local_sgd",
-                    "decentralized")
+TRAIN_ALGORITHMS = ("powersgd", "gtopk", "efsign", "local_sgd", "qsgd")
 
 
 def _run(argv: list[str]) -> int:
@@ -38,25 +37,28 @@ SETTINGS = ["--set", "powersgd.start_iter=0", "--set", "diloco.period=8",
             "--set", "local_sgd.period=8"]
 
 
-def step_time(out: Path, params: int, steps: int, algorithms: str) -> None:
-    common = ["--model", "mlp", "--params", str(params), "--batch", "32", "--warmup", "3",
-              "--quiet", *SETTINGS]
+def step_time(out: Path, params: int, steps: int, algorithms: str,
+              main_only: bool = False) -> None:
+    common = ["--model", "mlp", "--params", str(params), "--batch", "32", "--warmup", "2",
+              "--stall-timeout", "45", "--quiet", *SETTINGS]
     _run(["bench", "--hosts", "4", "--bandwidth", "100mbit,1gbit,unshaped",
-          "--algorithms", algorithms, "--steps", str(steps), "--time-limit", "90",
+          "--algorithms", algorithms, "--steps", str(steps), "--time-limit", "40",
           "--json", str(out / "step.json"), "--plot", str(out / "step.png"),
           "--markdown", str(out / "step.md"), *common])
+    if main_only:
+        return
     _run(["bench", "--hosts", "4", "--bandwidth", "unshaped", "--algorithms", "ddp,allreduce",
-          "--rounds", "5", "--steps", "20", "--json", str(out / "parity.json"),
+          "--rounds", "3", "--steps", "10", "--json", str(out / "parity.json"),
           "--markdown", str(out / "parity.md"), *common])
     _run(["bench", "--hosts", "2", "--ranks-per-host", "2", "--bandwidth", "100mbit",
-          "--algorithms", "ddp,allreduce,allreduce:hierarchical=true", "--steps", "8",
+          "--algorithms", "ddp,allreduce,allreduce:hierarchical=true", "--steps", "5",
           "--json", str(out / "hierarchy.json"), "--markdown", str(out / "hierarchy.md"),
           *common])
 
 
 def time_to_accuracy(out: Path, target: float, epochs: int, algorithms: str) -> None:
     _run(["train", "--hosts", "4", "--bandwidth", "100mbit", "--dataset", "fashion-mnist",
-          "--model", "mlp", "--params", "1000000", "--layers", "2", "--batch", "64",
+          "--model", "mlp", "--params", "1000000", "--layers", "2", "--batch", "32",
           "--lr", "0.05", "--algorithms", algorithms, "--target", str(target),
           "--epochs", str(epochs), "--evals-per-epoch", "8", "--time-limit", "900",
           "--json", str(out / "tta.json"), "--plot", str(out / "tta.png"),
@@ -66,9 +68,10 @@ def time_to_accuracy(out: Path, target: float, epochs: int, algorithms: str) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/hexagram-netlab")
-    parser.add_argument("--only", choices=("step", "train"))
+    parser.add_argument("--only", choices=("step", "train", "main"),
+                        help="step: the three step-time runs; main: only the first one")
     parser.add_argument("--params", type=int, default=10_500_000)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--algorithms", default="all", help="for the step-time run")
     parser.add_argument("--target", type=float, default=0.85)
     parser.add_argument("--epochs", type=int, default=4)
@@ -78,8 +81,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.only != "train":
-        step_time(out, args.params, args.steps, args.algorithms)
-    if args.only != "step":
+        step_time(out, args.params, args.steps, args.algorithms, main_only=args.only == "main")
+    if args.only is None or args.only == "train":
         from hexagram.algorithms import names
 
         train_algos = args.train_algorithms or ",".join(
