@@ -57,7 +57,7 @@ def throughput(x: torch.Tensor, rounds: int) -> list[tuple[str, float, float, fl
     """(name, best seconds, best ratio to copy, median ratio, wire fraction) per compressor."""
     comps = {name: hc.get(name, **CONFIGS.get(name, {})) for name in hc.names()}
     times: dict[str, list[float]] = {name: [] for name in ["copy", *comps]}
-    for name, c in comps.items():  # warm up (allocations, first-call costs)
+    for c in comps.values():  # warm up (allocations, first-call costs)
         c.decompress(c.compress(x))
     for _ in range(rounds):  # interleaved, so load changes hit copy and compressors alike
         times["copy"].append(timed(x.clone, x.device))
