@@ -53,6 +53,10 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _roundtrip(c: hc.Compressor, x: torch.Tensor) -> Callable[[], object]:
+    return lambda: c.decompress(c.compress(x))
+
+
 def throughput(x: torch.Tensor, rounds: int) -> list[tuple[str, float, float, float, float]]:
     """(name, best seconds, best ratio to copy, median ratio, wire fraction) per compressor."""
     comps = {name: hc.get(name, **CONFIGS.get(name, {})) for name in hc.names()}
@@ -62,7 +66,7 @@ def throughput(x: torch.Tensor, rounds: int) -> list[tuple[str, float, float, fl
     for _ in range(rounds):  # interleaved, so load changes hit copy and compressors alike
         times["copy"].append(timed(x.clone, x.device))
         for name, c in comps.items():
-            times[name].append(timed(lambda c=c: c.decompress(c.compress(x)), x.device))
+            times[name].append(timed(_roundtrip(c, x), x.device))
     copy = times["copy"]
     rows = [("copy", min(copy), 1.0, 1.0, 1.0)]
     for name, c in comps.items():
