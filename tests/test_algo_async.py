@@ -10,6 +10,7 @@ or half-applied round would show up in that equality.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -36,19 +37,19 @@ def _worker() -> dict[str, float]:
     net = nn.Linear(3, 1, bias=False)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get("async", interval_ms=2.0))
-    algo = model.algorithm
+    algo: Any = model.algorithm
     x0 = net.weight.detach().clone()
     steps = 30 + 10 * rt.rank  # uneven: ranks finish at different times
     c = _constant(rt.rank)
     rounds: dict[str, float] = {}
     for s in range(steps):
         if s == 10:
-            rounds["before_abort"] = algo.rounds  # type: ignore[attr-defined]
-            algo.abort()  # type: ignore[attr-defined]
-            rounds["at_abort"] = algo.rounds  # type: ignore[attr-defined]
+            rounds["before_abort"] = algo.rounds
+            algo.abort()
+            rounds["at_abort"] = algo.rounds
         if s == 15:
-            rounds["at_resume"] = algo.rounds  # type: ignore[attr-defined]
-            algo.resume()  # type: ignore[attr-defined]
+            rounds["at_resume"] = algo.rounds
+            algo.resume()
         model(c).sum().backward()  # d/dw (w . c) = c
         opt.step()
         opt.zero_grad()
@@ -64,11 +65,11 @@ def _worker() -> dict[str, float]:
     model.close()
     return {"error": (weight - expected).abs().max().item(),
             "spread": max((g - weight).abs().max().item() for g in gathered),
-            "rounds": float(algo.rounds),  # type: ignore[attr-defined]
+            "rounds": float(algo.rounds),
             "rounds_while_aborted": rounds["at_resume"] - rounds["at_abort"],
             "rounds_before_abort": rounds["before_abort"],
             "bytes": float(model.bytes_sent()),
-            "thread_gone": float(algo._thread is None)}  # type: ignore[attr-defined]
+            "thread_gone": float(algo._thread is None)}
 
 
 @pytest.mark.parametrize("world_size", [3])
@@ -83,5 +84,5 @@ def test_async_keeps_every_update_and_stops_cleanly(world_size: int) -> None:
 
 
 def test_async_config_is_validated() -> None:
-    with pytest.raises(ConfigError, match="AsyncConfig.interval_ms"):
+    with pytest.raises(ConfigError, match=r"AsyncConfig\.interval_ms"):
         registry.get("async", interval_ms=-1.0)

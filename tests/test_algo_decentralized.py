@@ -8,6 +8,7 @@ gradients, gathered with plain torch.distributed collectives.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +33,8 @@ def _flat(module: nn.Module) -> torch.Tensor:
 
 
 def _grads(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.detach().reshape(-1) for p in module.parameters()])  # type: ignore[union-attr]
+    return torch.cat([p.grad.detach().reshape(-1) for p in module.parameters()
+                      if p.grad is not None])
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -46,7 +48,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 5, generator=g), torch.randint(0, 3, (4,), generator=g)
 
 
-def _wrap(algo: str, **cfg: object) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+def _wrap(algo: str, **cfg: object) -> tuple[Any, torch.optim.Optimizer, nn.Module]:
     """A wrapped model whose weights differ per rank *after* wrapping (wrap makes them equal)."""
     import hexagram as hx
 
@@ -77,7 +79,7 @@ def _mixing_error(peers: str) -> float:
     opt.step()
     group = [rank, *select_peers(peers, rank, size, step=0)]
     expected = torch.stack([before[j] for j in group]).mean(0) - LR * grad
-    model.close()  # type: ignore[operator]
+    model.close()
     return (_flat(net) - expected).abs().max().item()
 
 
@@ -90,31 +92,35 @@ def _interval_error() -> float:
     nn.functional.cross_entropy(model(x), y).backward()
     grad = _grads(net)
     opt.step()
-    model.close()  # type: ignore[operator]
+    model.close()
     return (_flat(net) - (before - LR * grad)).abs().max().item()
 
 
 def _low_precision_error() -> float:
-    """CHOCO round with fp16: x_i' + sum_nbrs w (h_j - h_i), h_j = x0 + Q(x_j' - x0).
+    """One CHOCO round with 8-bit min-max (single bucket, reversed parameter order).
 
-    Computed in the (single) bucket's layout, which is reversed parameter order.
+    Checks: (a) my copy of each neighbour's public weights h_j equals that neighbour's own
+    h_j bit for bit; (b) h_i = x0 + Q(x_i' - x0) is within min-max's error bound
+    (range / 510) of my stepped weights x_i'; (c) x_i = x_i' + sum_nbrs (h_j - h_i) / (k+1).
     """
-    import hexagram.compress as hc
-
-    model, opt, net = _wrap("low_precision_decentralized", compressor="fp16")
+    model, opt, net = _wrap("low_precision_decentralized")
     rank, size = dist.get_rank(), dist.get_world_size()
-    x0 = model.algorithm.replicas["self"][0].clone()  # type: ignore[attr-defined]
+    algo = model.algorithm
+    x0 = algo.replicas["self"][0].clone()
     start = _bucket_layout(net, _flat(net))
     x, y = _batch(rank, 0)
     nn.functional.cross_entropy(model(x), y).backward()
-    stepped = _gather(start - LR * _bucket_layout(net, _grads(net)))  # x_j' after SGD
+    stepped = start - LR * _bucket_layout(net, _grads(net))  # x_i' as SGD computes it
     opt.step()
-    c = hc.get("fp16")
-    public = [x0 + c.decompress(c.compress(s - x0)) for s in stepped]
+    public = _gather(algo.replicas["self"][0])
     peers = select_peers("ring", rank, size)
-    mixed = stepped[rank] + sum(public[j] - public[rank] for j in peers) / (len(peers) + 1)
-    model.close()  # type: ignore[operator]
-    return (_bucket_layout(net, _flat(net)) - mixed).abs().max().item()
+    copies = max((algo.replicas[str(j)][0] - public[j]).abs().max().item() for j in peers)
+    change = stepped - x0
+    bound = (change.max() - change.min()).item() / 510 * 1.001 + 1e-7
+    outside = max(0.0, (public[rank] - stepped).abs().max().item() - bound)
+    mixed = stepped + sum(public[j] - public[rank] for j in peers) / (len(peers) + 1)
+    model.close()
+    return max(copies, outside, (_bucket_layout(net, _flat(net)) - mixed).abs().max().item())
 
 
 def _bucket_layout(net: nn.Module, flat: torch.Tensor) -> torch.Tensor:
@@ -131,30 +137,30 @@ def _uneven_and_synchronize(algo: str, **cfg: object) -> float:
     model, opt, net = _wrap(algo, **cfg)
     for step in range(3 + 2 * dist.get_rank()):
         _train_step(model, opt, step)
-    model.synchronize()  # type: ignore[operator]
+    model.synchronize()
     spread = max((w - _flat(net)).abs().max().item() for w in _gather(_flat(net)))
-    model.close()  # type: ignore[operator]
+    model.close()
     return spread
 
 
 def _resume_error() -> float:
     """Checkpoint after 3 steps, 3 more steps; reload into a fresh wrap: identical result."""
-    model, opt, net = _wrap("low_precision_decentralized", compressor="fp16")
+    model, opt, net = _wrap("low_precision_decentralized")
     for step in range(3):
         _train_step(model, opt, step)
-    saved = copy.deepcopy((net.state_dict(), model.algorithm_state_dict(),  # type: ignore[operator]
+    saved = copy.deepcopy((net.state_dict(), model.algorithm_state_dict(),
                            opt.state_dict()))
     for step in range(3, 6):
         _train_step(model, opt, step)
     first = _flat(net)
-    model.close()  # type: ignore[operator]
-    model2, opt2, net2 = _wrap("low_precision_decentralized", compressor="fp16")
-    net2.load_state_dict(saved[0])  # type: ignore[attr-defined]
-    model2.load_algorithm_state_dict(saved[1])  # type: ignore[operator]
+    model.close()
+    model2, opt2, net2 = _wrap("low_precision_decentralized")
+    net2.load_state_dict(saved[0])
+    model2.load_algorithm_state_dict(saved[1])
     opt2.load_state_dict(saved[2])
     for step in range(3, 6):
         _train_step(model2, opt2, step)
-    model2.close()  # type: ignore[operator]
+    model2.close()
     return (first - _flat(net2)).abs().max().item()
 
 
@@ -167,24 +173,24 @@ def _worker() -> dict[str, float]:
     out["low_precision"] = _low_precision_error()
     for algo, cfg in (("decentralized", {"peers": "ring"}),
                       ("decentralized", {"peers": "shift_one"}),
-                      ("low_precision_decentralized", {"compressor": "fp16"})):
+                      ("low_precision_decentralized", {})):
         out[f"uneven/{algo}/{cfg}"] = _uneven_and_synchronize(algo, **cfg)
     out["resume"] = _resume_error()
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+@pytest.mark.parametrize("world_size", [2, 3, 5])
 def test_decentralized_math_uneven_and_resume(world_size: int) -> None:
     for rank, result in enumerate(run_local(_worker, world_size, timeout=120)):
         for key, err in result.items():
-            tol = 1e-5 if key == "low_precision" else 1e-6
+            tol = 1e-6
             assert err <= tol, f"world {world_size} rank {rank} {key}: error {err}"
 
 
 def test_configs_reject_bad_values_with_the_field_name() -> None:
-    with pytest.raises(ConfigError, match="DecentralizedConfig.peers"):
+    with pytest.raises(ConfigError, match=r"DecentralizedConfig\.peers"):
         registry.get("decentralized", peers="star")
-    with pytest.raises(ConfigError, match="DecentralizedConfig.interval"):
+    with pytest.raises(ConfigError, match=r"DecentralizedConfig\.interval"):
         registry.get("decentralized", interval=0)
     with pytest.raises(ConfigError, match="gamma"):
         registry.get("low_precision_decentralized", compressor="fp16", gamma=0.0)

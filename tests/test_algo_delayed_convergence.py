@@ -3,7 +3,11 @@
 scikit-learn's handwritten digits (real scans, 1347 train / 450 test), an MLP, 4 ranks with
 interleaved shards, equal epochs, the same seeds. Weight algorithms are evaluated after
 ``model.synchronize()``, i.e. on the consensus model that would be saved. The SGD family is
-compared with allreduce + SGD, DiLoCo and QAdam with allreduce + Adam.
+compared with allreduce + SGD (15 epochs), DiLoCo and QAdam with allreduce + Adam (10 epochs).
+The learning rate drops tenfold for the last third of the epochs, so the final accuracy
+depends little on the noise of the last steps (async averaging is timing-dependent).
+QAdam uses ``eps=1e-5``: with Adam's default 1e-8 its frozen variance of rarely-active
+input pixels turns 8-bit quantization noise into huge updates and training diverges.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch import nn
 
 from hexagram.launch import run_local
 
-EPOCHS, BATCH, WORLD = 15, 16, 4
+BATCH, WORLD = 16, 4
 
 
 def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
@@ -25,7 +29,7 @@ def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     if kind == "qadam":
-        return QAdamOptimizer(params, lr=2e-3, warmup_steps=40)
+        return QAdamOptimizer(params, lr=2e-3, warmup_steps=60, eps=1e-5)
     return torch.optim.Adam(params, lr=2e-3)
 
 
@@ -70,24 +74,25 @@ SGD_RUNS = [
     ("allreduce", "allreduce", {}, "sgd"),
     ("decentralized/ring", "decentralized", {"peers": "ring"}, "sgd"),
     ("decentralized/shift_one", "decentralized", {"peers": "shift_one", "interval": 2}, "sgd"),
-    ("low_precision_decentralized", "low_precision_decentralized", {"compressor": "fp16"},
-     "sgd"),
+    ("low_precision_decentralized/minmax8", "low_precision_decentralized", {}, "sgd"),
     ("local_sgd", "local_sgd", {"period": 8, "warmup_steps": 20}, "sgd"),
     ("async", "async", {"interval_ms": 2.0}, "sgd"),
 ]
 ADAM_RUNS = [
     ("allreduce", "allreduce", {}, "adam"),
     ("diloco", "diloco", {"period": 8, "outer_lr": 1.0, "outer_momentum": 0.5}, "adam"),
-    ("diloco/streaming+fp16", "diloco", {"period": 8, "fragments": 2, "outer_lr": 1.0,
-                                         "outer_momentum": 0.5, "compressor": "fp16"}, "adam"),
-    ("qadam", "qadam", {"compressor": "fp16"}, "qadam"),
+    ("diloco/streaming+minmax8", "diloco", {"period": 8, "fragments": 2, "outer_lr": 1.0,
+                                         "outer_momentum": 0.5, "compressor": "minmax8"}, "adam"),
+    ("qadam/minmax8", "qadam", {}, "qadam"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("runs", [SGD_RUNS, ADAM_RUNS], ids=["sgd-family", "adam-family"])
-def test_within_one_point_of_allreduce(runs: list[tuple[str, str, dict[str, Any], str]]) -> None:
-    results = run_local(_worker, WORLD, args=(runs, EPOCHS), timeout=150)
+@pytest.mark.parametrize(("runs", "epochs"), [(SGD_RUNS, 15), (ADAM_RUNS, 10)],
+                         ids=["sgd-family", "adam-family"])
+def test_within_one_point_of_allreduce(runs: list[tuple[str, str, dict[str, Any], str]],
+                                       epochs: int) -> None:
+    results = run_local(_worker, WORLD, args=(runs, epochs), timeout=150)
     acc = results[0]
     assert all(r == acc for r in results), "ranks evaluated different models"
     assert acc["allreduce"] > 90.0, acc

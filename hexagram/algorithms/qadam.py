@@ -5,13 +5,22 @@ The 1-bit Adam / QAdam family (DeepSpeed, BAGUA). Pair it with
 
 - warm-up (``not optimizer.frozen``): each gradient bucket is averaged with a
   full-precision allreduce and the optimizer runs plain Adam;
-- afterwards, per bucket during backward: ``x = beta1 * m + (1 - beta1) * g + e`` (the
-  momentum Adam would compute locally, plus this rank's error-feedback residual ``e``) is
-  compressed, every rank receives every rank's payload, and
-  ``m_bar = mean_j decompress(payload_j)``; ``e <- x - decompress(my payload)``. The engine
-  writes ``g_eff = (m_bar - beta1 * m) / (1 - beta1)`` into ``.grad``, so the optimizer's own
+- afterwards, per bucket during backward: ``x = (beta1 * m + (1 - beta1) * g) / d + e``
+  (the momentum Adam would compute locally, divided by the frozen denominator
+  ``d = sqrt(v_hat) + eps``, plus this rank's error-feedback residual ``e``, kept by
+  :class:`hexagram.compress.feedback.ErrorFeedback` per parameter name) is compressed, every
+  rank receives every rank's payload, ``m_bar = d * mean_j decompress(payload_j)`` and
+  ``e <- x - decompress(my payload)``. The engine writes
+  ``g_eff = (m_bar - beta1 * m) / (1 - beta1)`` into ``.grad``, so the optimizer's own
   momentum update yields exactly ``m_bar`` on every rank: weights and momenta stay identical
   across ranks while only compressed momenta cross the wire.
+
+Why divide by ``d``: ``d`` is frozen and equal on every rank, so averaging ``m / d`` is
+averaging ``m``; but quantization noise then scales with the *update* ``m / d`` instead of
+being divided by ``d``. Compressing ``m`` itself, an 8-bit min-max error of ``range / 510``
+on a parameter whose gradient was always zero (``d = eps``) becomes an update of
+``lr * 1e5``: training diverges (observed on the digits MLP, whose border pixels are
+always 0).
 
 Aggregation: summable payloads (fp16) use a compressed allreduce; other formats (8-bit
 min-max, the default) are allgathered, which keeps the worker-side error feedback exact
@@ -38,6 +47,7 @@ from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Aggregation, Compressor
+from hexagram.compress.feedback import ErrorFeedback
 from hexagram.errors import ConfigError
 from hexagram.optim.qadam import QAdamOptimizer
 
@@ -71,7 +81,7 @@ class QAdamAlgorithm(Algorithm):
         compressor = as_compressor(self.config.compressor)
         assert compressor is not None
         self.compressor: Compressor = compressor
-        self.residuals: dict[str, Tensor] = {}
+        self.feedback = ErrorFeedback(compressor)  # residuals keyed by parameter name
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -87,21 +97,19 @@ class QAdamAlgorithm(Algorithm):
         opt = self.optimizer
         m = torch.cat([opt.momentum(e.param).reshape(-1) for e in bucket.entries])
         beta = torch.cat([torch.full((e.numel,), opt.beta1(e.param)) for e in bucket.entries])
-        residual = torch.cat([self._residual(e.name, e.numel) for e in bucket.entries])
-        x = beta * m + (1 - beta) * bucket.flat + residual
-        handle, mine = self._exchange(x)
-        for e in bucket.entries:  # e <- x - Q(x), stored per parameter name
-            self.residuals[e.name] = bucket.view(e, x - mine).clone()
+        denom = torch.cat([opt.denominator(e.param).reshape(-1) for e in bucket.entries])
+        # (numel,) the momentum Adam would compute, preconditioned by the frozen denominator
+        local = (beta * m + (1 - beta) * bucket.flat) / denom
+        # x = local + residual, per parameter (residuals are keyed by name)
+        parts = [self.feedback.correct(e.name, bucket.view(e, local)) for e in bucket.entries]
+        handle, mine = self._exchange(torch.cat([p.reshape(-1) for p in parts]))
+        for e, corrected in zip(bucket.entries, parts):  # e <- x - Q(x)
+            self.feedback.update(e.name, corrected, bucket.view(e, mine))
 
-        def effective_grad(m_bar: Tensor) -> Tensor:
-            return (m_bar - beta * m) / (1 - beta)
+        def effective_grad(u_bar: Tensor) -> Tensor:
+            return (u_bar * denom - beta * m) / (1 - beta)
 
         return MappedHandle(handle, effective_grad)
-
-    def _residual(self, name: str, numel: int) -> Tensor:
-        if name not in self.residuals:
-            self.residuals[name] = torch.zeros(numel)
-        return self.residuals[name].reshape(-1)
 
     def _exchange(self, x: Tensor) -> tuple[Handle[Tensor], Tensor]:
         """(handle of the mean over ranks of Q(x_j), my own reconstruction Q(x))."""
@@ -116,9 +124,7 @@ class QAdamAlgorithm(Algorithm):
         return mean, c.decompress(payload)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {k: v.clone() for k, v in self.residuals.items()},
-                "compressor": self.compressor.state_dict()}
+        return {"feedback": self.feedback.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
-        self.compressor.load_state_dict(state["compressor"])
+        self.feedback.load_state_dict(state["feedback"])

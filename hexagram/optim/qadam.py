@@ -73,6 +73,15 @@ class QAdamOptimizer(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state["exp_avg"]  # type: ignore[no-any-return]
 
+    def denominator(self, p: Tensor) -> Tensor:
+        """``sqrt(v_hat) + eps`` of ``p``: frozen (and equal on every rank) once :attr:`frozen`."""
+        state = self.state[p]
+        if "v_hat" not in state:
+            raise RuntimeError("QAdamOptimizer.denominator: the parameter has not stepped yet; "
+                               "every parameter needs a gradient during the warm-up")
+        eps = next(g["eps"] for g in self.param_groups if any(q is p for q in g["params"]))
+        return state["v_hat"].sqrt() + eps  # type: ignore[no-any-return]
+
     def beta1(self, p: Tensor) -> float:
         """beta1 of the group holding ``p``."""
         for group in self.param_groups:
