@@ -136,6 +136,10 @@ def allreduce_compressed(comm: Communicator, tensor: Tensor, compressor: Compres
         raise ValueError(f"{compressor!r} payloads cannot be summed "
                          f"({compressor.aggregation.value}); use scatter_gather or "
                          "allgather_payloads")
+    if not compressor.payload_sums_elementwise:
+        raise ValueError(f"{compressor!r} payloads must be reduced by their own protocol "
+                         "(e.g. the 'powersgd' algorithm's two allreduces), not summed "
+                         "tensor by tensor")
     scaled = tensor / comm.size if average else tensor
     payload = compressor.compress(scaled)
     if comm.size == 1:

@@ -123,6 +123,9 @@ class Compressor(ABC):
     aggregation: Aggregation = Aggregation.GATHER
     #: True where E[decompress(compress(x))] == x
     unbiased: bool = False
+    #: True where summing payloads tensor by tensor gives the payload of the sum (fp16);
+    #: False for SUM formats that need a protocol between sums (PowerSGD's P then Q)
+    payload_sums_elementwise: bool = True
     #: the frozen config dataclass the compressor was built from
     config: Any = None
 

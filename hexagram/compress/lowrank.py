@@ -99,6 +99,7 @@ class PowerSGDCompressor(Compressor):
     name = "powersgd"
     aggregation = Aggregation.SUM
     unbiased = False
+    payload_sums_elementwise = False  # P and Q are allreduced in turn (see the step API)
 
     def __init__(self, config: PowerSGDConfig | None = None) -> None:
         self.config = config or PowerSGDConfig()
