@@ -124,8 +124,9 @@ def _measure(kind: str, cfg: dict[str, Any], params: float, batch: int, steps: i
     dist.barrier()
     elapsed = time.perf_counter() - start
     per_step = (sent() - start_bytes) / steps
-    if hasattr(model, "synchronize"):
-        model.synchronize()
+    synchronize = getattr(model, "synchronize", None)
+    if callable(synchronize):
+        synchronize()
     close()
     return {"bytes_per_step": per_step, "steps_per_s": steps / elapsed,
             "params": float(sum(p.numel() for p in net.parameters()))}

@@ -114,7 +114,7 @@ class QAdamAlgorithm(Algorithm):
     def _exchange(self, x: Tensor) -> tuple[Handle[Tensor], Tensor]:
         """(handle of the mean over ranks of Q(x_j), my own reconstruction Q(x))."""
         comm, c = self.ctx.comm, self.compressor
-        if c.aggregation is Aggregation.SUM:  # summed in compressed form, divided first
+        if c.aggregation is Aggregation.SUM and c.payload_sums_elementwise:  # divided first
             mine = c.decompress(c.compress(x / comm.size)) * comm.size
             return primitives.allreduce_compressed(comm, x, c, average=True), mine
         payload = c.compress(x)

@@ -95,13 +95,14 @@ def compressed_sum(comm: Communicator, tensor: Tensor, compressor: Compressor | 
                    ) -> Handle[Tensor]:
     """Sum of ``tensor`` over the ranks of ``comm`` (a new tensor; input untouched).
 
-    ``None`` -> full-precision allreduce; ``SUM`` payloads -> compressed allreduce;
-    ``SCATTER_GATHER`` -> scatter-gather; ``GATHER`` -> allgather then local sum. Every rank
+    ``None`` -> full-precision allreduce; ``SUM`` payloads that sum element-wise ->
+    compressed allreduce; ``SCATTER_GATHER`` -> scatter-gather; anything else (``GATHER``,
+    PowerSGD factors) -> allgather of payloads, then a local sum. Every rank
     receives the same result bit for bit (same payloads, same order of summation).
     """
     if compressor is None:
         return primitives.allreduce(comm, tensor.detach().clone(), average=False)
-    if compressor.aggregation is Aggregation.SUM:
+    if compressor.aggregation is Aggregation.SUM and compressor.payload_sums_elementwise:
         return primitives.allreduce_compressed(comm, tensor.detach(), compressor, average=False)
     if compressor.aggregation is Aggregation.SCATTER_GATHER:
         return primitives.scatter_gather(comm, tensor.detach(), compressor, average=False)
