@@ -51,6 +51,8 @@ def _configs(compressor: str) -> list[tuple[str, str, dict[str, Any]]]:
          {"period": PERIOD, "compressor": compressor}),
         (f"streaming diloco H={PERIOD}, 4 fragments", "diloco",
          {"period": PERIOD, "fragments": 4}),
+        (f"streaming diloco H={PERIOD}, 4 fragments + qsgd 4-bit", "diloco",
+         {"period": PERIOD, "fragments": 4, "compressor": "qsgd"}),
         (f"qadam ({compressor}) after 5 warm-up steps", "qadam", {"compressor": compressor}),
         ("async interval=50ms", "async", {"interval_ms": 50.0}),
     ]

@@ -149,7 +149,8 @@ def _worker() -> dict[str, float]:
     for algo, cfg in (("local_sgd", {"period": 2}),
                       ("local_sgd", {"period": 2, "compressor": "minmax8"}),
                       ("diloco", {"period": 2}),
-                      ("diloco", {"period": 4, "fragments": 2, "compressor": "minmax8"})):
+                      ("diloco", {"period": 4, "fragments": 2, "compressor": "minmax8"}),
+                      ("diloco", {"period": 4, "fragments": 2, "compressor": "qsgd"})):  # 4-bit
         out[f"uneven/{algo}/{cfg}"] = _uneven_spread(algo, **cfg)
     out["resume/diloco"] = _resume_error("diloco", period=4, fragments=2)
     out["resume/local_sgd+minmax8"] = _resume_error("local_sgd", period=3, compressor="minmax8")
