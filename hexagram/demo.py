@@ -104,7 +104,7 @@ def _lab_part(args: argparse.Namespace) -> None:
         return
     print("\n== slow link: PyTorch DDP vs Hexagram on emulated hosts ==", flush=True)
     try:
-        showcase.slow_link_comparison(out_png=args.out)
+        showcase.slow_link_comparison(plot=args.out)
     except (PermissionError, FileNotFoundError, RuntimeError) as exc:
         print(f"(network lab unavailable: {exc}; skipped. Run as root with iproute2 "
               "installed to see it.)")
