@@ -15,10 +15,13 @@ from hexagram.bench.cli import add_arguments, run_bench
 from hexagram.bench.lab import check_available
 from hexagram.bench.report import markdown_table, plot_throughput
 
-__all__ = ["PREFERRED", "slow_link_comparison"]
+__all__ = ["PREFERRED", "SETTINGS", "slow_link_comparison"]
 
 #: Hexagram algorithms the demo shows first, when registered.
-PREFERRED = ("bytegrad", "powersgd", "gtopk", "qsgd", "fp16", "local_sgd")
+PREFERRED = ("powersgd", "local_sgd", "qsgd", "bytegrad", "gtopk", "fp16")
+
+#: Compress from the first step, average every 4 steps: short runs then show steady state.
+SETTINGS = ("powersgd.start_iter=0", "local_sgd.period=4")
 
 
 def _default_algorithms(count: int = 3) -> list[str]:
@@ -31,7 +34,7 @@ def _default_algorithms(count: int = 3) -> list[str]:
 
 def slow_link_comparison(hosts: int = 4, bandwidth: str = "100mbit",
                          algorithms: Sequence[str] | None = None, params: int = 2_000_000,
-                         steps: int = 5, plot: str | None = "hexagram-demo.png",
+                         steps: int = 6, plot: str | None = "hexagram-demo.png",
                          timeout: float = 300.0, quiet: bool = False) -> list[dict[str, Any]]:
     """Run ``ddp`` and a few Hexagram algorithms on emulated hosts; print a table.
 
@@ -41,7 +44,8 @@ def slow_link_comparison(hosts: int = 4, bandwidth: str = "100mbit",
         algorithms: names (default: ``ddp``, ``allreduce`` and up to three of
             :data:`PREFERRED` that are registered).
         params: MLP parameters; more => communication dominates more.
-        steps: timed steps per algorithm (after 2 warm-up steps).
+        steps: timed steps per algorithm (after 2 warm-up steps; PowerSGD compresses from
+            the first step and local SGD averages every 4 steps, see :data:`SETTINGS`).
         plot: PNG path for a samples/s bar chart (None: no plot).
         timeout: deadline per algorithm, seconds.
         quiet: no progress bar.
@@ -62,6 +66,7 @@ def slow_link_comparison(hosts: int = 4, bandwidth: str = "100mbit",
                               "--algorithms", ",".join(names), "--params", str(params),
                               "--steps", str(steps), "--min-steps", str(min(steps, 3)),
                               "--warmup", "2", "--timeout", str(timeout),
+                              *[arg for item in SETTINGS for arg in ("--set", item)],
                               *(["--quiet"] if quiet else [])])
     report = run_bench(args)
     rows: list[dict[str, Any]] = report["results"][bandwidth]

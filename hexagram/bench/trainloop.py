@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -101,6 +102,29 @@ def _agree(metric: float, clock: float) -> tuple[float, float]:
     return float(t[0]) / dist.get_world_size(), float(t[1])
 
 
+@dataclass
+class _Run:
+    """Progress of one training run: the clock counts training steps only."""
+
+    clock: float = 0.0
+    wall: float = 0.0
+    step: int = 0
+    curve: list[dict[str, float]] = field(default_factory=list)
+    reached: dict[str, float] | None = None
+
+    def done(self, time_limit: float) -> bool:
+        return self.reached is not None or self.wall > time_limit
+
+
+def _evaluate(run: _Run, evaluate: Callable[[], float], epoch: float,
+              better: Callable[[float], bool] | None) -> None:
+    metric, run.wall = _agree(evaluate(), run.clock)
+    point = {"epoch": epoch, "step": run.step, "time_s": run.wall, "metric": metric}
+    run.curve.append(point)
+    if run.reached is None and better is not None and better(metric):
+        run.reached = point
+
+
 def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     """Train until target / epochs / time limit; return the curve of this rank."""
     from hexagram.bench.peers import make_optimizer, wrap
@@ -112,37 +136,32 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     opt = make_optimizer(spec["algorithm"], model.parameters(), spec["lr"], adaptive=text,
                          warmup=spec.get("optimizer_warmup", 50))
     wrapped = wrap(spec["algorithm"], model, opt, spec.get("config") or {})
-    better = (lambda v: v <= spec["target"]) if text else (lambda v: v >= spec["target"])
-    clock, step, curve, reached = 0.0, 0, [], None
-    metric, wall = _agree(evaluate(model), 0.0)
-    curve.append({"epoch": 0.0, "step": 0, "time_s": 0.0, "metric": metric})
+    target = spec.get("target")
+    better = None if target is None else (
+        (lambda v: v <= target) if text else (lambda v: v >= target))
+    run = _Run()
+    _evaluate(run, lambda: evaluate(model), 0.0, better)
     for epoch in range(spec["epochs"]):
         batches = epoch_batches(epoch)
         marks = {max(1, round(len(batches) * (k + 1) / spec["evals_per_epoch"]))
                  for k in range(spec["evals_per_epoch"])}
         for i, (x, y) in enumerate(batches, start=1):
-            beat(f"training step {step + 1}")
+            beat(f"training step {run.step + 1}")
             t0 = time.perf_counter()
             loss_fn(wrapped.model(x), y).backward()
             opt.step()
             wrapped.after_step()
             opt.zero_grad()
-            clock += time.perf_counter() - t0
-            step += 1
-            if i not in marks:
-                continue
-            metric, wall = _agree(evaluate(model), clock)
-            point = {"epoch": epoch + i / len(batches), "step": step, "time_s": wall,
-                     "metric": metric}
-            curve.append(point)
-            if reached is None and spec.get("target") is not None and better(metric):
-                reached = point
-            if reached is not None or wall > spec["time_limit"]:
-                break
-        if reached is not None or wall > spec["time_limit"]:
+            run.clock += time.perf_counter() - t0
+            run.step += 1
+            if i in marks:
+                _evaluate(run, lambda: evaluate(model), epoch + i / len(batches), better)
+                if run.done(spec["time_limit"]):
+                    break
+        if run.done(spec["time_limit"]):
             break
     sent = wrapped.bytes_sent()
     wrapped.close()
-    return {"curve": curve, "reached": reached, "steps": step, "bytes_sent": sent,
+    return {"curve": run.curve, "reached": run.reached, "steps": run.step, "bytes_sent": sent,
             "metric": "valid_loss" if text else "test_accuracy",
             "num_params": sum(p.numel() for p in model.parameters())}
