@@ -133,7 +133,10 @@ class DistributedDataParallel(nn.Module):
         elif not self._rebucketed and self._reducer is not None \
                 and self._reducer.backward_count > 0:
             self._rebucket_by_ready_order()
-        if self.broadcast_buffers and self.runtime.world_size > 1:
+        # Weight algorithms let replicas diverge between rounds (and ranks may finish their
+        # data at different times), so a per-forward broadcast would block finished peers.
+        if self.broadcast_buffers and self.runtime.world_size > 1 \
+                and self.algorithm.kind == "grad":
             buffers = list(self.module.buffers())
             if buffers:
                 self._broadcast_from_rank0(buffers)
