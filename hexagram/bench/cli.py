@@ -162,6 +162,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     with progress:
         for bw in bandwidths:
             report["results"][bw] = _run_bandwidth(args, bw, names, settings, progress)
+            if args.json:  # partial results survive an interrupted run
+                with open(args.json, "w") as f:
+                    json.dump(report, f, indent=1)
     report["machine"]["load_average_end"] = machine_info()["load_average"]
     return report
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from hexagram.bench.lab import LabConfig, NetworkLab, RankResult, die_with_parent
@@ -42,6 +45,10 @@ class Outcome:
         return self.error is None
 
 
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 class LoopbackLab:
     """The lab's ``run`` interface on 127.0.0.1, unshaped, without root (no link counters).
 
@@ -53,11 +60,17 @@ class LoopbackLab:
         self.config = config
         self._tmp = tempfile.TemporaryDirectory(prefix="hexagram-loopback-")
         self.workdir = Path(self._tmp.name)
+        self._old: Any = None
 
     def __enter__(self) -> LoopbackLab:
+        # SIGTERM unwinds like Ctrl-C, so ranks are killed and temporary files removed
+        self._old = signal.signal(signal.SIGTERM, _interrupt) \
+            if threading.current_thread() is threading.main_thread() else None
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
         self._tmp.cleanup()
 
     def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
