@@ -42,7 +42,7 @@ def step_time(out: Path, params: int, steps: int, algorithms: str,
     common = ["--model", "mlp", "--params", str(params), "--batch", "32", "--warmup", "2",
               "--stall-timeout", "45", "--quiet", *SETTINGS]
     _run(["bench", "--hosts", "4", "--bandwidth", "100mbit,1gbit,unshaped",
-          "--algorithms", algorithms, "--steps", str(steps), "--time-limit", "40",
+          "--algorithms", algorithms, "--steps", str(steps), "--time-limit", "30",
           "--json", str(out / "step.json"), "--plot", str(out / "step.png"),
           "--markdown", str(out / "step.md"), *common])
     if main_only:
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("step", "train", "main"),
                         help="step: the three step-time runs; main: only the first one")
     parser.add_argument("--params", type=int, default=10_500_000)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--algorithms", default="all", help="for the step-time run")
     parser.add_argument("--target", type=float, default=0.85)
     parser.add_argument("--epochs", type=int, default=4)
