@@ -21,7 +21,12 @@ from typing import Any
 from hexagram.bench.harness import LoopbackLab, check_algorithms, machine_info, run_task
 from hexagram.bench.lab import LabConfig, LabUnavailableError, NetworkLab, parse_rate
 from hexagram.bench.peers import PEERS
-from hexagram.bench.report import markdown_table, plot_throughput, summarize_outcome
+from hexagram.bench.report import (
+    markdown_table,
+    plot_throughput,
+    summarize_outcome,
+    write_outputs,
+)
 from hexagram.bench.workload import MODELS
 
 __all__ = ["add_arguments", "algorithm_list", "parse_settings", "run", "run_bench",
@@ -162,9 +167,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     with progress:
         for bw in bandwidths:
             report["results"][bw] = _run_bandwidth(args, bw, names, settings, progress)
-            if args.json:  # partial results survive an interrupted run
-                with open(args.json, "w") as f:
-                    json.dump(report, f, indent=1)
+            write_outputs(report, "", args.json, None)  # partial results survive a stop
     report["machine"]["load_average_end"] = machine_info()["load_average"]
     return report
 
@@ -207,12 +210,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hexagram bench: {exc}", file=sys.stderr)
         return 2
     text = _print_report(report, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write(text + "\n")
+    write_outputs(report, text, args.json, args.markdown)
     if args.plot:
         plot_throughput(report["results"], args.plot,
                         title=f"{args.model}, {args.hosts} hosts: samples/s against bandwidth")

@@ -22,13 +22,15 @@ Example:
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 from hexagram.bench.harness import Outcome
 
-__all__ = ["markdown_table", "plot_throughput", "summarize", "summarize_outcome"]
+__all__ = ["markdown_table", "plot_throughput", "summarize", "summarize_outcome",
+           "write_outputs"]
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -131,3 +133,15 @@ def plot_throughput(results: dict[str, list[dict[str, Any]]], path: str,
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_outputs(report: dict[str, Any], text: str, json_path: str | None,
+                  markdown_path: str | None) -> None:
+    """Write ``report`` as JSON (replacing the file) and append ``text`` to a markdown file;
+    either path may be None."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    if markdown_path:
+        with open(markdown_path, "a") as f:
+            f.write(text + "\n")

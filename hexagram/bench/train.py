@@ -20,6 +20,7 @@ from typing import Any
 from hexagram.bench.cli import algorithm_list, parse_settings, split_label
 from hexagram.bench.harness import LoopbackLab, check_algorithms, machine_info, run_task
 from hexagram.bench.lab import LabConfig, LabUnavailableError, NetworkLab
+from hexagram.bench.report import write_outputs
 
 __all__ = ["add_arguments", "markdown_table", "plot_curves", "run", "run_train"]
 
@@ -173,12 +174,7 @@ def run(args: argparse.Namespace) -> int:
     text += (f"\n\nmachine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}, load average "
              f"{m['load_average']} -> {m['load_average_end']}")
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write(text + "\n")
+    write_outputs(report, text, args.json, args.markdown)
     if args.plot:
         plot_curves(report["results"], args.plot,
                     title=f"{args.dataset}, {args.hosts} hosts at {args.bandwidth}")
