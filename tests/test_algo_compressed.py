@@ -17,7 +17,7 @@ from _compressed_training import Spec, train_specs  # tests/ is on sys.path unde
 
 import hexagram.compress as hc
 from hexagram.algorithms import registry
-from hexagram.algorithms.compressed import JoinedHandle, check_finite, segments
+from hexagram.algorithms.compressed import check_finite, segments
 from hexagram.algorithms.dgc import DGCConfig, density_at
 from hexagram.algorithms.powersgd import compressible, segment_shape
 from hexagram.algorithms.signsgd import majority_vote
@@ -82,8 +82,8 @@ def test_segments_layer_and_bucket() -> None:
 
 
 def test_joined_handle_waits_all_and_joins() -> None:
-    h = JoinedHandle([Handle.completed(torch.ones(2)), Handle.completed(torch.zeros(1))],
-                     lambda parts: torch.cat(parts), "join")
+    h = Handle.gather([Handle.completed(torch.ones(2)), Handle.completed(torch.zeros(1))],
+                      "join").then(lambda parts: torch.cat(parts))
     assert h.done()
     assert torch.equal(h.wait(), torch.tensor([1.0, 1.0, 0.0]))
 

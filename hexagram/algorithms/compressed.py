@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,6 @@ __all__ = [
     "CompressedAlgorithm",
     "CompressedConfig",
     "CompressorAlgorithm",
-    "JoinedHandle",
     "Segment",
     "check_finite",
     "gather_state",
@@ -159,26 +158,6 @@ def mean_of(tensors: Sequence[Tensor]) -> Tensor:
     return total.div_(len(tensors))
 
 
-class JoinedHandle(Handle[Tensor]):
-    """Several handles waited as one; ``finish`` turns their results into one tensor."""
-
-    def __init__(self, handles: Sequence[Handle[Any]], finish: Callable[[list[Any]], Tensor],
-                 op: str) -> None:
-        super().__init__(None, op, None)
-        self._handles = list(handles)
-        self._finish = finish
-        self._resolved = False
-
-    def done(self) -> bool:
-        return self._resolved or all(h.done() for h in self._handles)
-
-    def wait(self) -> Tensor:
-        if not self._resolved:
-            self._value = self._finish([h.wait() for h in self._handles])
-            self._resolved = True
-        return self._value  # type: ignore[no-any-return]
-
-
 class CompressedAlgorithm(Algorithm):
     """Base of the compressed-gradient algorithms (``kind = "grad"``).
 
@@ -236,8 +215,8 @@ class CompressedAlgorithm(Algorithm):
         handles = [self.reduce_segment(s, bucket.flat[s.start:s.stop]) for s in segs]
         if len(handles) == 1:
             return handles[0]
-        return JoinedHandle(handles, lambda parts: torch.cat([p.reshape(-1) for p in parts]),
-                            self.name)
+        return Handle.gather(handles, self.name).then(
+            lambda parts: torch.cat([p.reshape(-1) for p in parts]))
 
     def _any_rank_bad(self, bad: bool) -> bool:
         flag = torch.tensor([1.0 if bad else 0.0], device=self.ctx.runtime.device)
@@ -331,16 +310,16 @@ class CompressorAlgorithm(CompressedAlgorithm):
                                              reduce_generator=self.reduce_generator)
         payload = self.compress_with_feedback(segment, tensor, comp)
         h = primitives.allgather_payloads(comm, payload)
-        return JoinedHandle([h], lambda r: self.aggregate(
-            [comp.decompress(p).reshape(-1) for p in r[0]]), f"{self.name}.gather")
+        return h.then(lambda payloads: self.aggregate(
+            [comp.decompress(p).reshape(-1) for p in payloads]))
 
     def _sum_payload(self, payload: Payload) -> Handle[Tensor]:
         """Allreduce (sum) a summable payload's tensors in place; decompress, divide by P."""
         handles = [primitives.allreduce(self.ctx.comm, t, average=False)
                    for t in payload.tensors]
         size = self.ctx.comm.size
-        return JoinedHandle(handles, lambda _: self.compressor.decompress(payload)
-                            .reshape(-1).div_(size), f"{self.name}.sum")
+        return Handle.gather(handles, f"{self.name}.sum").then(
+            lambda _: self.compressor.decompress(payload).reshape(-1).div_(size))
 
     def aggregate(self, decoded: list[Tensor]) -> Tensor:
         """Combine every rank's decompressed segment (rank order); default: the mean."""

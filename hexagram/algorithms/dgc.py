@@ -33,7 +33,6 @@ from hexagram import compress
 from hexagram.algorithms.compressed import (
     CompressedConfig,
     CompressorAlgorithm,
-    JoinedHandle,
     Segment,
     gather_state,
     mean_of,
@@ -136,8 +135,8 @@ class DGCAlgorithm(CompressorAlgorithm):
         scatter_state(self.momenta, segment, u.masked_fill_(mask, 0.0))
         self.update(segment, v, sent)  # v - sent: zero where sent
         handle = primitives.allgather_payloads(self.ctx.comm, payload)
-        return JoinedHandle([handle], lambda r: mean_of(
-            [comp.decompress(p).reshape(-1) for p in r[0]]), "dgc.gather")
+        return Handle.gather([handle], "dgc.gather").then(lambda r: mean_of(
+            [comp.decompress(p).reshape(-1) for p in r[0]]))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),

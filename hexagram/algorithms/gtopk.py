@@ -28,7 +28,6 @@ from hexagram import compress
 from hexagram.algorithms.compressed import (
     CompressedAlgorithm,
     CompressedConfig,
-    JoinedHandle,
     Segment,
 )
 from hexagram.comm.communicator import Handle
@@ -104,4 +103,4 @@ class GTopKAlgorithm(CompressedAlgorithm):
                 self.update(segment, acc, acc * (applied & kept))
             return out
 
-        return JoinedHandle([handle], finish, "gtopk")
+        return Handle.gather([handle], "gtopk").then(finish)

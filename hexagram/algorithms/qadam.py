@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
-from hexagram.algorithms.weight_sync import MappedHandle, as_compressor, check_compressor_spec
+from hexagram.algorithms.weight_sync import as_compressor, check_compressor_spec
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
@@ -109,7 +109,7 @@ class QAdamAlgorithm(Algorithm):
         def effective_grad(u_bar: Tensor) -> Tensor:
             return (u_bar * denom - beta * m) / (1 - beta)
 
-        return MappedHandle(handle, effective_grad)
+        return handle.then(effective_grad)
 
     def _exchange(self, x: Tensor) -> tuple[Handle[Tensor], Tensor]:
         """(handle of the mean over ranks of Q(x_j), my own reconstruction Q(x))."""
@@ -119,7 +119,7 @@ class QAdamAlgorithm(Algorithm):
             return primitives.allreduce_compressed(comm, x, c, average=True), mine
         payload = c.compress(x)
         handle = primitives.allgather_payloads(comm, payload)
-        mean = MappedHandle(handle, lambda ps: torch.stack([c.decompress(p) for p in ps])
+        mean = handle.then(lambda ps: torch.stack([c.decompress(p) for p in ps])
                             .sum(0) / comm.size)
         return mean, c.decompress(payload)
 

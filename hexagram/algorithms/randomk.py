@@ -22,7 +22,6 @@ from hexagram import compress
 from hexagram.algorithms.compressed import (
     CompressedConfig,
     CompressorAlgorithm,
-    JoinedHandle,
     Segment,
 )
 from hexagram.algorithms.gtopk import sparse_pairs
@@ -70,5 +69,4 @@ class RandomKAlgorithm(CompressorAlgorithm):
         payload = self.compress_with_feedback(segment, tensor, self.compressor)
         values, _ = sparse_pairs(payload)  # the payload's own values tensor, summed in place
         handle = primitives.allreduce(self.ctx.comm, values, average=True)
-        return JoinedHandle([handle], lambda _: self.compressor.decompress(payload)
-                            .reshape(-1), "randomk.allreduce")
+        return handle.then(lambda _: self.compressor.decompress(payload).reshape(-1))

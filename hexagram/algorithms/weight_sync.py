@@ -5,8 +5,6 @@
   with less data finish early, and implements :meth:`RoundAlgorithm.synchronize`.
 - :func:`compressed_sum`: sum a tensor over ranks in full precision or with any compressor,
   choosing the collective from the compressor's ``aggregation`` (never guessed).
-- :class:`MappedHandle`: a :class:`~hexagram.comm.communicator.Handle` whose result is
-  transformed when waited on (e.g. averaged momentum -> effective gradient).
 - Small helpers to move bucket weights in and out and to save flat state by parameter name.
 
 The join protocol (uneven data across ranks): every round starts with a tiny allreduce of
@@ -25,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -40,7 +38,6 @@ from hexagram.compress.base import Aggregation, Compressor
 from hexagram.errors import ConfigError
 
 __all__ = [
-    "MappedHandle",
     "RoundAlgorithm",
     "as_compressor",
     "check_compressor_spec",
@@ -54,23 +51,6 @@ __all__ = [
 
 T = TypeVar("T")
 U = TypeVar("U")
-
-
-class MappedHandle(Handle[U]):
-    """``fn(inner.wait())``, computed once on the first :meth:`wait`."""
-
-    def __init__(self, inner: Handle[Any], fn: Callable[[Any], U]) -> None:
-        super().__init__(None, "mapped", None)
-        self._inner, self._fn = inner, fn
-        self._resolved = False
-
-    def done(self) -> bool:
-        return self._resolved or self._inner.done()
-
-    def wait(self) -> U:
-        if not self._resolved:
-            self._value, self._resolved = self._fn(self._inner.wait()), True
-        return self._value  # type: ignore[no-any-return]
 
 
 def as_compressor(spec: str | Compressor | None) -> Compressor | None:
@@ -111,7 +91,7 @@ def compressed_sum(comm: Communicator, tensor: Tensor, compressor: Compressor | 
     def total(payloads: list[Any]) -> Tensor:
         return torch.stack([compressor.decompress(p) for p in payloads]).sum(0)
 
-    return MappedHandle(handle, total)
+    return handle.then(total)
 
 
 def require_optimizers(ctx: AlgorithmContext, name: str) -> torch.optim.Optimizer:

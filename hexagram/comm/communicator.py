@@ -20,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
@@ -33,6 +33,7 @@ from hexagram.errors import CommError, CommTimeoutError
 __all__ = ["ByteCounter", "Communicator", "Deferred", "Handle"]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 @dataclass
@@ -83,6 +84,8 @@ class Handle(Generic[T]):
         self._comm = comm
         self._value = value
         self._resolved = future is None
+        # derived handles (then / gather): the handles they wait on, and how to combine
+        self._then: tuple[list[Handle[Any]], Callable[[list[Any]], Any]] | None = None
 
     @classmethod
     def completed(cls, value: T, op: str = "noop") -> Handle[T]:
@@ -91,11 +94,34 @@ class Handle(Generic[T]):
 
     def done(self) -> bool:
         """True when :meth:`wait` would not block on the worker."""
+        if self._then is not None:
+            return self._resolved or all(h.done() for h in self._then[0])
         return self._resolved or (self._future is not None and self._future.done())
+
+    def then(self, fn: Callable[[T], U]) -> Handle[U]:
+        """A handle whose result is ``fn(self.wait())``, computed once, on the first wait
+        (in the waiting thread, so ``fn`` may do tensor work without blocking the issuer)."""
+        return Handle._derived([self], lambda results: fn(results[0]), self._op)
+
+    @classmethod
+    def gather(cls, handles: Sequence[Handle[Any]], op: str = "gather") -> Handle[list[Any]]:
+        """One handle over several: its result is the list of their results, in order."""
+        return Handle._derived(list(handles), list, op)
+
+    @staticmethod
+    def _derived(inners: list[Handle[Any]], fn: Callable[[list[Any]], Any],
+                 op: str) -> Handle[Any]:
+        derived: Handle[Any] = Handle(None, op, None)
+        derived._resolved, derived._then = False, (inners, fn)
+        return derived
 
     def wait(self) -> T:
         """Block until done; raise :class:`CommTimeoutError` / :class:`CommError` on failure."""
         if self._resolved:
+            return self._value  # type: ignore[no-any-return]
+        if self._then is not None:
+            inners, fn = self._then
+            self._value, self._resolved = fn([h.wait() for h in inners]), True
             return self._value  # type: ignore[no-any-return]
         assert self._future is not None and self._comm is not None
         comm = self._comm
