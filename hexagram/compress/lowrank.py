@@ -146,17 +146,19 @@ class PowerSGDCompressor(Compressor):
 
     @staticmethod
     def orthogonalize(p: Tensor) -> Tensor:
-        """Gram-Schmidt on the columns of ``p`` in place (zero columns stay zero); returns p."""
-        for i in range(p.shape[1]):
-            col = p[:, i]
-            peak = float(col.abs().max())
-            if peak > 0:  # divide by the max first: squares of 1e30 or 1e-30 stay finite
-                col /= peak
-                col /= torch.linalg.vector_norm(col)
-            if i + 1 < p.shape[1]:  # remove this direction from the remaining columns
-                rest = p[:, i + 1 :]
-                rest -= torch.outer(col, col @ rest)
-        return p
+        """Orthonormal columns spanning P's column space (in place); returns ``p``.
+
+        Reduced Householder QR: exact (to rounding) and NaN-free for *every* finite P,
+        also rank-deficient ones (a gradient of rank < r, a zero gradient), where
+        Gram-Schmidt normalizes rounding noise into a column that is not orthogonal to the
+        others. A dependent or zero column becomes a unit vector orthogonal to the others,
+        so ``P P^T`` stays an orthogonal projection and ``P Q^T = P P^T M`` an exact
+        projection of M (zero for a zero M). Deterministic given P: ranks that orthogonalize
+        the same allreduced P get the same bits. LAPACK scales its norms, so columns of
+        1e30 or 1e-30 neither overflow nor underflow. (rows, r) with rows >= r.
+        """
+        q, _ = torch.linalg.qr(p, mode="reduced")
+        return p.copy_(q)
 
     @staticmethod
     def compute_q(m: Tensor, p: Tensor) -> Tensor:
