@@ -23,6 +23,7 @@ from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket, build_buckets
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
+from hexagram.engine import join as join_protocol
 from hexagram.engine.checks import check_same_model
 from hexagram.engine.reducer import Reducer
 from hexagram.errors import ConfigError
@@ -50,8 +51,9 @@ class DistributedDataParallel(nn.Module):
             forward.
 
     After wrapping, parameters and buffers equal rank 0's. ``state_dict()`` has no wrapper
-    prefix. ``no_sync()`` accumulates gradients locally. ``synchronize()`` brings every rank
-    to the same weights (for delayed/decentralized algorithms).
+    prefix. ``no_sync()`` accumulates gradients locally. ``join()`` lets ranks run out of
+    data at different times. ``synchronize()`` brings every rank to the same weights (for
+    delayed/decentralized algorithms).
     """
 
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (),
@@ -86,11 +88,14 @@ class DistributedDataParallel(nn.Module):
         self.algorithm.setup(self._ctx)
         self._step_hooks = [opt.register_step_post_hook(self._after_step)
                             for opt in self.optimizers]
+        self._joining = False
+        self._divide_by_world = True
+        self._join_steps = 0
 
     # -- set-up helpers ------------------------------------------------------------------
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         with torch.no_grad():
-            primitives.broadcast(self.comm, [t.data for t in tensors], src=0).wait()
+            primitives.broadcast(self.comm, [t.data for t in tensors], src=src).wait()
 
     def _build(self, order: Sequence[tuple[str, nn.Parameter]] | None = None) -> None:
         """(Re)build buckets over the algorithm's tensors, and gradient hooks if it needs them."""
@@ -127,6 +132,17 @@ class DistributedDataParallel(nn.Module):
 
     # -- training-time hooks -----------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._joining:
+            syncing = torch.is_grad_enabled() and (self._reducer is None
+                                                   or self._reducer.enabled)
+            self._join_round(active=True, syncing=syncing)
+            self._join_steps += 1
+        self._prepare_forward()
+        return self.module(*args, **kwargs)
+
+    def _prepare_forward(self) -> None:
+        """The collectives and hooks that precede every forward (also shadowed by joined
+        ranks, so they must stay identical on every rank)."""
         if self.algorithm.need_reset():
             self._build()
             self.algorithm.reset(self._ctx)
@@ -141,7 +157,6 @@ class DistributedDataParallel(nn.Module):
             if buffers:
                 self._broadcast_from_rank0(buffers)
         self.algorithm.before_forward()
-        return self.module(*args, **kwargs)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self.algorithm.after_step(optimizer)
@@ -158,6 +173,80 @@ class DistributedDataParallel(nn.Module):
         finally:
             if reducer is not None:
                 reducer.enabled = previous
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True,
+             enable: bool = True) -> Iterator[None]:
+        """Train on uneven inputs: ranks may leave their data loop after different steps.
+
+        Wrap the whole loop: ``with model.join(): for x, y in loader: ...``. Inside, each
+        forward of a gradient algorithm starts with a tiny control allreduce; a rank that
+        leaves the block keeps answering its peers' steps with zero gradients (and steps
+        the wrapper's ``optimizers`` with the reduced gradient, so its replica and optimizer
+        state keep up) until every rank has left; then all ranks take the parameters and
+        buffers of a rank that trained the most steps. Weight algorithms run their own join
+        protocol: leaving the block calls :meth:`synchronize`.
+
+        Args:
+            divide_by_initial_world_size: average gradients over all ranks (joined ranks
+                count as zeros, PyTorch DDP's default); False averages over the ranks still
+                training.
+            enable: False makes this a no-op (same code path with even inputs).
+
+        One forward per backward inside the block (as with PyTorch's join). Collective: every
+        rank must enter it.
+
+        Example::
+
+            with model.join():
+                for x, y in my_shard:            # lengths differ across ranks
+                    loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+        """
+        if not enable or self.comm.size == 1:
+            yield
+            return
+        if self.algorithm.kind == "weight":
+            yield
+            self.synchronize()
+            return
+        self._joining, self._join_steps = True, 0
+        self._divide_by_world = divide_by_initial_world_size
+        try:
+            yield
+        finally:
+            self._joining = False
+        self._shadow_until_everyone_joined()
+        self._take_authoritative_model()
+
+    def _join_round(self, active: bool, syncing: bool) -> tuple[int, int]:
+        """One control round; sets the gradient scale for the step that follows."""
+        ranks, syncs = join_protocol.control_round(self.comm, active, syncing)
+        if self._reducer is not None:
+            scale = self.comm.size / ranks if ranks and not self._divide_by_world else 1.0
+            self._reducer.grad_scale = scale
+        return ranks, syncs
+
+    def _shadow_until_everyone_joined(self) -> None:
+        """Mirror the peers' steps (zero gradients) until no rank is active."""
+        while True:
+            active, syncing = self._join_round(active=False, syncing=False)
+            if active == 0:
+                break
+            self._prepare_forward()
+            if syncing and self._reducer is not None:
+                self._reducer.shadow()
+                for opt in self.optimizers:  # keep replica and optimizer state in step
+                    opt.step()
+                    opt.zero_grad()
+        if self._reducer is not None:
+            self._reducer.grad_scale = 1.0
+
+    def _take_authoritative_model(self) -> None:
+        """Every rank takes the weights and buffers of a rank that trained the longest."""
+        steps = join_protocol.trained_steps(self.comm, self._join_steps)
+        src = join_protocol.authoritative_rank(steps)
+        self._broadcast_from_rank0(list(self.module.parameters())
+                                   + list(self.module.buffers()), src=src)
 
     # -- user-facing utilities -----------------------------------------------------------
     @property

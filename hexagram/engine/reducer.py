@@ -52,6 +52,9 @@ class Reducer:
         self._next = 0
         self._handles: dict[int, Handle[torch.Tensor] | None] = {}
         self.backward_count = 0
+        # results are multiplied by this before they reach .grad (join() sets it to
+        # world / active ranks when the mean should be over the ranks that still train)
+        self.grad_scale = 1.0
 
     def remove(self) -> None:
         """Detach the autograd hooks (before re-bucketing or on close)."""
@@ -114,10 +117,38 @@ class Reducer:
             bucket.pending -= 1
         self._launch_ready()
         skip = self._globally_unused(missing) if self.find_unused else frozenset()
+        self._collect(skip)
+
+    def _collect(self, skip: frozenset[str]) -> None:
+        """Wait every launched bucket, write the results into ``.grad``, end the step."""
         for index, handle in sorted(self._handles.items()):
             if handle is not None:
-                self.buckets[index].copy_out_grads(handle.wait(), skip=skip)
+                result = handle.wait()
+                if self.grad_scale != 1.0:
+                    result = result * self.grad_scale
+                self.buckets[index].copy_out_grads(result, skip=skip)
         self.algorithm.after_backward()
+
+    def shadow(self) -> None:
+        """Take part in one backward's collectives with zero gradients.
+
+        A rank that has run out of data (see ``DistributedDataParallel.join``) calls this
+        once per step its peers still take, so every collective finds all ranks; the
+        reduced gradients of the peers land in ``.grad`` as they do on the active ranks.
+        """
+        names = [e.name for b in self.buckets for e in b.entries]
+        if self.backward_count == 0 and not self.ready_order:
+            self.ready_order = list(names)  # keeps the first-step re-bucketing collective
+        self._done = set(names)
+        self._next = 0
+        self._handles.clear()
+        for b in self.buckets:
+            b.flat.zero_()
+            b.pending = 0
+        self._launch_ready()
+        self.backward_count += 1
+        skip = self._globally_unused(names) if self.find_unused else frozenset()
+        self._collect(skip)
 
     def _globally_unused(self, missing: list[str]) -> frozenset[str]:
         """Names no rank used (their ``.grad`` stays as it was, like PyTorch DDP)."""
