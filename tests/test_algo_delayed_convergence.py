@@ -6,8 +6,9 @@ interleaved shards, equal epochs, the same seeds. Weight algorithms are evaluate
 compared with allreduce + SGD (15 epochs), DiLoCo and QAdam with allreduce + Adam (10 epochs).
 The learning rate drops tenfold for the last third of the epochs, so the final accuracy
 depends little on the noise of the last steps (async averaging is timing-dependent).
-QAdam uses ``eps=1e-5``: with Adam's default 1e-8 its frozen variance of rarely-active
-input pixels turns 8-bit quantization noise into huge updates and training diverges.
+QAdam uses Adam's default ``eps=1e-8``: its optimizer floors the frozen variance, so
+rarely-active input pixels (variance ~0 at freezing time) no longer take ``lr * m / eps``
+steps (they did, and training diverged, before ``QAdamOptimizer.variance_floor``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     if kind == "qadam":
-        return QAdamOptimizer(params, lr=2e-3, warmup_steps=60, eps=1e-5)
+        return QAdamOptimizer(params, lr=2e-3, warmup_steps=60)  # Adam's eps=1e-8
     return torch.optim.Adam(params, lr=2e-3)
 
 

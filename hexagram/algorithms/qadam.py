@@ -20,7 +20,10 @@ averaging ``m``; but quantization noise then scales with the *update* ``m / d`` 
 being divided by ``d``. Compressing ``m`` itself, an 8-bit min-max error of ``range / 510``
 on a parameter whose gradient was always zero (``d = eps``) becomes an update of
 ``lr * 1e5``: training diverges (observed on the digits MLP, whose border pixels are
-always 0).
+always 0). The optimizer also floors the frozen variance (``variance_floor``), so ``d`` is
+never ``~eps`` for an element that merely had no gradient during the warm-up: without the
+floor, a ReLU unit dead during the warm-up that later comes back to life has ``x ~ g / eps``,
+which spoils the min-max range of its whole bucket and steps its weights by ``lr * m / eps``.
 
 Aggregation: summable payloads (fp16) use a compressed allreduce; other formats (8-bit
 min-max, the default) are allgathered, which keeps the worker-side error feedback exact

@@ -8,6 +8,18 @@ momenta over ranks then averages the updates. The optimizer is usable on its own
 Adam with a frozen variance); with ``algorithm="qadam"`` the gradient it receives after the
 warm-up is the one that makes its momentum equal the ranks' averaged compressed momentum.
 
+Variance floor: an element that received no (or almost no) gradient during the warm-up, e.g.
+a weight of a ReLU unit that was dead on every warm-up batch, has ``v_hat ~ 0`` and a frozen
+denominator ``~ eps``. Adam would re-estimate its variance as soon as gradients arrive; with
+the variance frozen the first non-zero gradient ``g`` gives a step of ``lr * m / eps`` (about
+``1e5 * lr * g`` with ``eps = 1e-8``) and training diverges within a few steps (and with
+``qadam`` the preconditioned momentum ``m / d`` of that element blows up the quantization
+range of its whole bucket). So at freezing time each tensor's variance is clamped from below
+to ``variance_floor * mean(v_hat of the tensor)``: given a gradient of the tensor's typical
+(RMS) size, such an element then steps about ``lr / sqrt(variance_floor)`` (10 x lr with the
+default 0.01) per step instead of ``1e5 x lr``. The floor is part of the frozen ``v_hat``
+(saved in the state dict), identical on every rank because the warm-up variances are.
+
 Example:
     >>> import torch
     >>> p = torch.nn.Parameter(torch.ones(2))
@@ -40,11 +52,17 @@ class QAdamOptimizer(torch.optim.Optimizer):
         weight_decay: L2 penalty added to the gradient (as ``torch.optim.Adam``).
         warmup_steps: plain Adam steps before the variance freezes (>= 1); more => a
             better variance estimate, longer full-precision phase with ``qadam``.
+        variance_floor: at freezing time each tensor's ``v_hat`` is clamped to at least this
+            fraction of its mean (see the module doc); larger => smaller steps for elements
+            that had no gradient during the warm-up (about ``lr / sqrt(floor)``) but also
+            for legitimately quiet ones; 0 => Adam's frozen variance as is (diverges when a
+            dead unit comes back to life).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, warmup_steps: int = 100) -> None:
+                 weight_decay: float = 0.0, warmup_steps: int = 100,
+                 variance_floor: float = 0.01) -> None:
         if not lr > 0:
             raise ConfigError(f"QAdamOptimizer.lr must be > 0, got {lr!r}")
         if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
@@ -55,7 +73,11 @@ class QAdamOptimizer(torch.optim.Optimizer):
         if not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ConfigError(f"QAdamOptimizer.warmup_steps must be an integer >= 1, got "
                               f"{warmup_steps!r}")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        if not 0.0 <= variance_floor <= 1.0:
+            raise ConfigError(f"QAdamOptimizer.variance_floor must be in [0, 1], got "
+                              f"{variance_floor!r}")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "variance_floor": variance_floor}
         super().__init__(params, defaults)
         self.warmup_steps = warmup_steps
         self.steps_done = 0
@@ -101,7 +123,23 @@ class QAdamOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     self._update(p, group, frozen)
+        if self.steps_done == self.warmup_steps:  # the variance freezes now
+            self._floor_variance()
         return loss
+
+    def _floor_variance(self) -> None:
+        """Clamp each frozen ``v_hat`` to ``variance_floor x`` its tensor's mean (module doc).
+
+        A tensor whose mean is 0 (no gradient at all during the warm-up) takes the mean of
+        the non-zero means of its group, so it too gets a bounded step."""
+        for group in self.param_groups:
+            hats = [self.state[p]["v_hat"] for p in group["params"] if "v_hat" in self.state[p]]
+            means = [float(h.mean()) if h.numel() > 0 else 0.0 for h in hats]
+            nonzero = [m for m in means if m > 0]
+            fallback = sum(nonzero) / len(nonzero) if nonzero else 0.0
+            floor = float(group.get("variance_floor", self.defaults["variance_floor"]))
+            for v_hat, mean in zip(hats, means):
+                v_hat.clamp_(min=floor * (mean if mean > 0 else fallback))
 
     def _update(self, p: Tensor, group: dict[str, Any], frozen: bool) -> None:
         beta1, beta2 = group["betas"]
