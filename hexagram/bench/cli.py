@@ -160,6 +160,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     bandwidths = [b.strip() for b in args.bandwidth.split(",") if b.strip()]
     for b in bandwidths:
         parse_rate(b)
+    if args.loopback:  # no links to shape: one unshaped run, labelled as what it is
+        bandwidths = ["loopback"]
     report: dict[str, Any] = {"machine": machine_info(), "settings": vars(args).copy(),
                               "missing": check_algorithms([split_label(n)[0] for n in names]),
                               "results": {}}

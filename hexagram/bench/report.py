@@ -2,8 +2,9 @@
 
 Definitions (per algorithm, on one network):
     step time      timed window / timed steps, the slowest rank (a mean, so that delayed
-                   algorithms pay for their periodic rounds); spread: p10..p90 of single
-                   steps (slowest rank per step)
+                   algorithms pay for their periodic rounds); next to it the median and
+                   p10..p90 of single steps (slowest rank per step): a delayed algorithm's
+                   mean can lie above its p90 (most steps are local, a few carry a round)
     samples/s      global batch / step time
     vs ddp         ddp's step time / this step time (> 1: faster than PyTorch DDP)
     wire bytes     per step, the busiest rank (reported by the algorithm; ``~``: formula)
@@ -80,16 +81,17 @@ def _mb(nbytes: float | None, estimated: bool = False) -> str:
 def markdown_table(rows: Sequence[dict[str, Any]], reference: str = "ddp") -> str:
     """A Markdown table of summaries (one network); ratios against ``reference``."""
     ref = next((r for r in rows if r["algorithm"] == reference and "error" not in r), None)
-    head = ("| algorithm | step time (s), mean [p10-p90] | samples/s | vs ddp | "
-            "MB/step reported | MB/step on link | bound (s) | efficiency |")
-    lines = [head, "|" + "---|" * 8]
+    head = ("| algorithm | step time (s), mean | single steps, median [p10-p90] | samples/s | "
+            "vs ddp | MB/step reported | MB/step on link | bound (s) | efficiency |")
+    lines = [head, "|" + "---|" * 9]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['algorithm']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['algorithm']} | failed: {r['error']} | | | | | | | |")
             continue
         ratio = f"{ref['step_s'] / r['step_s']:.2f}x" if ref else "-"
         lines.append(
-            f"| {r['algorithm']} | {r['step_s']:.3f} [{r['p10_s']:.3f}-{r['p90_s']:.3f}] | "
+            f"| {r['algorithm']} | {r['step_s']:.3f} | {r['median_s']:.3f} "
+            f"[{r['p10_s']:.3f}-{r['p90_s']:.3f}] | "
             f"{r['samples_per_s']:.1f} | {ratio} | "
             f"{_mb(r['reported_bytes_per_step'], r['estimated'])} | "
             f"{_mb(r['link_bytes_per_step'])} | {r['bound_s']:.3f} | "

@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     except LabUnavailableError as exc:
         print(f"hexagram train: {exc}", file=sys.stderr)
         return 2
-    text = (f"\n### {args.dataset}, {args.hosts} hosts, {args.bandwidth} links, target "
+    links = "loopback (unshaped)" if args.loopback else f"{args.bandwidth} links"
+    text = (f"\n### {args.dataset}, {args.hosts} hosts, {links}, target "
             f"{args.target}\n\n" + markdown_table(report["results"]))
     for name, why in report["missing"].items():
         text += f"\nmissing: {name}: {why}"
@@ -177,5 +178,6 @@ def run(args: argparse.Namespace) -> int:
     write_outputs(report, text, args.json, args.markdown)
     if args.plot:
         plot_curves(report["results"], args.plot,
-                    title=f"{args.dataset}, {args.hosts} hosts at {args.bandwidth}")
+                    title=f"{args.dataset}, {args.hosts} hosts at "
+                          f"{'loopback' if args.loopback else args.bandwidth}")
     return 1 if any("error" in r for r in report["results"]) else 0
