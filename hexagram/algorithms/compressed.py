@@ -37,7 +37,7 @@ from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
-from hexagram.compress.base import Aggregation, Compressor, Payload
+from hexagram.compress.base import Aggregation, Compressor, Payload, all_finite
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.config import check_choice, check_int
 from hexagram.errors import NonFiniteGradientError
@@ -116,7 +116,7 @@ def segments(bucket: Bucket, granularity: str) -> list[Segment]:
 
 def check_finite(bucket: Bucket, step: int, who: str) -> str | None:
     """``None`` if ``bucket.flat`` is finite, else a message naming the first bad tensor."""
-    if bool(torch.isfinite(bucket.flat).all()):
+    if all_finite(bucket.flat):  # one sum; the exact pass only if the sum is not finite
         return None
     for e in bucket.entries:
         t = bucket.view(e)
@@ -210,13 +210,24 @@ class CompressedAlgorithm(Algorithm):
         return self.reduce_bucket(bucket)
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
-        """Reduce a checked bucket: by default segment by segment, results concatenated."""
+        """Reduce a checked bucket: by default segment by segment, into ``bucket.flat``.
+
+        Segments are compressed before this returns, so the bucket's buffer is free to hold
+        the results (as allreduce's is): no new bucket-sized tensor, no ``torch.cat``.
+        """
         segs = segments(bucket, self.config.granularity)
         handles = [self.reduce_segment(s, bucket.flat[s.start:s.stop]) for s in segs]
         if len(handles) == 1:
             return handles[0]
-        return Handle.gather(handles, self.name).then(
-            lambda parts: torch.cat([p.reshape(-1) for p in parts]))
+
+        def join(parts: list[Tensor]) -> Tensor:
+            for s, part in zip(segs, parts):
+                view = bucket.flat[s.start:s.stop]
+                if part.data_ptr() != view.data_ptr():  # not reduced in place: copy it in
+                    view.copy_(part.reshape(-1))
+            return bucket.flat
+
+        return Handle.gather(handles, self.name).then(join)
 
     def _any_rank_bad(self, bad: bool) -> bool:
         flag = torch.tensor([1.0 if bad else 0.0], device=self.ctx.runtime.device)
@@ -286,7 +297,7 @@ class CompressorAlgorithm(CompressedAlgorithm):
     collective: ``SUM`` -> allreduce of the payloads; ``SCATTER_GATHER`` -> scatter-gather
     (compress, all-to-all, reduce, compress, allgather), unless error feedback is on;
     ``GATHER`` (or ``SCATTER_GATHER`` with error feedback, which needs the exact local
-    compression error) -> allgather of payloads, then :meth:`aggregate`.
+    compression error) -> allgather of payloads, then :meth:`aggregate_payloads`.
 
     Subclasses set ``name`` and call :meth:`use_compressor` in ``__init__``.
     """
@@ -299,31 +310,37 @@ class CompressorAlgorithm(CompressedAlgorithm):
         self.error_feedback = ErrorFeedback(compressor) if feedback else None
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
+        """Reduce ``tensor`` (the segment's view of the bucket); the mean is written into it
+        (the input is fully compressed before any result arrives)."""
         comm, comp = self.ctx.comm, self.compressor
         feedback = self.error_feedback is not None
         if comp.aggregation is Aggregation.SUM:
             if not feedback:
                 return primitives.allreduce_compressed(comm, tensor, comp)
-            return self._sum_payload(self.compress_with_feedback(segment, tensor, comp))
+            return self._sum_payload(self.compress_with_feedback(segment, tensor, comp), tensor)
         if comp.aggregation is Aggregation.SCATTER_GATHER and not feedback:
             return primitives.scatter_gather(comm, tensor, comp, generator=self.generator,
-                                             reduce_generator=self.reduce_generator)
+                                             reduce_generator=self.reduce_generator, out=tensor)
         payload = self.compress_with_feedback(segment, tensor, comp)
         h = primitives.allgather_payloads(comm, payload)
-        return h.then(lambda payloads: self.aggregate(
-            [comp.decompress(p).reshape(-1) for p in payloads]))
+        return h.then(lambda payloads: self.aggregate_payloads(payloads, tensor))
 
-    def _sum_payload(self, payload: Payload) -> Handle[Tensor]:
-        """Allreduce (sum) a summable payload's tensors in place; decompress, divide by P."""
+    def _sum_payload(self, payload: Payload, out: Tensor) -> Handle[Tensor]:
+        """Allreduce (sum) a summable payload's tensors in place; decode into ``out``, / P."""
         handles = [primitives.allreduce(self.ctx.comm, t, average=False)
                    for t in payload.tensors]
         size = self.ctx.comm.size
         return Handle.gather(handles, f"{self.name}.sum").then(
-            lambda _: self.compressor.decompress(payload).reshape(-1).div_(size))
+            lambda _: self.compressor.decompress_into(payload, out).div_(size))
 
-    def aggregate(self, decoded: list[Tensor]) -> Tensor:
-        """Combine every rank's decompressed segment (rank order); default: the mean."""
-        return mean_of(decoded)
+    def aggregate_payloads(self, payloads: list[Payload], out: Tensor) -> Tensor:
+        """Combine every rank's payload (rank order) into ``out`` (the segment, 1-D, free to
+        overwrite) and return it; default: the mean, each payload decoded and added straight
+        into ``out`` (no dense temporary per rank), summed in rank order as :func:`mean_of`.
+        """
+        for i, p in enumerate(payloads):
+            self.compressor.decompress_into(p, out, add=i > 0)
+        return out.div_(len(payloads))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "compressor": self.compressor.state_dict()}

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from hexagram import compress
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm
+from hexagram.compress.base import Payload
 
 __all__ = ["SignSGDAlgorithm", "SignSGDConfig", "majority_vote"]
 
@@ -52,5 +53,9 @@ class SignSGDAlgorithm(CompressorAlgorithm):
         self.config: SignSGDConfig
         self.use_compressor(compress.get("sign"), feedback=False)
 
-    def aggregate(self, decoded: list[Tensor]) -> Tensor:
-        return majority_vote(decoded)
+    def aggregate_payloads(self, payloads: list[Payload], out: Tensor) -> Tensor:
+        """:func:`majority_vote` of the ranks' signs, decoded (+-1) and summed into ``out``:
+        the decoded values are their own signs, so the sum's sign is the vote."""
+        for i, p in enumerate(payloads):
+            self.compressor.decompress_into(p, out, add=i > 0)
+        return out.sign_()

@@ -165,12 +165,15 @@ def _chunks(tensor: Tensor, parts: int) -> tuple[Tensor, int]:
 
 def scatter_gather(comm: Communicator, tensor: Tensor, compressor: Compressor,
                    average: bool = True, generator: torch.Generator | None = None,
-                   reduce_generator: torch.Generator | None = None) -> Handle[Tensor]:
+                   reduce_generator: torch.Generator | None = None,
+                   out: Tensor | None = None) -> Handle[Tensor]:
     """Reduce ``tensor`` with compression on both legs (BAGUA's ByteGrad pattern).
 
     Each rank compresses P chunks, all-to-all sends chunk j to rank j, rank j decompresses
     and sums its P copies, recompresses the reduced chunk and allgathers it; everyone then
-    decompresses all P reduced chunks. Returns a new tensor shaped like ``tensor``.
+    decompresses all P reduced chunks. Returns a new tensor shaped like ``tensor``, or
+    ``out`` (same shape and dtype; may be ``tensor`` itself: the input is fully compressed
+    before this returns) with the result written into it.
 
     The first compression runs on the caller's thread with ``generator``, the second on the
     issuing thread with ``reduce_generator`` (default: ``generator``). Give stochastic
@@ -178,32 +181,49 @@ def scatter_gather(comm: Communicator, tensor: Tensor, compressor: Compressor,
     makes the draws' order, hence the results, depend on thread timing.
     """
     if comm.size == 1:
-        return Handle.completed(compressor.decompress(compressor.compress(tensor, generator)),
+        result = compressor.decompress(compressor.compress(tensor, generator))
+        return Handle.completed(result if out is None else out.copy_(result),
                                 "scatter_gather")
-    rows, n = _chunks(tensor.detach(), comm.size)
+    rows, _ = _chunks(tensor.detach(), comm.size)
     payloads = [compressor.compress(rows[j], generator) for j in range(comm.size)]
     send = torch.cat([p.to_buffer() for p in payloads])
     template = payloads[0]
+    result = torch.empty_like(tensor) if out is None else out
+    second = generator if reduce_generator is None else reduce_generator
 
     def job() -> Tensor:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=comm.group, async_op=True).wait(comm.timeout)
         parts = recv.view(comm.size, -1)
-        mine = sum(compressor.decompress(template.from_buffer(parts[i]))
-                   for i in range(comm.size))
-        assert isinstance(mine, Tensor)
+        # decode the P copies of my chunk into one buffer, summed in rank order
+        mine = torch.empty(rows.shape[1], dtype=tensor.dtype, device=tensor.device)
+        for i in range(comm.size):
+            compressor.decompress_into(template.from_buffer(parts[i]), mine, add=i > 0)
         if average:
-            mine = mine / comm.size
-        second = generator if reduce_generator is None else reduce_generator
+            mine.div_(comm.size)
         reduced = compressor.compress(mine, second)
         buf = reduced.to_buffer()
         comm.counter.add("scatter_gather.allgather", comm.allgather_bytes(buf.numel()))
-        out = [torch.empty_like(buf) for _ in range(comm.size)]
-        dist.all_gather(out, buf, group=comm.group, async_op=True).wait(comm.timeout)
-        full = torch.stack([compressor.decompress(reduced.from_buffer(b)) for b in out])
-        return full.reshape(-1)[:n].view_as(tensor).to(tensor.dtype)
+        gathered = [torch.empty_like(buf) for _ in range(comm.size)]
+        dist.all_gather(gathered, buf, group=comm.group, async_op=True).wait(comm.timeout)
+        _decode_rows(compressor, [reduced.from_buffer(b) for b in gathered],
+                     result.view(-1), mine)
+        return result
 
     return comm.submit("scatter_gather.alltoall", job, comm.alltoall_bytes(send.numel()))
+
+
+def _decode_rows(compressor: Compressor, payloads: list[Payload], flat: Tensor,
+                 spare: Tensor) -> None:
+    """Decode payload j (a chunk of ``spare.numel()`` elements) into chunk j of ``flat``;
+    the last chunk may be cut short by padding: it is decoded into ``spare`` first."""
+    m = spare.numel()
+    for j, p in enumerate(payloads):
+        dst = flat[j * m : (j + 1) * m]
+        if dst.numel() == m:
+            compressor.decompress_into(p, dst)
+        elif dst.numel():
+            dst.copy_(compressor.decompress_into(p, spare)[: dst.numel()])
 
 
 def _exchange_works(comm: Communicator, send: Tensor, recv: list[Tensor],

@@ -108,21 +108,27 @@ def fma_rows(dst: Tensor, src: Tensor, start: int, chunk: int, mul: Tensor,
 
 
 def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
-                  offset: Tensor | None, dtype: torch.dtype) -> Tensor:
+                  offset: Tensor | None, dtype: torch.dtype, out: Tensor | None = None,
+                  add: bool = False) -> Tensor:
     """Dense ``code * scale[chunk] + offset[chunk]`` of ``n`` packed codes.
 
     ``scale`` and ``offset`` hold one value per chunk (``expand`` a single value for a
-    per-tensor scale); arithmetic runs block by block in ``scale.dtype``.
+    per-tensor scale); arithmetic runs block by block in ``scale.dtype``. The result is
+    written into ``out`` (1-D, ``n`` elements of ``dtype``; allocated when None), or added
+    to it with ``add``; returns ``out``.
     """
-    out = torch.empty(n, dtype=dtype, device=packed.device)
-    direct = out.dtype == scale.dtype  # decode in the output itself, no temporary
+    if out is None:
+        out = torch.empty(n, dtype=dtype, device=packed.device)
+    direct = out.dtype == scale.dtype and not add  # decode in the output, no temporary
     tmp = torch.empty(0 if direct else min(BLOCK, n), dtype=scale.dtype, device=packed.device)
 
     def use(start: int, stop: int, codes: Tensor) -> None:
         buf = out[start:stop] if direct else tmp[: stop - start]
         buf.copy_(codes)
         fma_rows(buf, buf, start, chunk, scale, offset)
-        if not direct:
+        if add:
+            out[start:stop].add_(buf)
+        elif not direct:
             out[start:stop].copy_(buf)
 
     decode_blocks(packed, bits, n, use)

@@ -42,6 +42,7 @@ from hexagram.compress.base import (
     Payload,
     SeededCompressor,
     check_compressible,
+    decompress_via_into,
     ensure_finite,
 )
 from hexagram.compress.chunks import (
@@ -140,13 +141,16 @@ class MinMax8Compressor(Compressor):
                        dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
+        return decompress_via_into(self, payload)
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         c = self.config.chunk_size
         n = _check_header(payload, c, self.name)
         header, codes = payload.tensors
         lo, step = header[:, 0], header[:, 1]
         if not bool(torch.isfinite(step * 255).all()):  # a chunk spans beyond the range
             lo, step = lo.double(), step.double()
-        return decode_affine(codes, 8, n, c, step, lo, payload.dtype).view(payload.shape)
+        return decode_affine(codes, 8, n, c, step, lo, payload.dtype, out, add)
 
 
 def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) -> Tensor:
@@ -233,12 +237,15 @@ class QSGDCompressor(SeededCompressor):
         return Payload(tensors=(norms, codes), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
+        return decompress_via_into(self, payload)
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         d, s = self.config.bucket_size, self.config.levels
         n = _check_header(payload, d, self.name)
         norms, codes = payload.tensors
         # (code - s) * norm / s = code * (norm / s) - norm
-        return decode_affine(codes, self.bits, n, d, norms / s, -norms,
-                             payload.dtype).view(payload.shape)
+        return decode_affine(codes, self.bits, n, d, norms / s, -norms, payload.dtype, out,
+                             add)
 
     def __repr__(self) -> str:
         return f"QSGDCompressor({self.config})"
@@ -297,10 +304,13 @@ class TernGradCompressor(SeededCompressor):
         return Payload(tensors=(header, codes), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
+        return decompress_via_into(self, payload)
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         header, codes = payload.tensors
         n = payload.shape.numel()
         # (code - 1) * scale
-        return decode_affine(codes, 2, n, n, header, -header, payload.dtype).view(payload.shape)
+        return decode_affine(codes, 2, n, n, header, -header, payload.dtype, out, add)
 
     def __repr__(self) -> str:
         return f"TernGradCompressor({self.config})"

@@ -36,10 +36,11 @@ from hexagram.compress.base import (
     Compressor,
     Payload,
     check_compressible,
+    decompress_via_into,
     ensure_finite,
 )
 from hexagram.compress.chunks import decode_affine, work_dtype
-from hexagram.compress.packing import decode_blocks, encode_blocks
+from hexagram.compress.packing import BLOCK, decode_blocks, encode_blocks
 
 __all__ = ["EFSignCompressor", "OneBitCompressor", "SignCompressor", "SignConfig"]
 
@@ -73,11 +74,12 @@ def encode_signs(flat: Tensor, who: str, stats: bool = True) -> tuple[Tensor, Te
     return packed, sums
 
 
-def _decode_signs(payload: Payload, bits: Tensor, scale: Tensor) -> Tensor:
-    """Bit 0 -> ``-scale``, bit 1 -> ``+scale`` (a one-element tensor): ``b * 2s - s``."""
-    out = decode_affine(bits, 1, payload.shape.numel(), payload.shape.numel(), scale * 2,
-                        -scale, payload.dtype)
-    return out.view(payload.shape)
+def _decode_signs(payload: Payload, bits: Tensor, scale: Tensor, out: Tensor,
+                  add: bool) -> Tensor:
+    """Bit 0 -> ``-scale``, bit 1 -> ``+scale`` (a one-element tensor): ``b * 2s - s``,
+    written into (``add``: added to) ``out``."""
+    n = payload.shape.numel()
+    return decode_affine(bits, 1, n, n, scale * 2, -scale, payload.dtype, out, add)
 
 
 def _header(values: list[float], tensor: Tensor, who: str) -> Tensor:
@@ -104,8 +106,11 @@ class SignCompressor(Compressor):
         return Payload(tensors=(bits,), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
+        return decompress_via_into(self, payload)
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         one = torch.ones(1, dtype=work_dtype(payload.dtype), device=payload.tensors[0].device)
-        return _decode_signs(payload, payload.tensors[0], one)
+        return _decode_signs(payload, payload.tensors[0], one, out, add)
 
 
 class EFSignCompressor(Compressor):
@@ -125,10 +130,13 @@ class EFSignCompressor(Compressor):
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
+        return decompress_via_into(self, payload)
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         header, bits = payload.tensors
         if not bool(torch.isfinite(header * 2).all()):  # 2 * scale overflows: use float64
             header = header.double()
-        return _decode_signs(payload, bits, header)
+        return _decode_signs(payload, bits, header, out, add)
 
 
 class OneBitCompressor(Compressor):
@@ -153,12 +161,18 @@ class OneBitCompressor(Compressor):
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
+        return decompress_via_into(self, payload)
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         header, bits = payload.tensors
-        out = torch.empty(payload.shape.numel(), dtype=payload.dtype, device=bits.device)
         low, high = header.to(payload.dtype)
+        tmp = out.new_empty(min(BLOCK, out.numel()) if add else 0)
 
         def use(start: int, stop: int, codes: Tensor) -> None:
-            torch.where(codes.bool(), high, low, out=out[start:stop])
+            dst = tmp[: stop - start] if add else out[start:stop]
+            torch.where(codes.bool(), high, low, out=dst)
+            if add:
+                out[start:stop].add_(dst)
 
         decode_blocks(bits, 1, out.numel(), use)
-        return out.view(payload.shape)
+        return out

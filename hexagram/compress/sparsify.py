@@ -42,6 +42,7 @@ from hexagram.compress.base import (
     Payload,
     SeededCompressor,
     check_compressible,
+    decompress_via_into,
     ensure_finite,
 )
 from hexagram.compress.chunks import work_dtype
@@ -167,11 +168,17 @@ def _largest(candidates: Tensor, values: Tensor, k: int) -> tuple[Tensor, Tensor
     return candidates[keep], values[keep]
 
 
-def _scatter(payload: Payload, values: Tensor, indices: Tensor) -> Tensor:
-    out = torch.zeros(payload.shape.numel(), dtype=payload.dtype, device=values.device)
+def _scatter(payload: Payload, values: Tensor, indices: Tensor, out: Tensor | None = None,
+             add: bool = False) -> Tensor:
+    """The dense tensor of the (index, value) pairs; written into (``add``: added to) the
+    1-D ``out`` if given, which is returned flat."""
+    if out is None:
+        dense = torch.zeros(payload.shape.numel(), dtype=payload.dtype, device=values.device)
+        return _scatter(payload, values, indices, dense, add=True).view(payload.shape)
+    if not add:
+        out.zero_()
     # index_add_: duplicate indices (threshold's empty slots at index 0, value 0) are harmless
-    out.index_add_(0, indices, values.to(payload.dtype))
-    return out.view(payload.shape)
+    return out.index_add_(0, indices, values.to(payload.dtype))
 
 
 class TopKCompressor(SeededCompressor):
@@ -219,6 +226,10 @@ class TopKCompressor(SeededCompressor):
         values, indices = payload.tensors
         return _scatter(payload, values, indices)
 
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        values, indices = payload.tensors
+        return _scatter(payload, values, indices, out, add)
+
     def __repr__(self) -> str:
         return f"TopKCompressor({self.config})"
 
@@ -253,6 +264,9 @@ class RandomKCompressor(SeededCompressor):
                        dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
+        return decompress_via_into(self, payload)
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         values, indices = payload.tensors
         if self.config.rescale:  # x_i / P(i kept): the stratum size, recomputed from k and n
             _, size = self._strata(payload.shape.numel(), values.numel(), values.device)
@@ -260,7 +274,7 @@ class RandomKCompressor(SeededCompressor):
             if not bool(torch.isfinite(values.to(payload.dtype)).all()):
                 raise ValueError(f"{self.name}: rescaled values overflow {payload.dtype}; "
                                  "use rescale=False or a wider dtype")
-        return _scatter(payload, values, indices)
+        return _scatter(payload, values, indices, out, add)
 
     def __repr__(self) -> str:
         return f"RandomKCompressor({self.config})"
@@ -296,9 +310,12 @@ class ThresholdCompressor(Compressor):
         return Payload(tensors=(count, values, indices), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
+        return decompress_via_into(self, payload)
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         count, values, indices = payload.tensors
         used = int(count[0])
-        return _scatter(payload, values[:used], indices[:used])
+        return _scatter(payload, values[:used], indices[:used], out, add)
 
     def __repr__(self) -> str:
         return f"ThresholdCompressor({self.config})"
