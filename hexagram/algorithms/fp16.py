@@ -64,12 +64,21 @@ class Fp16Algorithm(CompressedAlgorithm):
         self.compressor = compress.get(self.config.wire)  # no error feedback: see above
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
+        """Divide by P in place (as allreduce: before the sum), cast, allreduce the 16-bit
+        values, decode the sum back into ``tensor`` (the bucket's view: no new buffer)."""
         size = self.ctx.comm.size
         if self.config.wire == "fp16":
-            peak = float(tensor.abs().max()) / size
+            lo, hi = torch.aminmax(tensor)  # one pass, no |x| temporary
+            peak = max(-float(lo), float(hi)) / size
             if peak > _FP16_MAX:
                 raise NonFiniteGradientError(
                     f"fp16: gradient of {', '.join(segment.names)} at step {self.step} reaches "
                     f"{peak:.3g} after division by the world size, beyond fp16's {_FP16_MAX:.0f}"
                     "; it would become Inf on the wire. Use wire='bf16' or clip gradients")
-        return primitives.allreduce_compressed(self.ctx.comm, tensor, self.compressor)
+        comm, comp = self.ctx.comm, self.compressor
+        if size == 1:
+            return primitives.allreduce_compressed(comm, tensor, comp)
+        payload = comp.compress(tensor.div_(size))
+        (wire,) = payload.tensors
+        return primitives.allreduce(comm, wire, average=False).then(
+            lambda summed: tensor.copy_(summed))

@@ -46,8 +46,10 @@ class _Cast(Compressor):
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
         wire = tensor.detach().to(self.wire_dtype)
-        probe = wire.sum(dtype=torch.float64)  # NaN/Inf in the input or from overflow
-        if not bool(torch.isfinite(probe)):
+        # NaN/Inf in the input or from overflow make the min or max non-finite; a minimum and
+        # a maximum cannot overflow (a float64 sum of the 16-bit values cost 15x more)
+        probe = torch.stack(torch.aminmax(wire))
+        if not bool(torch.isfinite(probe).all()):
             check_finite(tensor, self.name)
             raise ValueError(
                 f"{self.name}: values beyond +-{torch.finfo(self.wire_dtype).max:g} overflow "
