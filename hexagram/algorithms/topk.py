@@ -28,14 +28,15 @@ class TopKConfig(CompressedConfig):
 
     Attributes:
         approximate: estimate the top-k threshold from a sample (DGC's trick): faster on
-            large tensors, same selection (falls back to exact top-k when it misses).
+            large tensors, same selection (falls back to exact top-k when it misses); on
+            by default: ``torch.topk`` over a 10M-element gradient costs about 5x more.
         density: fraction of elements sent per segment; lower => fewer bytes, slower
             convergence.
         error_feedback: keep unsent values for the next step (on: needed for convergence).
     """
 
     density: float = 0.01
-    approximate: bool = False
+    approximate: bool = True
     error_feedback: bool = True
 
     def __post_init__(self) -> None:
