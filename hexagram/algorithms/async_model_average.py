@@ -22,6 +22,19 @@ inactive; its thread keeps averaging until every rank is inactive (ranks may fin
 data at different times), then a final allreduce makes all weights identical and the thread
 restarts unless aborted. ``close()`` stops the thread for good (the wrapper's ``close()``).
 
+Checkpoints: :meth:`~AsyncModelAverageAlgorithm.state_dict` waits for a round in flight to
+finish, then holds the pending correction (per parameter name, not yet added to the
+weights: save it together with the model's ``state_dict``, in either order), the round
+counter, whether averaging was aborted, and ``interval_ms``. Loading (collective: every rank
+loads its own checkpoint) stops the thread, drops the correction accumulated since wrapping,
+restores the saved one and restarts the thread unless the checkpoint was taken while
+aborted. With rounds running in the background, when they happen depends on timing, so a
+resumed run is not bit-identical to an uninterrupted one, and ranks that save at different
+moments may each hold a different number of rounds. For an exact, consistent checkpoint
+pause averaging first: call ``abort()`` (collective) before saving, optionally run
+synchronous rounds with :meth:`~AsyncModelAverageAlgorithm.average_now`; a run resumed from
+such a checkpoint, fed the same data, then reproduces the original bit for bit (tested).
+
 Example:
     >>> AsyncConfig(interval_ms=20).interval_ms
     20
@@ -38,12 +51,17 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
-from hexagram.algorithms.weight_sync import read_weights, write_weights
+from hexagram.algorithms.weight_sync import (
+    flats_from_named,
+    named_from_flats,
+    read_weights,
+    write_weights,
+)
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
 from hexagram.config import check_float
-from hexagram.errors import CommError
+from hexagram.errors import CommError, ConfigError
 
 __all__ = ["AsyncConfig", "AsyncModelAverageAlgorithm"]
 
@@ -79,11 +97,13 @@ class AsyncModelAverageAlgorithm(Algorithm):
         super().__init__(config or AsyncConfig())
         self.config: AsyncConfig
         self.rounds = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending
+        self._round_lock = threading.Lock()  # held for a whole round (state_dict waits on it)
         self._pending: list[Tensor] | None = None
         self._stop = threading.Event()
         self._active = True
         self._aborted = False
+        self._paused = False  # abort() called (and no resume() since): saved in checkpoints
         self._closed = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -111,8 +131,9 @@ class AsyncModelAverageAlgorithm(Algorithm):
             while True:
                 self._stop.wait(max(0.0, next_round - time.monotonic()))
                 next_round = time.monotonic() + period
-                if not self._one_round():
-                    return
+                with self._round_lock:
+                    if not self._one_round():
+                        return
         except BaseException as exc:
             self._error = exc
 
@@ -125,6 +146,11 @@ class AsyncModelAverageAlgorithm(Algorithm):
             return False
         if flags[0].item() == 0:
             return False
+        self._average()
+        return True
+
+    def _average(self) -> None:
+        """Steps 2-4 of a round (collective on the async communicator)."""
         with self._lock:
             pending = self._pending
             snaps = [_snapshot(b) for b in self.ctx.buckets]
@@ -138,7 +164,6 @@ class AsyncModelAverageAlgorithm(Algorithm):
             else:
                 self._pending = [p + d for p, d in zip(self._pending, deltas)]
         self.rounds += 1
-        return True
 
     # -- training thread -------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -170,12 +195,13 @@ class AsyncModelAverageAlgorithm(Algorithm):
         """Stop background averaging after the current round (collective)."""
         self._stop.set()
         self._join_thread()
-        self._aborted = True
+        self._aborted = self._paused = True
 
     def resume(self) -> None:
         """Restart background averaging after :meth:`abort` (collective)."""
         if self._closed:
             raise RuntimeError("async: resume() after close(); wrap the model again")
+        self._paused = False
         if self._thread is None:
             self._start()
 
@@ -204,11 +230,48 @@ class AsyncModelAverageAlgorithm(Algorithm):
     def bytes_sent(self) -> int:
         return self.ctx.comm.counter.total + self.comm.counter.total
 
+    def average_now(self) -> None:
+        """One averaging round on the calling thread (collective), while :meth:`abort` has
+        paused the background thread. Its correction is added at the next forward pass, as
+        a background round's would be: deterministic rounds for tests and exact resumes."""
+        if self._thread is not None:
+            raise RuntimeError("async: average_now() needs the background thread stopped; "
+                               "call abort() first")
+        self._raise_if_failed()
+        if self.comm.size > 1:
+            self._average()
+
     def state_dict(self) -> dict[str, Any]:
-        # Asynchronous rounds depend on timing, so resumption restores the counter only; the
-        # weights themselves are in the model's state_dict (apply the pending correction).
-        self._apply_pending()
-        return {"rounds": self.rounds}
+        """Pending correction, counters and settings; see "Checkpoints" in the module doc."""
+        with self._round_lock, self._lock:  # no half-applied round in the checkpoint
+            pending = None if self._pending is None else \
+                named_from_flats(self.ctx.buckets, self._pending)
+            return {"rounds": self.rounds, "pending": pending,
+                    "aborted": self._paused,
+                    "interval_ms": self.config.interval_ms}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (collective when the thread runs or restarts)."""
+        if float(state["interval_ms"]) != self.config.interval_ms:
+            raise ConfigError(f"async: checkpoint was saved with interval_ms="
+                              f"{state['interval_ms']}, this algorithm has "
+                              f"{self.config.interval_ms}; use the same AsyncConfig")
+        pending = None if state["pending"] is None else \
+            flats_from_named(self.ctx.buckets, state["pending"], "async pending correction")
+        self._halt()
+        with self._lock:
+            self._pending = pending
         self.rounds = int(state["rounds"])
+        self._aborted = self._paused = bool(state["aborted"])
+        if not self._aborted and not self._closed:
+            self._start()
+
+    def _halt(self) -> None:
+        """Stop the thread (collective) and drop its pending correction unapplied."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            self._pending = None
+        self._raise_if_failed()
