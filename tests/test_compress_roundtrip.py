@@ -173,3 +173,20 @@ def test_powersgd_error_never_exceeds_the_tensor() -> None:
         y = c.decompress(c.compress(x))
         # P Q^T = P P^T M projects M's columns onto span(P): ||M - P P^T M|| <= ||M||
         assert float((y - x).norm()) <= float(x.norm()) * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("name", hc.names())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decompress_into_writes_or_adds_the_decompressed_tensor(name: str,
+                                                                dtype: torch.dtype) -> None:
+    """``decompress_into(p, out)`` == ``decompress(p)``; with ``add``, ``out + decompress``."""
+    c = hc.get(name)
+    for shape in [(7,), (9,), (3, 5), (5000,)] + ([BIG] if dtype == torch.float32 else []):
+        x = _x(shape, dtype, seed=1)
+        p = c.compress(x)
+        dense = c.decompress(p).reshape(-1)
+        out = torch.full((x.numel(),), float("nan"), dtype=dtype)
+        assert c.decompress_into(p, out) is out
+        assert torch.equal(out, dense)
+        base = _x((x.numel(),), dtype, seed=2)
+        assert torch.equal(c.decompress_into(p, base.clone(), add=True), base + dense)

@@ -19,12 +19,14 @@ import torch
 from torch import Tensor
 
 from hexagram.compress.base import ensure_finite
-from hexagram.compress.packing import BLOCK, decode_blocks
+from hexagram.compress.packing import BLOCK, blocks, byte_codes, decode_blocks, packed_nbytes
 
 __all__ = [
     "affine_rows",
     "chunk_reduce",
+    "code_values",
     "decode_affine",
+    "decode_table",
     "fma_rows",
     "pieces",
     "robust_norms",
@@ -100,11 +102,10 @@ def fma_rows(dst: Tensor, src: Tensor, start: int, chunk: int, mul: Tensor,
     for off, rows, cols, first in pieces(start, dst.numel(), chunk):
         d = dst[off : off + rows * cols].view(rows, cols)
         s = src[off : off + rows * cols].view(rows, cols)
-        m = mul[first : first + rows, None]
-        if add is None:
-            torch.mul(s, m, out=d)
-        else:
-            torch.addcmul(add[first : first + rows, None], s, m, out=d)
+        # mul then add_: 3x faster than addcmul, whose broadcast path is not vectorized
+        torch.mul(s, mul[first : first + rows, None], out=d)
+        if add is not None:
+            d.add_(add[first : first + rows, None])
 
 
 def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
@@ -126,12 +127,45 @@ def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
         buf = out[start:stop] if direct else tmp[: stop - start]
         buf.copy_(codes)
         fma_rows(buf, buf, start, chunk, scale, offset)
-        if add:
-            out[start:stop].add_(buf)
+        if add:  # round to out's dtype first: the same sum as out + decompress(...)
+            out[start:stop].add_(buf if buf.dtype == out.dtype else buf.to(out.dtype))
         elif not direct:
             out[start:stop].copy_(buf)
 
     decode_blocks(packed, bits, n, use)
+    return out
+
+
+def code_values(bits: int, scale: Tensor, offset: Tensor, dtype: torch.dtype) -> Tensor:
+    """``code * scale + offset`` for every code of ``bits`` bits (one-element ``scale`` and
+    ``offset``, computed in their dtype as :func:`decode_affine` does), cast to ``dtype``."""
+    codes = torch.arange(1 << bits, dtype=scale.dtype, device=scale.device)
+    return (codes * scale.reshape(-1)[0] + offset.reshape(-1)[0]).to(dtype)
+
+
+def decode_table(packed: Tensor, bits: int, n: int, values: Tensor, out: Tensor,
+                 add: bool = False) -> Tensor:
+    """``out`` (1-D, ``n``) := ``values[code]`` of ``n`` packed codes (``add``: ``+=``).
+
+    For per-tensor formats of 1, 2 or 4 bits (signs, TernGrad): ``values`` (``2**bits``,
+    ``out``'s dtype) maps every code; a (256, 8 // bits) table maps every packed *byte*,
+    so a block decodes with one ``index_select`` of ``n * bits / 8`` rows, straight from
+    the wire bytes (4-10x fewer passes than unpack + convert + scale). Returns ``out``.
+    """
+    per = 8 // bits
+    # (256, per): the values of each byte's codes
+    table = values[byte_codes(bits).to(values.device).long()]
+    tmp = out.new_empty(min(BLOCK, n) + per) if add or n % per else out.new_empty(0)
+    for start, stop in blocks(n, BLOCK):
+        first, length = start * bits // 8, stop - start
+        idx = packed[first : first + packed_nbytes(length, bits)].int()
+        direct = not add and length % per == 0  # decode into out itself
+        dst = out[start:stop] if direct else tmp[: idx.numel() * per]
+        torch.index_select(table, 0, idx, out=dst.view(-1, per))
+        if add:
+            out[start:stop].add_(dst[:length])
+        elif not direct:
+            out[start:stop].copy_(dst[:length])
     return out
 
 

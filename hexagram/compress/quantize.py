@@ -48,7 +48,9 @@ from hexagram.compress.base import (
 from hexagram.compress.chunks import (
     affine_rows,
     chunk_reduce,
+    code_values,
     decode_affine,
+    decode_table,
     fma_rows,
     robust_norms,
     work_dtype,
@@ -132,7 +134,8 @@ class MinMax8Compressor(Compressor):
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
         flat, c, wd = _flat(tensor), self.config.chunk_size, work_dtype(tensor.dtype)
-        ext = chunk_reduce(flat, c, lambda r: torch.stack(torch.aminmax(r, dim=1), 1)).to(wd)
+        # amin and amax: 17x faster than aminmax(dim=1), which is not vectorized on CPU
+        ext = chunk_reduce(flat, c, lambda r: torch.stack([r.amin(1), r.amax(1)], 1)).to(wd)
         ensure_finite(flat, ext, self.name)  # NaN/Inf make a chunk's min or max non-finite
         lo, hi = ext[:, 0], ext[:, 1]
         step = (hi / 2 - lo / 2) / 127.5  # (hi - lo) / 255 without overflowing
@@ -167,6 +170,7 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
                                       .all())
     offset = 0.5 - lo_c * inv_c
     tmp = torch.empty(min(BLOCK, flat.numel()), dtype=calc, device=flat.device)
+    ints = torch.empty(tmp.numel(), dtype=torch.int32, device=flat.device)
 
     def fill(start: int, stop: int, codes: Tensor) -> None:
         buf = tmp[: stop - start]
@@ -176,9 +180,16 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
             buf.copy_(flat[start:stop])
             affine_rows(buf, start, c, sub=lo_c, mul=inv_c)
             buf.add_(0.5)
-        codes.copy_(buf)  # float -> uint8 truncates
+        truncate_to(codes, buf, ints)
 
     return encode_blocks(flat.numel(), 8, fill, flat.device)
+
+
+def truncate_to(codes: Tensor, values: Tensor, ints: Tensor) -> Tensor:
+    """``codes`` (uint8) := ``trunc(values)`` for values in [0, 256), through ``ints`` (an
+    int32 buffer at least as long): float -> int32 -> uint8 is 3x faster than float ->
+    uint8, which is not vectorized on CPU."""
+    return codes.copy_(ints[: values.numel()].copy_(values))
 
 
 def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
@@ -191,6 +202,7 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
     shift = torch.full((1,), s + 0.5 + 2.0**-17, dtype=scale.dtype,
                        device=flat.device).expand(scale.numel())
     dither = torch.empty_like(tmp)
+    ints = torch.empty(tmp.numel(), dtype=torch.int32, device=flat.device)
     words = torch.empty(-(-tmp.numel() // 4), dtype=torch.int64, device=flat.device)
 
     def fill(start: int, stop: int, codes: Tensor) -> None:
@@ -204,7 +216,7 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
         buf.add_(dither[:length], alpha=2.0**-16)
         # trunc(x * scale + u + s) = floor(x * scale + u) + s; values below 0 only when
         # clipping (trunc toward 0 is then right too), above 2s only by rounding or clipping
-        codes.copy_(buf.clamp_(0, 2 * s))
+        truncate_to(codes, buf.clamp_(0, 2 * s), ints)
 
     return encode_blocks(n, (2 * s).bit_length(), fill, flat.device)
 
@@ -308,9 +320,9 @@ class TernGradCompressor(SeededCompressor):
 
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         header, codes = payload.tensors
-        n = payload.shape.numel()
-        # (code - 1) * scale
-        return decode_affine(codes, 2, n, n, header, -header, payload.dtype, out, add)
+        # (code - 1) * scale, through a table of the 4 codes' values
+        values = code_values(2, header, -header, payload.dtype)
+        return decode_table(codes, 2, payload.shape.numel(), values, out, add)
 
     def __repr__(self) -> str:
         return f"TernGradCompressor({self.config})"
