@@ -18,6 +18,23 @@ fragments of similar size; fragment ``r mod F`` is synchronised (same formula, i
 momentum) every ``period / F`` steps, so each fragment is still synchronised every
 ``period`` steps but traffic is spread evenly instead of arriving in bursts.
 
+Overlap (streaming DiLoCo's overlapping communication) with ``overlap_steps = tau > 0``: the
+fragment's pseudo-gradient exchange is started asynchronously after step ``t`` and inner
+steps go on; after step ``t + tau`` its (unchanged) outer step gives the new shared fragment
+``anchor`` and the local fragment, which took ``tau`` more inner steps meanwhile, is merged::
+
+    x_f = overlap_mix * x_f + (1 - overlap_mix) * anchor_f     # applied late
+
+(``overlap_mix = 0`` drops the ``tau`` local steps of that fragment; the paper's mixing
+keeps part of them). The next pseudo-gradient of the fragment is again ``anchor - x``. An
+exchange completed before any further inner step (``tau = 0``, or forced by
+``synchronize()`` / ``close()``) replaces the fragment by ``anchor`` as without overlap.
+``tau < period``, so a fragment's exchange always lands before its own next one starts.
+``synchronize()`` and ``close()`` complete every exchange in flight (no rank is left
+waiting); ``state_dict()`` waits for their results (collectives every rank has issued, so
+this never blocks on a peer's progress) and saves them with the step at which they apply,
+so a resumed run applies them at the same step: resumption stays exact.
+
 Example:
     >>> DiLoCoConfig(period=50, fragments=5).outer_lr
     0.7
@@ -42,6 +59,7 @@ from hexagram.algorithms.weight_sync import (
     write_weights,
 )
 from hexagram.buckets import Bucket
+from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Compressor
 from hexagram.config import check_float, check_int
 from hexagram.errors import ConfigError
@@ -63,6 +81,12 @@ class DiLoCoConfig:
             8-bit ``"minmax8"``); fewer bits => fewer bytes, noisier outer step.
         fragments: streaming DiLoCo's number of fragments; 1 => plain DiLoCo; more =>
             smaller, more frequent messages. ``period`` must be a multiple of it.
+        overlap_steps: inner steps run while a fragment's exchange is in flight (tau, in
+            ``[0, period)``); 0 => the exchange blocks the step that starts it; more =>
+            more time to hide the network, staler outer updates.
+        overlap_mix: weight of the local fragment when an outer update lands late, in
+            ``[0, 1]``; 0 => replaced by the shared fragment; larger => keeps more of the
+            inner steps taken while the exchange was in flight.
     """
 
     period: int = 50
@@ -70,6 +94,8 @@ class DiLoCoConfig:
     outer_momentum: float = 0.9
     compressor: str | Compressor | None = None
     fragments: int = 1
+    overlap_steps: int = 0
+    overlap_mix: float = 0.5
 
     def __post_init__(self) -> None:
         check_int(self, "period", low=1)
@@ -77,9 +103,27 @@ class DiLoCoConfig:
         check_float(self, "outer_momentum", low=0.0, high=1.0, high_open=True)
         check_compressor_spec(self, "compressor", allow_none=True)
         check_int(self, "fragments", low=1)
+        check_int(self, "overlap_steps", low=0)
+        check_float(self, "overlap_mix", low=0.0, high=1.0)
         if self.period % self.fragments:
             raise ConfigError(f"DiLoCoConfig.period ({self.period}) must be a multiple of "
                               f"DiLoCoConfig.fragments ({self.fragments})")
+        if self.overlap_steps >= self.period:
+            raise ConfigError(f"DiLoCoConfig.overlap_steps ({self.overlap_steps}) must be "
+                              f"< period ({self.period}): a fragment's exchange must land "
+                              "before its next one starts")
+
+
+@dataclass
+class _InFlight:
+    """A fragment's pseudo-gradient exchange started after step ``start`` (sum over ranks
+    per bucket of the fragment), whose outer update applies after step ``due``."""
+
+    fragment: int
+    start: int
+    due: int
+    contributors: int
+    sums: list[Handle[torch.Tensor]]
 
 
 def _split(buckets: list[Bucket], parts: int) -> list[list[Bucket]]:
@@ -120,6 +164,7 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         self.fragments = _split(ctx.buckets, self.config.fragments)
         self.momentum = [[torch.zeros_like(b.flat) for b in f] for f in self.fragments]
         self.fresh = [False] * len(self.fragments)  # local steps since the fragment's sync
+        self.inflight: list[_InFlight] = []  # exchanges started, outer update not applied
         self._after_consensus()
 
     def _after_consensus(self) -> None:
@@ -128,6 +173,8 @@ class DiLoCoAlgorithm(RoundAlgorithm):
 
     def _on_step(self) -> None:
         self.fresh = [True] * len(self.fragments)
+        while self.inflight and self.inflight[0].due <= self.step:
+            self._apply(self.inflight.pop(0))
         if self.step % (self.config.period // self.config.fragments) == 0:
             self._round(active=True)
 
@@ -137,21 +184,47 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         flags = self._control(active, contributing=self.fresh[f]).wait()
         n_active, n_contrib = int(flags[0].item()), int(flags[1].item())
         if n_contrib > 0:  # identical decision everywhere
-            self._outer_step(f, n_contrib)
+            exchange = self._start(f, n_contrib)
+            if active and self.config.overlap_steps > 0:
+                self.inflight.append(exchange)  # applied in _on_step, tau steps later
+            else:  # no inner step to overlap: apply now, as without overlap
+                self._apply(exchange)
         return n_active
 
-    def _outer_step(self, f: int, n: int) -> None:
+    def _start(self, f: int, n: int) -> _InFlight:
+        """Start the sum over ranks of the fragment's pseudo-gradients ``anchor - x``."""
+        local = read_weights(self.fragments[f])
+        deltas = [a - x if self.fresh[f] else torch.zeros_like(x)
+                  for a, x in zip(self.anchor[f], local)]
+        self.fresh[f] = False
+        sums = [compressed_sum(self.ctx.comm, d, self.compressor) for d in deltas]
+        return _InFlight(f, self.step, self.step + self.config.overlap_steps, n, sums)
+
+    def _apply(self, exchange: _InFlight) -> None:
+        """Outer Nesterov step of the fragment; merge if inner steps ran meanwhile."""
+        f = exchange.fragment
         buckets, anchor = self.fragments[f], self.anchor[f]
-        local = read_weights(buckets)
-        deltas = [a - x if self.fresh[f] else torch.zeros_like(x) for a, x in zip(anchor, local)]
-        handles = [compressed_sum(self.ctx.comm, d, self.compressor) for d in deltas]
         mu, lr = self.config.outer_momentum, self.config.outer_lr
-        for a, m, h in zip(anchor, self.momentum[f], handles):
-            d = h.wait() / n
+        for a, m, h in zip(anchor, self.momentum[f], exchange.sums):
+            d = h.wait() / exchange.contributors
             m.mul_(mu).add_(d)
             a.sub_(lr * (d + mu * m))
-        write_weights(buckets, anchor)
-        self.fresh[f] = False
+        late, mix = self.step > exchange.start, self.config.overlap_mix
+        if late and mix > 0:  # x_f = mix * x_f + (1 - mix) * anchor_f
+            local = read_weights(buckets)
+            write_weights(buckets, [mix * x + (1 - mix) * a for x, a in zip(local, anchor)])
+            self.fresh[f] = True  # the merged fragment differs from the anchor
+        else:
+            write_weights(buckets, anchor)
+            self.fresh[f] = False
+
+    def _finish_pending(self) -> None:
+        while self.inflight:
+            self._apply(self.inflight.pop(0))
+
+    def close(self) -> None:
+        """Complete exchanges in flight (every rank issued them: no rank is left waiting)."""
+        self._finish_pending()
 
     def state_dict(self) -> dict[str, Any]:
         state = self._base_state()
@@ -160,7 +233,11 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         for f, buckets in enumerate(self.fragments):
             state["anchor"].update(named_from_flats(buckets, self.anchor[f]))
             state["outer_momentum"].update(named_from_flats(buckets, self.momentum[f]))
-        if self.compressor is not None:
+        state["inflight"] = [  # results awaited (identical on every rank), applied later
+            {"fragment": x.fragment, "start": x.start, "due": x.due, "n": x.contributors,
+             "sums": named_from_flats(self.fragments[x.fragment], [h.wait() for h in x.sums])}
+            for x in self.inflight]
+        if self.compressor is not None:  # after the waits: compression jobs have run
             state["compressor"] = self.compressor.state_dict()
         return state
 
@@ -171,5 +248,13 @@ class DiLoCoAlgorithm(RoundAlgorithm):
                        for b in self.fragments]
         self.momentum = [flats_from_named(b, state["outer_momentum"], "diloco momentum")
                          for b in self.fragments]
+        for x in self.inflight:  # exchanges of the replaced state: let them land, unapplied
+            for h in x.sums:
+                h.wait()
+        self.inflight = [
+            _InFlight(x["fragment"], int(x["start"]), int(x["due"]), int(x["n"]),
+                      [Handle.completed(t) for t in flats_from_named(
+                          self.fragments[x["fragment"]], x["sums"], "diloco in-flight sums")])
+            for x in state.get("inflight", [])]
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
