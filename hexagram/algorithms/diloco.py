@@ -229,6 +229,7 @@ class DiLoCoAlgorithm(RoundAlgorithm):
     def state_dict(self) -> dict[str, Any]:
         state = self._base_state()
         state["fresh"] = list(self.fresh)
+        state["schedule"] = self._schedule()
         state["anchor"], state["outer_momentum"] = {}, {}
         for f, buckets in enumerate(self.fragments):
             state["anchor"].update(named_from_flats(buckets, self.anchor[f]))
@@ -241,7 +242,17 @@ class DiLoCoAlgorithm(RoundAlgorithm):
             state["compressor"] = self.compressor.state_dict()
         return state
 
+    def _schedule(self) -> dict[str, int]:
+        """Settings that fix which fragment syncs when (a checkpoint needs the same)."""
+        cfg = self.config
+        return {"period": cfg.period, "fragments": cfg.fragments,
+                "overlap_steps": cfg.overlap_steps}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("schedule", self._schedule())
+        if saved != self._schedule():
+            raise ConfigError(f"diloco: checkpoint was saved with {saved}, this algorithm has "
+                              f"{self._schedule()}; use the same DiLoCoConfig to resume")
         self._load_base_state(state)
         self.fresh = [bool(x) for x in state["fresh"]]
         self.anchor = [flats_from_named(b, state["anchor"], "diloco anchor")

@@ -130,6 +130,11 @@ class LowPrecisionDecentralizedAlgorithm(RoundAlgorithm):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = {"self", *(str(p) for p in self.peers)}
+        if set(state["replicas"]) != expected:  # replicas are keyed by neighbour rank
+            raise ValueError(f"low_precision_decentralized: checkpoint holds replicas of "
+                             f"{sorted(state['replicas'])}, this rank's ring needs "
+                             f"{sorted(expected)}; resume with the same world size and rank")
         self._load_base_state(state)
         self.replicas = {k: flats_from_named(self.ctx.buckets, v, f"replica {k}")
                          for k, v in state["replicas"].items()}
