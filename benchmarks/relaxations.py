@@ -11,7 +11,7 @@ use the same formulas for what it communicates (DDP: one ring allreduce of the g
 step; PeriodicModelAverager: one ring allreduce of the parameters per period), marked
 ``est``.
 
-    .venv/bin/python benchmarks/relaxations.py --ranks 4 --steps 40 --params 1e6
+    .venv/bin/python benchmarks/relaxations.py --ranks 4 --steps 80 --params 1e6
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def _configs(compressor: str) -> list[tuple[str, str, dict[str, Any]]]:
          {"period": PERIOD, "fragments": 4}),
         (f"streaming diloco H={PERIOD}, 4 fragments + qsgd 4-bit", "diloco",
          {"period": PERIOD, "fragments": 4, "compressor": "qsgd"}),
+        (f"streaming diloco H={PERIOD}, 4 fragments, overlap 1 step", "diloco",
+         {"period": PERIOD, "fragments": 4, "overlap_steps": 1}),
         (f"qadam ({compressor}) after 5 warm-up steps", "qadam", {"compressor": compressor}),
         ("async interval=50ms", "async", {"interval_ms": 50.0}),
     ]
