@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import hexagram.compress as hc
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 SHAPES = [(1,), (7,), (9,), (3, 5), (2, 3, 4), (5000,)]
-BIG = (70001,)  # more than one encoding block (packing.BLOCK), float32 only
+BIG = (300001,)  # more than one encoding block (packing.block_size()), float32 only
 
 
 def _x(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -175,12 +176,28 @@ def test_powersgd_error_never_exceeds_the_tensor() -> None:
         assert float((y - x).norm()) <= float(x.norm()) * (1 + 1e-5)
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's thread count (it sets the block size of the block-wise loops)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("name", hc.names())
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decompress_into_writes_or_adds_the_decompressed_tensor(name: str,
-                                                                dtype: torch.dtype) -> None:
-    """``decompress_into(p, out)`` == ``decompress(p)``; with ``add``, ``out + decompress``."""
+def test_decompress_into_writes_or_adds_the_decompressed_tensor(
+        name: str, dtype: torch.dtype, threads: int) -> None:
+    """``decompress_into(p, out)`` == ``decompress(p)``; with ``add``, ``out + decompress``;
+    the same codes whatever the block size (thread count)."""
     c = hc.get(name)
+    x = _x(BIG, torch.float32, seed=3)
+    # fresh compressors: PowerSGD's warm start would differ on a second call
+    big = hc.get(name).compress(x, torch.Generator())
+    small = _compress_in_small_blocks(hc.get(name), x)
+    for a, b in zip(big.tensors, small.tensors):  # codes equal; headers summed per block
+        assert torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b)
     for shape in [(7,), (9,), (3, 5), (5000,)] + ([BIG] if dtype == torch.float32 else []):
         x = _x(shape, dtype, seed=1)
         p = c.compress(x)
@@ -190,3 +207,13 @@ def test_decompress_into_writes_or_adds_the_decompressed_tensor(name: str,
         assert torch.equal(out, dense)
         base = _x((x.numel(),), dtype, seed=2)
         assert torch.equal(c.decompress_into(p, base.clone(), add=True), base + dense)
+
+
+def _compress_in_small_blocks(c: hc.Compressor, x: torch.Tensor) -> hc.Payload:
+    """``c.compress(x)`` with several threads, hence blocks of ``packing.BLOCK``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return c.compress(x, torch.Generator())
+    finally:
+        torch.set_num_threads(before)

@@ -263,13 +263,20 @@ class CompressedAlgorithm(Algorithm):
         """Compress ``tensor`` (+ residual, if error feedback is on); keep what was lost.
 
         Invariant (Karimireddy et al. 2019): ``sent + new residual == tensor + old residual``
-        where ``sent = decompress(payload)``.
+        where ``sent = decompress(payload)``. With error feedback ``tensor`` (the segment's
+        view of the bucket, the algorithm's own buffer) receives the residual in place, and
+        the new residual is decoded into the old one's memory: no gradient-sized temporaries.
         """
         if self.error_feedback is None:
             return compressor.compress(tensor, self.generator)
-        corrected = self.correct(segment, tensor)
-        payload = compressor.compress(corrected, self.generator)
-        self.update(segment, corrected, compressor.decompress(payload).reshape(-1))
+        ef, spans = self._feedback(), _spans(segment)
+        for e, a, b in spans:
+            ef.correct_(e.name, tensor[a:b])
+        payload = compressor.compress(tensor, self.generator)
+        if len(spans) == 1:
+            ef.update_from(spans[0][0].name, tensor, payload)
+        else:  # several tensors' residuals: decode once, split
+            self.update(segment, tensor, compressor.decompress(payload).reshape(-1))
         return payload
 
     # -- checkpoints -----------------------------------------------------------------------

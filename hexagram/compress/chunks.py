@@ -19,7 +19,13 @@ import torch
 from torch import Tensor
 
 from hexagram.compress.base import ensure_finite
-from hexagram.compress.packing import BLOCK, blocks, byte_codes, decode_blocks, packed_nbytes
+from hexagram.compress.packing import (
+    block_size,
+    blocks,
+    byte_codes,
+    decode_blocks,
+    packed_nbytes,
+)
 
 __all__ = [
     "affine_rows",
@@ -121,7 +127,8 @@ def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
     if out is None:
         out = torch.empty(n, dtype=dtype, device=packed.device)
     direct = out.dtype == scale.dtype and not add  # decode in the output, no temporary
-    tmp = torch.empty(0 if direct else min(BLOCK, n), dtype=scale.dtype, device=packed.device)
+    block = block_size()
+    tmp = torch.empty(0 if direct else min(block, n), dtype=scale.dtype, device=packed.device)
 
     def use(start: int, stop: int, codes: Tensor) -> None:
         buf = out[start:stop] if direct else tmp[: stop - start]
@@ -132,7 +139,7 @@ def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
         elif not direct:
             out[start:stop].copy_(buf)
 
-    decode_blocks(packed, bits, n, use)
+    decode_blocks(packed, bits, n, use, block)
     return out
 
 
@@ -155,18 +162,34 @@ def decode_table(packed: Tensor, bits: int, n: int, values: Tensor, out: Tensor,
     per = 8 // bits
     # (256, per): the values of each byte's codes
     table = values[byte_codes(bits).to(values.device).long()]
-    tmp = out.new_empty(min(BLOCK, n) + per) if add or n % per else out.new_empty(0)
-    for start, stop in blocks(n, BLOCK):
+    block = block_size()
+    tmp = out.new_empty(min(block, n) + per) if add or n % per else out.new_empty(0)
+    for start, stop in blocks(n, block):
         first, length = start * bits // 8, stop - start
         idx = packed[first : first + packed_nbytes(length, bits)].int()
         direct = not add and length % per == 0  # decode into out itself
         dst = out[start:stop] if direct else tmp[: idx.numel() * per]
-        torch.index_select(table, 0, idx, out=dst.view(-1, per))
+        _lookup(table, idx, dst.view(-1, per))
         if add:
             out[start:stop].add_(dst[:length])
         elif not direct:
             out[start:stop].copy_(dst[:length])
     return out
+
+
+#: a dtype as wide as a table row of 8 or 16 bytes: index_select of single elements is up
+#: to 3x faster than of rows (whose copy loop runs per row)
+_WIDE = {8: torch.int64, 16: torch.complex128}
+
+
+def _lookup(table: Tensor, idx: Tensor, dst: Tensor) -> None:
+    """``dst`` (rows, per) := ``table[idx]`` (``table`` (256, per), ``idx`` int32)."""
+    width = table.shape[1] * table.element_size()
+    wide = _WIDE.get(width)
+    if wide is not None and dst.storage_offset() * dst.element_size() % width == 0:
+        torch.index_select(table.view(wide).view(-1), 0, idx, out=dst.view(wide).view(-1))
+    else:
+        torch.index_select(table, 0, idx, out=dst)
 
 
 def robust_norms(flat: Tensor, chunk: int, dtype: torch.dtype, who: str) -> Tensor:

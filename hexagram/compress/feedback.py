@@ -64,13 +64,40 @@ class ErrorFeedback:
         residual = self._residuals.get(key)
         if residual is None:
             return grad.detach().clone()
+        self._check(key, residual, grad)
+        return grad.detach() + residual
+
+    def correct_(self, key: Hashable, grad: Tensor) -> Tensor:
+        """``grad += residual[key]`` in place (for a caller that owns ``grad``); returns it.
+
+        Same values as :meth:`correct` without allocating a tensor as large as ``grad``.
+        """
+        residual = self._residuals.get(key)
+        if residual is None:
+            return grad
+        self._check(key, residual, grad)
+        return grad.add_(residual)
+
+    def update_from(self, key: Hashable, corrected: Tensor, payload: Payload) -> None:
+        """Residual of ``key`` := ``corrected - decompress(payload)``, decoded into the old
+        residual's memory (same values as :meth:`update`, no new tensors)."""
+        residual = self._residuals.get(key)
+        if residual is None or residual.shape != corrected.shape \
+                or residual.dtype != corrected.dtype:
+            residual = torch.empty_like(corrected)
+        flat = residual.view(-1)
+        self.compressor.decompress_into(payload, flat)
+        torch.sub(corrected.detach().reshape(-1), flat, out=flat)
+        self._residuals[key] = residual
+
+    @staticmethod
+    def _check(key: Hashable, residual: Tensor, grad: Tensor) -> None:
         if residual.shape != grad.shape or residual.dtype != grad.dtype:
             raise ValueError(
                 f"error feedback key {key!r}: residual is {tuple(residual.shape)} "
                 f"{residual.dtype} but the tensor is {tuple(grad.shape)} {grad.dtype}; use "
                 "one key per tensor (or reset(key) after changing it)"
             )
-        return grad.detach() + residual
 
     def update(self, key: Hashable, corrected: Tensor, sent: Tensor) -> None:
         """Residual of ``key`` := ``corrected - sent`` (``sent``: the dense tensor counted)."""

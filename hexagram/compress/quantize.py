@@ -55,7 +55,7 @@ from hexagram.compress.chunks import (
     robust_norms,
     work_dtype,
 )
-from hexagram.compress.packing import BLOCK, encode_blocks
+from hexagram.compress.packing import block_size, encode_blocks
 from hexagram.config import check_float, check_int
 
 __all__ = [
@@ -169,7 +169,8 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
     fused = calc == lo.dtype and bool((torch.maximum(lo.abs(), hi.abs()) <= 64 * (hi - lo))
                                       .all())
     offset = 0.5 - lo_c * inv_c
-    tmp = torch.empty(min(BLOCK, flat.numel()), dtype=calc, device=flat.device)
+    block = block_size()
+    tmp = torch.empty(min(block, flat.numel()), dtype=calc, device=flat.device)
     ints = torch.empty(tmp.numel(), dtype=torch.int32, device=flat.device)
 
     def fill(start: int, stop: int, codes: Tensor) -> None:
@@ -182,7 +183,7 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
             buf.add_(0.5)
         truncate_to(codes, buf, ints)
 
-    return encode_blocks(flat.numel(), 8, fill, flat.device)
+    return encode_blocks(flat.numel(), 8, fill, flat.device, block)
 
 
 def truncate_to(codes: Tensor, values: Tensor, ints: Tensor) -> Tensor:
@@ -198,7 +199,8 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
     ``[0, 2 * levels]``: the unbiased stochastic rounding of ``x * scale`` to an integer
     in ``[-levels, levels]`` (values beyond are clipped), in ceil(log2(2s + 1)) bits."""
     s, n = levels, flat.numel()
-    tmp = torch.empty(min(BLOCK, n), dtype=scale.dtype, device=flat.device)
+    block = block_size()
+    tmp = torch.empty(min(block, n), dtype=scale.dtype, device=flat.device)
     shift = torch.full((1,), s + 0.5 + 2.0**-17, dtype=scale.dtype,
                        device=flat.device).expand(scale.numel())
     dither = torch.empty_like(tmp)
@@ -218,7 +220,7 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
         # clipping (trunc toward 0 is then right too), above 2s only by rounding or clipping
         truncate_to(codes, buf.clamp_(0, 2 * s), ints)
 
-    return encode_blocks(n, (2 * s).bit_length(), fill, flat.device)
+    return encode_blocks(n, (2 * s).bit_length(), fill, flat.device, block)
 
 
 class QSGDCompressor(SeededCompressor):

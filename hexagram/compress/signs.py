@@ -40,7 +40,7 @@ from hexagram.compress.base import (
     ensure_finite,
 )
 from hexagram.compress.chunks import code_values, decode_table, work_dtype
-from hexagram.compress.packing import BLOCK, encode_blocks
+from hexagram.compress.packing import block_size, encode_blocks
 
 __all__ = ["EFSignCompressor", "OneBitCompressor", "SignCompressor", "SignConfig"]
 
@@ -60,20 +60,21 @@ def encode_signs(flat: Tensor, who: str, stats: bool = True) -> tuple[Tensor, Te
     Raises :class:`NonFiniteGradientError` if ``flat`` holds NaN or Inf (they make the
     sums non-finite).
     """
-    nblocks = -(-flat.numel() // BLOCK)
+    block = block_size()
+    nblocks = -(-flat.numel() // block)
     sums = torch.zeros(nblocks, 3, dtype=flat.dtype, device=flat.device)
     counts = torch.zeros(nblocks, dtype=torch.int64, device=flat.device)
-    tmp = flat.new_empty(min(BLOCK, flat.numel()) if stats else 0)
+    tmp = flat.new_empty(min(block, flat.numel()) if stats else 0)
 
     def fill(start: int, stop: int, codes: Tensor) -> None:
-        blk, row = flat[start:stop], start // BLOCK
+        blk, row = flat[start:stop], start // block
         torch.ge(blk, 0, out=codes.view(torch.bool))  # 0/1 bytes, written in place
         torch.sum(blk, 0, out=sums[row, 1])
         if stats:
             torch.sum(torch.abs(blk, out=tmp[: stop - start]), 0, out=sums[row, 0])
             torch.sum(codes, 0, out=counts[row])
 
-    packed = encode_blocks(flat.numel(), 1, fill, flat.device)
+    packed = encode_blocks(flat.numel(), 1, fill, flat.device, block)
     total = sums.sum(0, dtype=torch.float64)
     total[2] = counts.sum()
     ensure_finite(flat, total, who)  # raises on NaN/Inf in flat

@@ -46,7 +46,7 @@ from hexagram.compress.base import (
     ensure_finite,
 )
 from hexagram.compress.chunks import work_dtype
-from hexagram.compress.packing import BLOCK, blocks
+from hexagram.compress.packing import BLOCK, block_size, blocks
 from hexagram.config import check_float, check_int
 
 __all__ = [
@@ -152,7 +152,7 @@ def above(flat: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
     values sees them.
     """
     found, values = [], []
-    for start, stop in blocks(flat.numel(), BLOCK):
+    for start, stop in blocks(flat.numel(), block_size()):
         blk = flat[start:stop]
         local = torch.lt(blk.abs(), threshold).logical_not_().nonzero().flatten()
         values.append(blk[local])
