@@ -151,13 +151,15 @@ def code_values(bits: int, scale: Tensor, offset: Tensor, dtype: torch.dtype) ->
 
 
 def decode_table(packed: Tensor, bits: int, n: int, values: Tensor, out: Tensor,
-                 add: bool = False) -> Tensor:
-    """``out`` (1-D, ``n``) := ``values[code]`` of ``n`` packed codes (``add``: ``+=``).
+                 add: bool = False, chunk: int = 0, scale: Tensor | None = None) -> Tensor:
+    """``out`` (1-D, ``n``) := ``values[code]`` of ``n`` packed codes (``add``: ``+=``),
+    times ``scale[c]`` of each element's chunk ``c`` when ``scale`` is given.
 
-    For per-tensor formats of 1, 2 or 4 bits (signs, TernGrad): ``values`` (``2**bits``,
-    ``out``'s dtype) maps every code; a (256, 8 // bits) table maps every packed *byte*,
-    so a block decodes with one ``index_select`` of ``n * bits / 8`` rows, straight from
-    the wire bytes (4-10x fewer passes than unpack + convert + scale). Returns ``out``.
+    For formats of 1, 2 or 4 bits: ``values`` (``2**bits``, ``out``'s dtype) maps every
+    code; a (256, 8 // bits) table maps every packed *byte*, so a block decodes with one
+    ``index_select`` of ``n * bits / 8`` rows, straight from the wire bytes (4-10x fewer
+    passes than unpack + convert + scale). Per-chunk ``scale`` (QSGD's ``norm / s``, in
+    ``out``'s dtype) costs one multiplication more. Returns ``out``.
     """
     per = 8 // bits
     # (256, per): the values of each byte's codes
@@ -170,6 +172,8 @@ def decode_table(packed: Tensor, bits: int, n: int, values: Tensor, out: Tensor,
         direct = not add and length % per == 0  # decode into out itself
         dst = out[start:stop] if direct else tmp[: idx.numel() * per]
         _lookup(table, idx, dst.view(-1, per))
+        if scale is not None:
+            fma_rows(dst[:length], dst[:length], start, chunk, scale, None)
         if add:
             out[start:stop].add_(dst[:length])
         elif not direct:

@@ -31,8 +31,10 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -65,6 +67,7 @@ __all__ = [
     "QSGDConfig",
     "TernGradCompressor",
     "TernGradConfig",
+    "random_words",
     "stochastic_codes",
 ]
 
@@ -193,6 +196,22 @@ def truncate_to(codes: Tensor, values: Tensor, ints: Tensor) -> Tensor:
     return codes.copy_(ints[: values.numel()].copy_(values))
 
 
+def random_words(gen: torch.Generator, device: torch.device) -> Callable[[int], Tensor]:
+    """``draw(k)``: ``k`` int64 words of random bits, all determined by ``gen``'s state.
+
+    On the CPU the bits come from numpy's SFC64 seeded with one draw from ``gen``: twice as
+    fast as ``gen``'s own mt19937 (13 vs 27 us per 31,744 16-bit dithers) and as good for
+    dithering; each call advances ``gen`` by that one draw, so checkpoints of ``gen`` still
+    resume exactly. Elsewhere (CUDA) ``gen`` draws the words itself.
+    """
+    if device.type != "cpu":
+        return lambda k: torch.empty(k, dtype=torch.int64, device=device).random_(
+            -(2**63), None, generator=gen)
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=device))
+    bits = np.random.SFC64(seed)
+    return lambda k: torch.from_numpy(bits.random_raw(k).view(np.int64))
+
+
 def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
                      gen: torch.Generator) -> Tensor:
     """Packed codes ``floor(x * scale[chunk] + u) + levels``, ``u ~ U(0, 1)``, clamped to
@@ -205,7 +224,7 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
                        device=flat.device).expand(scale.numel())
     dither = torch.empty_like(tmp)
     ints = torch.empty(tmp.numel(), dtype=torch.int32, device=flat.device)
-    words = torch.empty(-(-tmp.numel() // 4), dtype=torch.int64, device=flat.device)
+    draw = random_words(gen, flat.device)
 
     def fill(start: int, stop: int, codes: Tensor) -> None:
         length = stop - start
@@ -213,7 +232,7 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
         # x * scale + s + 0.5 + 2**-17, with x * scale in [-s, s] (beyond only when clipping)
         fma_rows(buf, flat[start:stop], start, chunk, scale, shift)
         # 16 random bits per element: u = (r + 32768.5) / 65536 in (0, 1), r an int16
-        rnd = words[: -(-length // 4)].random_(-(2**63), None, generator=gen)
+        rnd = draw(-(-length // 4))
         dither[:length].copy_(rnd.view(torch.int16)[:length])
         buf.add_(dither[:length], alpha=2.0**-16)
         # trunc(x * scale + u + s) = floor(x * scale + u) + s; values below 0 only when
@@ -257,6 +276,11 @@ class QSGDCompressor(SeededCompressor):
         d, s = self.config.bucket_size, self.config.levels
         n = _check_header(payload, d, self.name)
         norms, codes = payload.tensors
+        if self.bits in (2, 4) and out.dtype == norms.dtype:
+            # (code - s) * (norm / s): the levels by table lookup, one multiplication
+            levels = torch.arange(-s, (1 << self.bits) - s, dtype=out.dtype,
+                                  device=out.device)
+            return decode_table(codes, self.bits, n, levels, out, add, d, norms / s)
         # (code - s) * norm / s = code * (norm / s) - norm
         return decode_affine(codes, self.bits, n, d, norms / s, -norms, payload.dtype, out,
                              add)
