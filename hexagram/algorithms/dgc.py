@@ -30,14 +30,8 @@ from typing import Any
 from torch import Tensor
 
 from hexagram import compress
-from hexagram.algorithms.compressed import (
-    CompressedConfig,
-    CompressorAlgorithm,
-    Segment,
-    gather_state,
-    mean_of,
-    scatter_state,
-)
+from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, Segment
+from hexagram.buckets import BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Compressor
@@ -46,6 +40,12 @@ from hexagram.config import check_float, check_int
 __all__ = ["DGCAlgorithm", "DGCConfig", "density_at"]
 
 WARMUP_STAGES = 4
+
+
+def _part(segment: Segment, flat: Tensor, entry: BucketEntry) -> Tensor:
+    """``entry``'s slice of the segment's 1-D ``flat``."""
+    start = entry.offset - segment.start
+    return flat[start : start + entry.numel]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,24 +119,45 @@ class DGCAlgorithm(CompressorAlgorithm):
         return self._by_density[density]
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
-        c, size = self.config, self.ctx.comm.size
-        grad = tensor
-        if c.clip_norm > 0:
-            limit = c.clip_norm / math.sqrt(size)
+        """Clip, update u, build v = u + residual in ``tensor`` (the bucket's own view),
+        send top-k(v), mask u and v where sent; all in place: no gradient-sized copies."""
+        self._clip(tensor)
+        ef, moms = self._feedback(), self._momenta(segment, tensor)
+        for e, u in zip(segment.entries, moms):  # v = u + residual, in the bucket's view
+            ef.correct_(e.name, _part(segment, tensor, e).copy_(u))
+        comp = self._compressor(self.density_at(self.step))
+        payload = comp.compress(tensor, self.generator)
+        values, indices = payload.tensors
+        sent = indices[values != 0].long()  # where decompress(payload) != 0
+        for e, u in zip(segment.entries, moms):  # momentum factor masking
+            lo = e.offset - segment.start
+            u.index_fill_(0, sent[(sent >= lo) & (sent < lo + e.numel)] - lo, 0.0)
+        if len(segment.entries) == 1:  # v - sent: zero where sent
+            ef.update_from(segment.entries[0].name, tensor, payload)
+        else:
+            self.update(segment, tensor, comp.decompress(payload).reshape(-1))
+        handle = primitives.allgather_payloads(self.ctx.comm, payload)
+        # decoding a top-k payload does not depend on its density: any of ours decodes it
+        return handle.then(lambda payloads: self.aggregate_payloads(payloads, tensor))
+
+    def _clip(self, grad: Tensor) -> None:
+        """Local gradient clipping, in place, to ``clip_norm / sqrt(P)``."""
+        if self.config.clip_norm > 0:
+            limit = self.config.clip_norm / math.sqrt(self.ctx.comm.size)
             norm = float(grad.norm())
             if norm > limit:
-                grad = grad * (limit / norm)
-        u = gather_state(self.momenta, segment, grad).mul_(c.momentum).add_(grad)
-        v = self.correct(segment, u)
-        comp = self._compressor(self.density_at(self.step))
-        payload = comp.compress(v, self.generator)
-        sent = comp.decompress(payload).reshape(-1)
-        mask = sent != 0
-        scatter_state(self.momenta, segment, u.masked_fill_(mask, 0.0))
-        self.update(segment, v, sent)  # v - sent: zero where sent
-        handle = primitives.allgather_payloads(self.ctx.comm, payload)
-        return Handle.gather([handle], "dgc.gather").then(lambda r: mean_of(
-            [comp.decompress(p).reshape(-1) for p in r[0]]))
+                grad.mul_(limit / norm)
+
+    def _momenta(self, segment: Segment, grad: Tensor) -> list[Tensor]:
+        """u <- momentum * u + g per tensor of the segment, in the stored tensors."""
+        out = []
+        for e in segment.entries:
+            u = self.momenta.get(e.name)
+            if u is None or u.shape != (e.numel,) or u.dtype != grad.dtype:
+                u = grad.new_zeros(e.numel)
+            self.momenta[e.name] = u.mul_(self.config.momentum).add_(_part(segment, grad, e))
+            out.append(u)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),

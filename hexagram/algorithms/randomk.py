@@ -69,4 +69,5 @@ class RandomKAlgorithm(CompressorAlgorithm):
         payload = self.compress_with_feedback(segment, tensor, self.compressor)
         values, _ = sparse_pairs(payload)  # the payload's own values tensor, summed in place
         handle = primitives.allreduce(self.ctx.comm, values, average=True)
-        return handle.then(lambda _: self.compressor.decompress(payload).reshape(-1))
+        # decoded straight into the segment's view of the bucket (compressed already)
+        return handle.then(lambda _: self.compressor.decompress_into(payload, tensor))

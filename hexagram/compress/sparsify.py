@@ -254,7 +254,7 @@ class RandomKCompressor(SeededCompressor):
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
         flat = tensor.detach().reshape(-1)
-        ensure_finite(flat, flat.sum(dtype=torch.float64), self.name)  # NaN/Inf: whole input
+        ensure_finite(flat, flat.sum(), self.name)  # NaN/Inf: whole input (exact if it overflows)
         n = flat.numel()
         start, size = self._strata(n, self.config.count(n), flat.device)
         u = torch.rand(start.numel(), dtype=torch.float64, generator=self.generator_for(
