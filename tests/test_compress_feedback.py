@@ -167,3 +167,23 @@ def test_k_larger_than_the_tensor_names_k() -> None:
 def test_fp16_overflow_is_an_error_not_inf() -> None:
     with pytest.raises(ValueError, match="65504"):
         hc.get("fp16").compress(torch.tensor([1.0, 1e5]))
+
+
+@pytest.mark.parametrize("name", ["topk", "efsign", "onebit", "qsgd", "terngrad"])
+def test_in_place_api_keeps_the_same_residuals(name: str) -> None:
+    """correct_ + update_from (and update_selected for top-k) == correct + update."""
+    comp = hc.get(name)
+    ref, fast = hc.ErrorFeedback(comp), hc.ErrorFeedback(comp)
+    for step in range(3):
+        g = torch.randn(1000, generator=torch.Generator().manual_seed(step))
+        corrected = ref.correct("w", g)
+        payload = comp.compress(corrected, torch.Generator().manual_seed(step))
+        ref.update("w", corrected, comp.decompress(payload))
+        mine = fast.correct_("w", g.clone())
+        assert torch.equal(mine, corrected)
+        again = comp.compress(mine, torch.Generator().manual_seed(step))
+        if name == "topk" and step % 2:  # the sparsifier's own form of the same update
+            fast.update_selected("w", mine, again.tensors[1].long())
+        else:
+            fast.update_from("w", mine, again)
+        assert torch.equal(fast.residual("w"), ref.residual("w"))

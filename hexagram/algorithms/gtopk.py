@@ -85,23 +85,33 @@ class GTopKAlgorithm(CompressedAlgorithm):
             self.error_feedback = ErrorFeedback(self.compressor)
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
+        """Top-k of ``tensor`` + residual (built in ``tensor``, the bucket's own view), the
+        global top-k by gTopKAllReduce, written back into ``tensor`` (mean over ranks)."""
         feedback = self.error_feedback is not None
-        acc = self.correct(segment, tensor) if feedback else tensor.clone()
-        values, indices = sparse_pairs(self.compressor.compress(acc, self.generator))
+        if feedback:
+            for e in segment.entries:
+                start = e.offset - segment.start
+                self._feedback().correct_(e.name, tensor[start:start + e.numel])
+        values, indices = sparse_pairs(self.compressor.compress(tensor, self.generator))
         handle = gtopk_allreduce(self.ctx.comm, values, indices, segment.numel)
         size = self.ctx.comm.size
 
         def finish(results: list[tuple[Tensor, Tensor]]) -> Tensor:
             gvalues, gindices = results[0]
-            out = torch.zeros_like(acc)
-            out[gindices] = gvalues / size
             if feedback:
                 # counted as sent = selected locally AND globally; the rest stays
-                applied = torch.zeros(acc.numel(), dtype=torch.bool, device=acc.device)
-                applied[indices] = True
-                kept = torch.zeros_like(applied)
-                kept[gindices] = True
-                self.update(segment, acc, acc * (applied & kept))
-            return out
+                sent = indices[torch.isin(indices, gindices)]
+                self._keep_residual(segment, tensor, sent)
+            return tensor.zero_().index_put_((gindices,), gvalues / size)
 
         return Handle.gather([handle], "gtopk").then(finish)
+
+    def _keep_residual(self, segment: Segment, acc: Tensor, sent: Tensor) -> None:
+        """Residuals := ``acc`` with the ``sent`` entries (segment indices) zeroed."""
+        ef = self._feedback()
+        if len(segment.entries) == 1:
+            ef.update_selected(segment.entries[0].name, acc, sent)
+            return
+        counted = torch.zeros_like(acc)
+        counted[sent] = acc[sent]
+        self.update(segment, acc, counted)

@@ -90,6 +90,17 @@ class ErrorFeedback:
         torch.sub(corrected.detach().reshape(-1), flat, out=flat)
         self._residuals[key] = residual
 
+    def update_selected(self, key: Hashable, corrected: Tensor, sent: Tensor) -> None:
+        """Residual of ``key`` := ``corrected`` with the (1-D) indices ``sent`` zeroed: what
+        :meth:`update` keeps when exactly those entries of ``corrected`` were counted
+        (sparsifiers), in the old residual's memory."""
+        residual = self._residuals.get(key)
+        if residual is None or residual.shape != corrected.shape \
+                or residual.dtype != corrected.dtype:
+            residual = torch.empty_like(corrected)
+        residual.copy_(corrected.detach()).view(-1).index_fill_(0, sent, 0.0)
+        self._residuals[key] = residual
+
     @staticmethod
     def _check(key: Hashable, residual: Tensor, grad: Tensor) -> None:
         if residual.shape != grad.shape or residual.dtype != grad.dtype:
