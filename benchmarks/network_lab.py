@@ -5,10 +5,12 @@ Runs, as `hexagram bench` / `hexagram train` commands (printed before each run):
      algorithm) for 4 hosts at 100 Mbit/s, 1 Gbit/s and unshaped, MLP of ~10M parameters;
   2. unshaped, `ddp` against `allreduce` in 3 alternating rounds (noise of a shared machine);
   3. 2 hosts x 2 ranks at 100 Mbit/s: flat against hierarchical allreduce;
-  4. time to accuracy on Fashion-MNIST at 100 Mbit/s for DDP and a few Hexagram algorithms.
+  4. time to accuracy on Fashion-MNIST at 100 Mbit/s for DDP and a few Hexagram algorithms;
+  5. step time of a small GPT (many small tensors) at 100 Mbit/s;
+  6. time to a validation loss of the character-level GPT on the offline text corpus.
 Outputs go to --out (JSON, PNG, Markdown tables). Needs root (network namespaces).
 
-    .venv/bin/python benchmarks/network_lab.py --out /tmp/netlab [--only step|train]
+    .venv/bin/python benchmarks/network_lab.py --out /tmp/netlab [--only step|train|gpt|text]
 """
 
 from __future__ import annotations
@@ -65,11 +67,33 @@ def time_to_accuracy(out: Path, target: float, epochs: int, algorithms: str) -> 
           "--markdown", str(out / "tta.md")])
 
 
+#: GPT of 3.2M parameters in 4 blocks: 52 tensors, most of them small.
+GPT = ["--layers", "4", "--width", "256", "--block", "64"]
+GPT_ALGORITHMS = "ddp,ddp-fp16,allreduce,fp16,powersgd,qsgd,bytegrad,topk,dgc,local_sgd"
+
+
+def gpt_step_time(out: Path) -> None:
+    _run(["bench", "--hosts", "4", "--bandwidth", "100mbit", "--model", "gpt", *GPT,
+          "--batch", "8", "--algorithms", GPT_ALGORITHMS, "--warmup", "2", "--steps", "4",
+          "--time-limit", "40", "--quiet", "--set", "powersgd.start_iter=0",
+          "--set", "local_sgd.period=4", "--json", str(out / "gpt.json"),
+          "--markdown", str(out / "gpt.md")])
+
+
+def text_time_to_loss(out: Path) -> None:
+    _run(["train", "--hosts", "4", "--bandwidth", "100mbit", "--dataset", "text", *GPT,
+          "--batch", "16", "--algorithms", "ddp,fp16,powersgd,qsgd,local_sgd,diloco",
+          "--target", "2.65", "--epochs", "2", "--evals-per-epoch", "8",
+          "--time-limit", "420", "--json", str(out / "text.json"),
+          "--plot", str(out / "text.png"), "--markdown", str(out / "text.md")])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/hexagram-netlab")
-    parser.add_argument("--only", choices=("step", "train", "main"),
-                        help="step: the three step-time runs; main: only the first one")
+    parser.add_argument("--only", choices=("step", "train", "main", "gpt", "text"),
+                        help="step: the three step-time runs; main: only the first one; "
+                             "gpt, text: runs 5 and 6")
     parser.add_argument("--params", type=int, default=10_500_000)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--algorithms", default="all", help="for the step-time run")
@@ -80,6 +104,12 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.only in (None, "gpt"):
+        gpt_step_time(out)
+    if args.only in (None, "text"):
+        text_time_to_loss(out)
+    if args.only in ("gpt", "text"):
+        return
     if args.only != "train":
         step_time(out, args.params, args.steps, args.algorithms, main_only=args.only == "main")
     if args.only is None or args.only == "train":
