@@ -252,11 +252,19 @@ class CompressedAlgorithm(Algorithm):
         ef = self._feedback()
         return torch.cat([ef.correct(e.name, tensor[a:b]) for e, a, b in _spans(segment)])
 
-    def update(self, segment: Segment, corrected: Tensor, sent: Tensor) -> None:
-        """Residuals of the segment's tensors := ``corrected - sent`` (both 1-D)."""
+    def correct_(self, segment: Segment, tensor: Tensor) -> Tensor:
+        """:meth:`correct` in place: ``tensor`` (the algorithm's own buffer) += residuals."""
         ef = self._feedback()
         for e, a, b in _spans(segment):
-            ef.update(e.name, corrected[a:b], sent[a:b])
+            ef.correct_(e.name, tensor[a:b])
+        return tensor
+
+    def update(self, segment: Segment, corrected: Tensor, sent: Tensor) -> None:
+        """Residuals of the segment's tensors := ``corrected - sent`` (both 1-D), written
+        into the old residuals' memory."""
+        ef = self._feedback()
+        for e, a, b in _spans(segment):
+            ef.update_(e.name, corrected[a:b], sent[a:b])
 
     def compress_with_feedback(self, segment: Segment, tensor: Tensor,
                                compressor: Compressor) -> Payload:
@@ -270,9 +278,7 @@ class CompressedAlgorithm(Algorithm):
         if self.error_feedback is None:
             return compressor.compress(tensor, self.generator)
         ef, spans = self._feedback(), _spans(segment)
-        for e, a, b in spans:
-            ef.correct_(e.name, tensor[a:b])
-        payload = compressor.compress(tensor, self.generator)
+        payload = compressor.compress(self.correct_(segment, tensor), self.generator)
         if len(spans) == 1:
             ef.update_from(spans[0][0].name, tensor, payload)
         else:  # several tensors' residuals: decode once, split

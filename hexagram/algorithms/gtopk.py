@@ -89,9 +89,7 @@ class GTopKAlgorithm(CompressedAlgorithm):
         global top-k by gTopKAllReduce, written back into ``tensor`` (mean over ranks)."""
         feedback = self.error_feedback is not None
         if feedback:
-            for e in segment.entries:
-                start = e.offset - segment.start
-                self._feedback().correct_(e.name, tensor[start:start + e.numel])
+            self.correct_(segment, tensor)
         values, indices = sparse_pairs(self.compressor.compress(tensor, self.generator))
         handle = gtopk_allreduce(self.ctx.comm, values, indices, segment.numel)
         size = self.ctx.comm.size

@@ -133,7 +133,8 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
                 dense.append(seg)
                 continue
             grad = bucket.flat[seg.start:seg.stop]
-            corrected = self.correct(seg, grad) if self.error_feedback is not None else grad
+            # the residual is added in place: the bucket's buffer is not read after this
+            corrected = self.correct_(seg, grad) if self.error_feedback is not None else grad
             m = self.compressor.matrix(corrected.view(shape))
             key = "|".join(seg.names)
             mats.append(_Matrix(seg, key, shape, corrected, m, self.compressor.compute_p(key, m)))
@@ -159,8 +160,11 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
             q = second[q_offset:q_offset + q.numel()].view_as(q)
             q_offset += q.numel()
             c.store_q(x.key, q)
-            approx = c.reconstruct(p, q, x.shape, bucket.dtype).reshape(-1)
-            out[x.segment.start:x.segment.stop] = approx
+            approx = out[x.segment.start:x.segment.stop]
+            if x.m.numel() == approx.numel() and x.m.dtype == approx.dtype:  # no padding
+                torch.mm(p, q.t(), out=approx.view(x.m.shape))
+            else:
+                approx.copy_(c.reconstruct(p, q, x.shape, bucket.dtype).reshape(-1))
             if self.error_feedback is not None:
                 self.update(x.segment, x.corrected, approx)
         for s in dense:

@@ -78,6 +78,16 @@ class ErrorFeedback:
         self._check(key, residual, grad)
         return grad.add_(residual)
 
+    def update_(self, key: Hashable, corrected: Tensor, sent: Tensor) -> None:
+        """:meth:`update` written into the old residual's memory (a new tensor the first
+        time or when the shape changed). ``corrected`` and ``sent`` must not be it."""
+        residual = self._residuals.get(key)
+        if residual is None or residual.shape != corrected.shape \
+                or residual.dtype != corrected.dtype or sent.shape != corrected.shape:
+            self.update(key, corrected, sent)
+            return
+        torch.sub(corrected.detach(), sent.detach().to(corrected.dtype), out=residual)
+
     def update_from(self, key: Hashable, corrected: Tensor, payload: Payload) -> None:
         """Residual of ``key`` := ``corrected - decompress(payload)``, decoded into the old
         residual's memory (same values as :meth:`update`, no new tensors)."""
