@@ -21,6 +21,7 @@ from torch import Tensor
 from hexagram import compress
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm
 from hexagram.compress.base import Payload
+from hexagram.compress.combine import sum_payloads
 
 __all__ = ["SignSGDAlgorithm", "SignSGDConfig", "majority_vote"]
 
@@ -56,6 +57,8 @@ class SignSGDAlgorithm(CompressorAlgorithm):
     def aggregate_payloads(self, payloads: list[Payload], out: Tensor) -> Tensor:
         """:func:`majority_vote` of the ranks' signs, decoded (+-1) and summed into ``out``:
         the decoded values are their own signs, so the sum's sign is the vote."""
+        if sum_payloads(self.compressor, payloads, out, lambda t: t.sign_()) is not None:
+            return out  # voted in code space (up to 8 ranks): the same values
         for i, p in enumerate(payloads):
             self.compressor.decompress_into(p, out, add=i > 0)
         return out.sign_()

@@ -139,6 +139,14 @@ class Compressor(ABC):
     def decompress(self, payload: Payload) -> Tensor:
         """Decode a :class:`Payload` back to a dense tensor of the original shape/dtype."""
 
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor] | None:
+        """``(bits, values, packed)`` for per-tensor formats whose element ``i`` decodes to
+        ``values[code_i]`` (``2**bits`` values in the payload's dtype, codes packed as
+        :func:`~hexagram.compress.packing.pack_codes` does), else None (the default).
+        Lets several ranks' payloads be summed in code space
+        (:func:`hexagram.compress.combine.sum_payloads`)."""
+        return None
+
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         """Write ``decompress(payload)`` into ``out`` (``add``: add it to ``out``); return ``out``.
 

@@ -344,10 +344,12 @@ class TernGradCompressor(SeededCompressor):
     def decompress(self, payload: Payload) -> Tensor:
         return decompress_via_into(self, payload)
 
-    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, codes = payload.tensors
-        # (code - 1) * scale, through a table of the 4 codes' values
-        values = code_values(2, header, -header, payload.dtype)
+        return 2, code_values(2, header, -header, payload.dtype), codes  # (code - 1) * scale
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        _, values, codes = self.code_table(payload)
         return decode_table(codes, 2, payload.shape.numel(), values, out, add)
 
     def __repr__(self) -> str:

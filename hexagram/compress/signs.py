@@ -83,12 +83,14 @@ def encode_signs(flat: Tensor, who: str, stats: bool = True) -> tuple[Tensor, Te
     return packed, total
 
 
-def _decode_signs(payload: Payload, bits: Tensor, scale: Tensor, out: Tensor,
-                  add: bool) -> Tensor:
-    """Bit 0 -> ``-scale``, bit 1 -> ``+scale`` (a one-element tensor): ``b * 2s - s``,
-    written into (``add``: added to) ``out``."""
-    values = code_values(1, scale * 2, -scale, payload.dtype)
-    return decode_table(bits, 1, payload.shape.numel(), values, out, add)
+def _sign_values(payload: Payload, scale: Tensor) -> Tensor:
+    """Bit 0 -> ``-scale``, bit 1 -> ``+scale`` (a one-element tensor): ``b * 2s - s``."""
+    return code_values(1, scale * 2, -scale, payload.dtype)
+
+
+def _decode_with_table(table: tuple[int, Tensor, Tensor], out: Tensor, add: bool) -> Tensor:
+    bits, values, packed = table
+    return decode_table(packed, bits, out.numel(), values, out, add)
 
 
 def _header(values: list[float], tensor: Tensor, who: str) -> Tensor:
@@ -117,9 +119,12 @@ class SignCompressor(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         return decompress_via_into(self, payload)
 
-    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         one = torch.ones(1, dtype=work_dtype(payload.dtype), device=payload.tensors[0].device)
-        return _decode_signs(payload, payload.tensors[0], one, out, add)
+        return 1, _sign_values(payload, one), payload.tensors[0]
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        return _decode_with_table(self.code_table(payload), out, add)
 
 
 class EFSignCompressor(Compressor):
@@ -141,11 +146,14 @@ class EFSignCompressor(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         return decompress_via_into(self, payload)
 
-    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, bits = payload.tensors
         if not bool(torch.isfinite(header * 2).all()):  # 2 * scale overflows: use float64
             header = header.double()
-        return _decode_signs(payload, bits, header, out, add)
+        return 1, _sign_values(payload, header), bits
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        return _decode_with_table(self.code_table(payload), out, add)
 
 
 class OneBitCompressor(Compressor):
@@ -172,7 +180,10 @@ class OneBitCompressor(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         return decompress_via_into(self, payload)
 
-    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, bits = payload.tensors
         # bit 0 -> the negative half's mean, bit 1 -> the non-negative half's
-        return decode_table(bits, 1, out.numel(), header.to(payload.dtype), out, add)
+        return 1, header.to(payload.dtype), bits
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        return _decode_with_table(self.code_table(payload), out, add)
