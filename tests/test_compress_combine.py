@@ -10,7 +10,7 @@ import torch
 import hexagram.compress as hc
 from hexagram.compress.combine import sum_payloads
 
-SIZES = [1, 7, 9, 1000, 300001]  # 300001: several blocks, a partial last byte
+SIZES = [1, 7, 9, 1000, 1_100_001]  # 1_100_001: several blocks, a partial last byte
 
 
 def _payloads(name: str, ranks: int, n: int, dtype: torch.dtype) -> list[hc.Payload]:
