@@ -194,13 +194,7 @@ def scatter_gather(comm: Communicator, tensor: Tensor, compressor: Compressor,
     def job() -> Tensor:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=comm.group, async_op=True).wait(comm.timeout)
-        parts = recv.view(comm.size, -1)
-        # decode the P copies of my chunk into one buffer, summed in rank order
-        mine = torch.empty(rows.shape[1], dtype=tensor.dtype, device=tensor.device)
-        for i in range(comm.size):
-            compressor.decompress_into(template.from_buffer(parts[i]), mine, add=i > 0)
-        if average:
-            mine.div_(comm.size)
+        mine = _sum_copies(compressor, template, recv.view(comm.size, -1), rows[0], average)
         reduced = compressor.compress(mine, second)
         buf = reduced.to_buffer()
         comm.counter.add("scatter_gather.allgather", comm.allgather_bytes(buf.numel()))
@@ -211,6 +205,16 @@ def scatter_gather(comm: Communicator, tensor: Tensor, compressor: Compressor,
         return result
 
     return comm.submit("scatter_gather.alltoall", job, comm.alltoall_bytes(send.numel()))
+
+
+def _sum_copies(compressor: Compressor, template: Payload, parts: Tensor, like: Tensor,
+                average: bool) -> Tensor:
+    """The P received copies of my chunk (rows of ``parts``), decoded into one buffer
+    shaped like ``like``, summed in rank order (divided by P with ``average``)."""
+    mine = torch.empty_like(like)
+    for i in range(parts.shape[0]):
+        compressor.decompress_into(template.from_buffer(parts[i]), mine, add=i > 0)
+    return mine.div_(parts.shape[0]) if average else mine
 
 
 def _decode_rows(compressor: Compressor, payloads: list[Payload], flat: Tensor,
