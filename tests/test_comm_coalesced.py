@@ -27,7 +27,7 @@ def _worker(name: str) -> dict[str, object]:
     import torch.distributed as dist
 
     import hexagram as hx
-    from hexagram.comm import coalesced, primitives
+    from hexagram.comm import primitives
     from hexagram.comm.communicator import Communicator
 
     rt = hx.init()
@@ -39,14 +39,14 @@ def _worker(name: str) -> dict[str, object]:
            for t in _tensors(rank)]
     sg_one = comm.counter.total
     g2, r2 = _gens(10 + rank)
-    many = coalesced.scatter_gather_many(comm, _tensors(rank), comp, generator=g2,
+    many = primitives.scatter_gather_many(comm, _tensors(rank), comp, generator=g2,
                                          reduce_generator=r2).wait()
     sg_many = comm.counter.total - sg_one
     payloads = [comp.compress(t, torch.Generator().manual_seed(rank)) for t in _tensors(rank)]
     before = comm.counter.total
     gathered = [primitives.allgather_payloads(comm, p).wait() for p in payloads]
     ag_one = comm.counter.total - before
-    gathered_many = coalesced.allgather_payloads_many(comm, payloads).wait()
+    gathered_many = primitives.allgather_payloads_many(comm, payloads).wait()
     ag_many = comm.counter.total - before - ag_one
     same_gather = all(torch.equal(comp.decompress(a), comp.decompress(b))
                       for ga, gb in zip(gathered, gathered_many) for a, b in zip(ga, gb))

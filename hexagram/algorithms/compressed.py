@@ -323,6 +323,32 @@ class CompressorAlgorithm(CompressedAlgorithm):
         self.compressor = compressor
         self.error_feedback = ErrorFeedback(compressor) if feedback else None
 
+    def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
+        """Layer-wise segments of scatter-gather and gather formats go out coalesced: each
+        tensor is compressed on its own, and all of a bucket's payloads travel in one
+        message per leg (same payloads, bytes and draws as one collective per tensor)."""
+        segs = segments(bucket, self.config.granularity)
+        comp, feedback = self.compressor, self.error_feedback is not None
+        custom = type(self).reduce_segment is not CompressorAlgorithm.reduce_segment
+        if len(segs) == 1 or custom or comp.aggregation is Aggregation.SUM:
+            return super().reduce_bucket(bucket)
+        views = [bucket.flat[s.start:s.stop] for s in segs]
+        if comp.aggregation is Aggregation.SCATTER_GATHER and not feedback:
+            return primitives.scatter_gather_many(
+                self.ctx.comm, views, comp, generator=self.generator,
+                reduce_generator=self.reduce_generator, outs=views
+            ).then(lambda _: bucket.flat)
+        payloads = [self.compress_with_feedback(s, v, comp) for s, v in zip(segs, views)]
+
+        def combine(per_tensor: list[list[Payload]]) -> Tensor:
+            for view, payloads_of_all in zip(views, per_tensor):
+                result = self.aggregate_payloads(payloads_of_all, view)
+                if result.data_ptr() != view.data_ptr():
+                    view.copy_(result.reshape(-1))
+            return bucket.flat
+
+        return primitives.allgather_payloads_many(self.ctx.comm, payloads).then(combine)
+
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
         """Reduce ``tensor`` (the segment's view of the bucket); the mean is written into it
         (the input is fully compressed before any result arrives)."""

@@ -10,6 +10,9 @@ returns a :class:`Handle`) and all counting the bytes this rank sends:
 - D_FP_S :func:`neighbor_exchange` (send my tensor to peers, receive theirs)
 - D_LP_S :func:`neighbor_exchange_payloads` (the same with compressed payloads)
 
+:func:`scatter_gather_many` and :func:`allgather_payloads_many` take several tensors, each
+compressed on its own (layer-wise), and send them in one message per leg.
+
 Nothing here knows about algorithms; low-precision variants take a compressor object.
 
 Example:
@@ -34,12 +37,14 @@ from hexagram.compress.base import Aggregation, Compressor, Payload
 __all__ = [
     "allgather",
     "allgather_payloads",
+    "allgather_payloads_many",
     "allreduce",
     "allreduce_compressed",
     "broadcast",
     "neighbor_exchange",
     "neighbor_exchange_payloads",
     "scatter_gather",
+    "scatter_gather_many",
 ]
 
 
@@ -113,16 +118,30 @@ def allgather(comm: Communicator, tensor: Tensor) -> Handle[list[Tensor]]:
 
 def allgather_payloads(comm: Communicator, payload: Payload) -> Handle[list[Payload]]:
     """Every rank's payload (same layout everywhere), for formats that cannot be summed."""
-    buf = payload.to_buffer()
+    return allgather_payloads_many(comm, [payload]).then(lambda per_tensor: per_tensor[0])
+
+
+def allgather_payloads_many(comm: Communicator, payloads: Sequence[Payload]
+                            ) -> Handle[list[list[Payload]]]:
+    """Several payloads of every rank in one allgather: ``result[i][r]`` is rank ``r``'s
+    payload ``i`` (payload ``i`` has the same layout on every rank). Same bytes as one
+    :func:`allgather_payloads` per payload, one message instead of many."""
     if comm.size == 1:
-        return Handle.completed([payload], "allgather_payloads")
-    out = [torch.empty_like(buf) for _ in range(comm.size)]
+        return Handle.completed([[p] for p in payloads], "allgather_payloads")
+    bufs = [p.to_buffer() for p in payloads]
+    sizes = [b.numel() for b in bufs]
+    send = torch.cat(bufs)
+    out = [torch.empty_like(send) for _ in range(comm.size)]
+
+    def finish() -> list[list[Payload]]:
+        parts = [o.split(sizes) for o in out]
+        return [[p.from_buffer(parts[r][i]) for r in range(comm.size)]
+                for i, p in enumerate(payloads)]
 
     def job() -> Deferred:
-        work = dist.all_gather(out, buf, group=comm.group, async_op=True)
-        return Deferred(work, lambda: [payload.from_buffer(b) for b in out])
+        return Deferred(dist.all_gather(out, send, group=comm.group, async_op=True), finish)
 
-    return comm.submit("allgather_payloads", job, comm.allgather_bytes(buf.numel()))
+    return comm.submit("allgather_payloads", job, comm.allgather_bytes(send.numel()))
 
 
 def allreduce_compressed(comm: Communicator, tensor: Tensor, compressor: Compressor,
@@ -180,41 +199,64 @@ def scatter_gather(comm: Communicator, tensor: Tensor, compressor: Compressor,
     compressors two generators when calls overlap: one generator drawn from by both threads
     makes the draws' order, hence the results, depend on thread timing.
     """
+    return scatter_gather_many(comm, [tensor], compressor, average, generator,
+                               reduce_generator, None if out is None else [out]
+                               ).then(lambda results: results[0])
+
+
+def scatter_gather_many(comm: Communicator, tensors: Sequence[Tensor], compressor: Compressor,
+                        average: bool = True, generator: torch.Generator | None = None,
+                        reduce_generator: torch.Generator | None = None,
+                        outs: Sequence[Tensor] | None = None) -> Handle[list[Tensor]]:
+    """:func:`scatter_gather` of several tensors in one all-to-all and one allgather.
+
+    Each tensor is compressed in P chunks of its own (layer-wise scales and norms) with
+    exactly the payloads and bytes of one :func:`scatter_gather` per tensor, and the draws
+    happen in the same order, so the results are identical; only the number of messages
+    differs (a collective's latency per tensor adds up on models with many small tensors).
+    """
+    results = list(outs) if outs is not None else [torch.empty_like(t) for t in tensors]
     if comm.size == 1:
-        result = compressor.decompress(compressor.compress(tensor, generator))
-        return Handle.completed(result if out is None else out.copy_(result),
-                                "scatter_gather")
-    rows, _ = _chunks(tensor.detach(), comm.size)
-    payloads = [compressor.compress(rows[j], generator) for j in range(comm.size)]
-    send = torch.cat([p.to_buffer() for p in payloads])
-    template = payloads[0]
-    result = torch.empty_like(tensor) if out is None else out
+        for t, res in zip(tensors, results):
+            res.copy_(compressor.decompress(compressor.compress(t, generator)).view_as(res))
+        return Handle.completed(results, "scatter_gather")
+    size = comm.size
+    rows = [_chunks(t.detach(), size)[0] for t in tensors]
+    first = [[compressor.compress(r[j], generator) for j in range(size)] for r in rows]
+    sizes = [p[0].nbytes for p in first]  # the chunks of one tensor share a layout
+    # destination-major: block j holds chunk j of every tensor, for rank j
+    send = torch.cat([first[i][j].to_buffer() for j in range(size) for i in range(len(rows))])
     second = generator if reduce_generator is None else reduce_generator
 
-    def job() -> Tensor:
+    def job() -> list[Tensor]:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=comm.group, async_op=True).wait(comm.timeout)
-        mine = _sum_copies(compressor, template, recv.view(comm.size, -1), rows[0], average)
-        reduced = compressor.compress(mine, second)
-        buf = reduced.to_buffer()
+        blocks = [b.split(sizes) for b in recv.view(size, -1)]
+        mine = [_sum_copies(compressor, [first[i][0].from_buffer(blocks[s][i])
+                                         for s in range(size)], rows[i][0], average)
+                for i in range(len(rows))]
+        reduced = [compressor.compress(m, second) for m in mine]
+        buf = torch.cat([p.to_buffer() for p in reduced])
         comm.counter.add("scatter_gather.allgather", comm.allgather_bytes(buf.numel()))
-        gathered = [torch.empty_like(buf) for _ in range(comm.size)]
+        gathered = [torch.empty_like(buf) for _ in range(size)]
         dist.all_gather(gathered, buf, group=comm.group, async_op=True).wait(comm.timeout)
-        _decode_rows(compressor, [reduced.from_buffer(b) for b in gathered],
-                     result.view(-1), mine)
-        return result
+        parts = [g.split([p.nbytes for p in reduced]) for g in gathered]
+        for i, (p, res) in enumerate(zip(reduced, results)):
+            _decode_rows(compressor, [p.from_buffer(parts[r][i]) for r in range(size)],
+                         res.view(-1), mine[i])
+        return results
 
     return comm.submit("scatter_gather.alltoall", job, comm.alltoall_bytes(send.numel()))
 
 
-def _sum_copies(compressor: Compressor, template: Payload, parts: Tensor, like: Tensor,
+def _sum_copies(compressor: Compressor, copies: Sequence[Payload], like: Tensor,
                 average: bool) -> Tensor:
-    """The P received copies of my chunk (rows of ``parts``), decoded into one buffer
-    shaped like ``like``, summed in rank order (divided by P with ``average``)."""
+    """The P received copies of my chunk, decoded into one buffer shaped like ``like``,
+    summed in rank order (divided by P with ``average``)."""
     mine = torch.empty_like(like)
-    for i in range(parts.shape[0]):
-        compressor.decompress_into(template.from_buffer(parts[i]), mine, add=i > 0)
-    return mine.div_(parts.shape[0]) if average else mine
+    for i, p in enumerate(copies):
+        compressor.decompress_into(p, mine, add=i > 0)
+    return mine.div_(len(copies)) if average else mine
 
 
 def _decode_rows(compressor: Compressor, payloads: list[Payload], flat: Tensor,
