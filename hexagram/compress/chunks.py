@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from hexagram.compress.base import ensure_finite
+from hexagram.compress.base import Compressor, Payload, decompress_via_into, ensure_finite
 from hexagram.compress.packing import (
     block_size,
     blocks,
@@ -28,6 +28,7 @@ from hexagram.compress.packing import (
 )
 
 __all__ = [
+    "TableCodedCompressor",
     "affine_rows",
     "chunk_reduce",
     "code_values",
@@ -226,3 +227,19 @@ def _scaled_norms(rows: Tensor) -> Tensor:
     peak = rows.abs().amax(dim=1, keepdim=True)
     unit = rows / torch.where(peak > 0, peak, 1.0)
     return peak.squeeze(1) * torch.linalg.vector_norm(unit, dim=1)
+
+
+class TableCodedCompressor(Compressor):
+    """Base of per-tensor formats whose codes decode through a value table (sign, 1-bit,
+    EF-sign, TernGrad): subclasses implement :meth:`Compressor.code_table`; decoding (and
+    adding into a buffer) goes straight from the packed bytes via :func:`decode_table`."""
+
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} must implement code_table")
+
+    def decompress(self, payload: Payload) -> Tensor:
+        return decompress_via_into(self, payload)
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        bits, values, packed = self.code_table(payload)
+        return decode_table(packed, bits, out.numel(), values, out, add)

@@ -49,6 +49,7 @@ from hexagram.compress.base import (
     ensure_finite,
 )
 from hexagram.compress.chunks import (
+    TableCodedCompressor,
     affine_rows,
     chunk_reduce,
     code_values,
@@ -321,7 +322,7 @@ def _std(flat: Tensor, wd: torch.dtype) -> float:
     return float(flat.to(wd).std(correction=0))
 
 
-class TernGradCompressor(SeededCompressor):
+class TernGradCompressor(TableCodedCompressor, SeededCompressor):
     """TernGrad: ``x -> scale * sign(x) * Bernoulli(|x| / scale)``, ``scale = max|x|``.
 
     Wire format: header (1,) [scale] (4 bytes, 8 for float64) + 2-bit codes
@@ -354,16 +355,9 @@ class TernGradCompressor(SeededCompressor):
         header = torch.tensor([peak], dtype=wd, device=flat.device)
         return Payload(tensors=(header, codes), shape=tensor.shape, dtype=tensor.dtype)
 
-    def decompress(self, payload: Payload) -> Tensor:
-        return decompress_via_into(self, payload)
-
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, codes = payload.tensors
         return 2, code_values(2, header, -header, payload.dtype), codes  # (code - 1) * scale
-
-    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
-        _, values, codes = self.code_table(payload)
-        return decode_table(codes, 2, payload.shape.numel(), values, out, add)
 
     def __repr__(self) -> str:
         return f"TernGradCompressor({self.config})"

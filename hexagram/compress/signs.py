@@ -33,13 +33,11 @@ from torch import Tensor
 
 from hexagram.compress.base import (
     Aggregation,
-    Compressor,
     Payload,
     check_compressible,
-    decompress_via_into,
     ensure_finite,
 )
-from hexagram.compress.chunks import code_values, decode_table, work_dtype
+from hexagram.compress.chunks import TableCodedCompressor, code_values, work_dtype
 from hexagram.compress.packing import block_size, encode_blocks
 
 __all__ = ["EFSignCompressor", "OneBitCompressor", "SignCompressor", "SignConfig"]
@@ -88,11 +86,6 @@ def _sign_values(payload: Payload, scale: Tensor) -> Tensor:
     return code_values(1, scale * 2, -scale, payload.dtype)
 
 
-def _decode_with_table(table: tuple[int, Tensor, Tensor], out: Tensor, add: bool) -> Tensor:
-    bits, values, packed = table
-    return decode_table(packed, bits, out.numel(), values, out, add)
-
-
 def _header(values: list[float], tensor: Tensor, who: str) -> Tensor:
     header = torch.tensor(values, dtype=work_dtype(tensor.dtype), device=tensor.device)
     if not bool(torch.isfinite(header).all()):
@@ -101,7 +94,7 @@ def _header(values: list[float], tensor: Tensor, who: str) -> Tensor:
     return header
 
 
-class SignCompressor(Compressor):
+class SignCompressor(TableCodedCompressor):
     """signSGD: one bit per element, decodes to +-1 (see the module docstring)."""
 
     name = "sign"
@@ -116,18 +109,12 @@ class SignCompressor(Compressor):
         bits, _ = encode_signs(tensor.detach().reshape(-1), self.name, stats=False)
         return Payload(tensors=(bits,), shape=tensor.shape, dtype=tensor.dtype)
 
-    def decompress(self, payload: Payload) -> Tensor:
-        return decompress_via_into(self, payload)
-
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         one = torch.ones(1, dtype=work_dtype(payload.dtype), device=payload.tensors[0].device)
         return 1, _sign_values(payload, one), payload.tensors[0]
 
-    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
-        return _decode_with_table(self.code_table(payload), out, add)
 
-
-class EFSignCompressor(Compressor):
+class EFSignCompressor(TableCodedCompressor):
     """Scaled sign ``(||x||_1 / n) * sign(x)``, for use with error feedback."""
 
     name = "efsign"
@@ -143,20 +130,14 @@ class EFSignCompressor(Compressor):
         header = _header([float(stats[0]) / tensor.numel()], tensor, self.name)
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
-    def decompress(self, payload: Payload) -> Tensor:
-        return decompress_via_into(self, payload)
-
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, bits = payload.tensors
         if not bool(torch.isfinite(header * 2).all()):  # 2 * scale overflows: use float64
             header = header.double()
         return 1, _sign_values(payload, header), bits
 
-    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
-        return _decode_with_table(self.code_table(payload), out, add)
 
-
-class OneBitCompressor(Compressor):
+class OneBitCompressor(TableCodedCompressor):
     """1-bit SGD: each sign half decodes to its mean (reconstruction values)."""
 
     name = "onebit"
@@ -177,13 +158,7 @@ class OneBitCompressor(Compressor):
         header = _header([neg, pos], tensor, self.name)
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
-    def decompress(self, payload: Payload) -> Tensor:
-        return decompress_via_into(self, payload)
-
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, bits = payload.tensors
         # bit 0 -> the negative half's mean, bit 1 -> the non-negative half's
         return 1, header.to(payload.dtype), bits
-
-    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
-        return _decode_with_table(self.code_table(payload), out, add)
