@@ -79,7 +79,7 @@ class DistributedDataParallel(nn.Module):
         group = dist.new_group(list(range(runtime.world_size)), timeout=runtime.timeout)
         self.comm = Communicator(group, runtime.timeout, name=f"{self.algorithm.name}")
         check_same_model(module, group)
-        self._broadcast_from_rank0(list(module.parameters()) + list(module.buffers()))
+        self._broadcast(list(module.parameters()) + list(module.buffers()))
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._reducer: Reducer | None = None
         self._rebucketed = False
@@ -93,7 +93,7 @@ class DistributedDataParallel(nn.Module):
         self._join_steps = 0
 
     # -- set-up helpers ------------------------------------------------------------------
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+    def _broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         with torch.no_grad():
             primitives.broadcast(self.comm, [t.data for t in tensors], src=src).wait()
 
@@ -155,7 +155,7 @@ class DistributedDataParallel(nn.Module):
                 and self.algorithm.kind == "grad":
             buffers = list(self.module.buffers())
             if buffers:
-                self._broadcast_from_rank0(buffers)
+                self._broadcast(buffers)
         self.algorithm.before_forward()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -245,7 +245,7 @@ class DistributedDataParallel(nn.Module):
         """Every rank takes the weights and buffers of a rank that trained the longest."""
         steps = join_protocol.trained_steps(self.comm, self._join_steps)
         src = join_protocol.authoritative_rank(steps)
-        self._broadcast_from_rank0(list(self.module.parameters())
+        self._broadcast(list(self.module.parameters())
                                    + list(self.module.buffers()), src=src)
 
     # -- user-facing utilities -----------------------------------------------------------
