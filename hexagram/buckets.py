@@ -60,6 +60,8 @@ class Bucket:
         self.entries: list[BucketEntry] = entries
         self.flat: Tensor = torch.zeros(offset, dtype=first.dtype, device=first.device)
         self.pending = len(entries)
+        # one view per entry, made once: gradients may *be* these views (grad_as_view)
+        self._views: dict[str, Tensor] = {e.name: self.view(e) for e in entries}
 
     @property
     def names(self) -> list[str]:
@@ -82,13 +84,36 @@ class Bucket:
         buf = self.flat if flat is None else flat
         return buf[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
-    def copy_in_grad(self, entry: BucketEntry) -> None:
-        """Copy ``entry``'s gradient (or zeros if it has none) into the buffer."""
+    def holds_grad(self, entry: BucketEntry) -> bool:
+        """True when ``entry``'s ``.grad`` is this bucket's view of it (no copy needed)."""
+        grad, view = entry.param.grad, self._views[entry.name]
+        return grad is not None and grad.data_ptr() == view.data_ptr() \
+            and grad.shape == view.shape and grad.dtype == view.dtype
+
+    def copy_in_grad(self, entry: BucketEntry, as_view: bool = False) -> None:
+        """Copy ``entry``'s gradient (or zeros if it has none) into the buffer; with
+        ``as_view`` the gradient becomes the buffer's view (the copy is then the last one:
+        results land in ``.grad`` without copying out, and the next accumulation writes
+        straight into the buffer)."""
         grad = entry.param.grad
         if grad is None:
             self.view(entry).zero_()
-        else:
+        elif not self.holds_grad(entry):
             self.view(entry).copy_(grad)
+        if as_view and grad is not None:
+            entry.param.grad = self._views[entry.name]
+
+    def release_grad(self, entry: BucketEntry) -> None:
+        """If ``entry``'s ``.grad`` is this bucket's view, give it its own copy (the buffer
+        is about to hold something else, e.g. zeros for a parameter unused this step)."""
+        if self.holds_grad(entry):
+            entry.param.grad = self._views[entry.name].clone()
+
+    def attach_grads(self, skip: frozenset[str] = frozenset()) -> None:
+        """Make every entry's ``.grad`` (except ``skip``) this buffer's view of it."""
+        for e in self.entries:
+            if e.name not in skip and not self.holds_grad(e):
+                e.param.grad = self._views[e.name]
 
     def copy_out_grads(self, flat: Tensor, skip: frozenset[str] = frozenset()) -> None:
         """Write ``flat`` (same layout as the buffer) into each parameter's ``.grad``."""

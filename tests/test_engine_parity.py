@@ -71,17 +71,21 @@ def _parity_worker() -> dict[str, float]:
 
     rt = hx.init()
     diffs: dict[str, float] = {}
-    for opt_name, accumulate, bucket_mb in itertools.product(("sgd", "adam"), (1, 3), BUCKETS_MB):
+    configs = [(*c, True) for c in itertools.product(("sgd", "adam"), (1, 3), BUCKETS_MB)]
+    configs += [("sgd", accumulate, bucket_mb, False)  # gradients of their own, as DDP's
+                for accumulate, bucket_mb in itertools.product((1, 3), BUCKETS_MB)]
+    for opt_name, accumulate, bucket_mb, as_view in configs:
         # Different seeds per rank: wrapping must broadcast rank 0's parameters.
         ours, ref = _make(rt.rank), _make(rt.rank)
         ref.load_state_dict(_make(0).state_dict())
         o1 = _optimizer(opt_name, [p for p in ours.parameters() if p.requires_grad])
         o2 = _optimizer(opt_name, [p for p in ref.parameters() if p.requires_grad])
-        wrapped = hx.DistributedDataParallel(ours, [o1], "allreduce", bucket_size_mb=bucket_mb)
+        wrapped = hx.DistributedDataParallel(ours, [o1], "allreduce", bucket_size_mb=bucket_mb,
+                                             gradient_as_bucket_view=as_view)
         baseline = TorchDDP(ref, bucket_cap_mb=max(bucket_mb, 0.001))
         _train(wrapped, o1, rt.rank, accumulate)
         _train(baseline, o2, rt.rank, accumulate)
-        key = f"{opt_name}/accumulate={accumulate}/bucket={bucket_mb}MB"
+        key = f"{opt_name}/accumulate={accumulate}/bucket={bucket_mb}MB/view={as_view}"
         diffs[key] = max((a - b).abs().max().item()
                          for a, b in zip(ours.parameters(), ref.parameters()))
         wrapped.close()
@@ -92,9 +96,31 @@ def _parity_worker() -> dict[str, float]:
 def test_parameters_match_pytorch_ddp(world_size: int) -> None:
     results = run_local(_parity_worker, world_size, timeout=240)
     for rank, diffs in enumerate(results):
-        assert len(diffs) == 12
+        assert len(diffs) == 18
         for key, diff in diffs.items():
             assert diff <= 1e-6, f"rank {rank} {key}: max |hexagram - DDP| = {diff}"
+
+
+def _views_worker(as_view: bool) -> list[bool]:
+    import hexagram as hx
+
+    hx.init()
+    torch.manual_seed(0)
+    model = hx.DistributedDataParallel(_make(0), [], gradient_as_bucket_view=as_view)
+    x = torch.randn(4, 12)
+    out = []
+    for _ in range(2):  # the second backward accumulates into the views themselves
+        model(x).sum().backward()
+        storages = {b.flat.untyped_storage().data_ptr() for b in model.buckets}
+        out += [p.grad.untyped_storage().data_ptr() in storages
+                for p in model.module.parameters() if p.requires_grad]
+    return out
+
+
+@pytest.mark.parametrize("as_view", [True, False])
+def test_gradients_are_bucket_views_only_when_asked(as_view: bool) -> None:
+    for in_bucket in run_local(_views_worker, 2, args=(as_view,), timeout=120):
+        assert in_bucket == [as_view] * len(in_bucket)
 
 
 def _unused_worker() -> tuple[float, list[str], list[bool]]:

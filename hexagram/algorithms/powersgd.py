@@ -154,23 +154,45 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         if comm is not None:
             comm.counter.add("powersgd.q", comm.ring_allreduce_bytes(second))
         _allreduce_mean(second, comm)
-        out = torch.empty_like(bucket.flat)
         q_offset = 0
         for x, p, q in zip(mats, ps, qs):
             q = second[q_offset:q_offset + q.numel()].view_as(q)
             q_offset += q.numel()
             c.store_q(x.key, q)
-            approx = out[x.segment.start:x.segment.stop]
-            if x.m.numel() == approx.numel() and x.m.dtype == approx.dtype:  # no padding
-                torch.mm(p, q.t(), out=approx.view(x.m.shape))
-            else:
-                approx.copy_(c.reconstruct(p, q, x.shape, bucket.dtype).reshape(-1))
-            if self.error_feedback is not None:
-                self.update(x.segment, x.corrected, approx)
+            self._write_approx(bucket, x, p, q)
         for s in dense:
-            out[s.start:s.stop] = first[offset:offset + s.numel]
+            bucket.flat[s.start:s.stop] = first[offset:offset + s.numel]
             offset += s.numel
-        return out
+        return bucket.flat
+
+    def _write_approx(self, bucket: Bucket, x: _Matrix, p: Tensor, q: Tensor) -> None:
+        """Bucket segment := P Q^T, residual := M - P Q^T.
+
+        When M is the segment itself (one tensor, no padding: every weight matrix
+        layer-wise) this needs no temporary: M is saved into the old residual's memory (its
+        values were added into M already), overwritten with P Q^T, and subtracted. Three
+        plain passes: a fused ``addmm(M, P, Q^T, alpha=-1)`` is 2.5x slower on CPU, and so
+        is ``mm`` into a row-major output with a column-major Q^T, hence ``contiguous``.
+        Otherwise (bucket granularity, padding, low-precision gradients) through a dense
+        approximation.
+        """
+        view = bucket.flat[x.segment.start:x.segment.stop]
+        ef = self.error_feedback
+        if x.m.data_ptr() == view.data_ptr() and x.m.numel() == view.numel() \
+                and len(x.segment.entries) == 1:
+            qt = q.t().contiguous()
+            if ef is None:
+                torch.mm(p, qt, out=x.m)
+                return
+            residual = ef.residual_buffer(x.segment.names[0], view).view(x.m.shape)
+            residual.copy_(x.m)
+            torch.mm(p, qt, out=x.m)
+            residual.sub_(x.m)
+            return
+        approx = self.compressor.reconstruct(p, q, x.shape, bucket.dtype).reshape(-1)
+        if ef is not None:
+            self.update(x.segment, x.corrected, approx)
+        view.copy_(approx)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "compressor": self.compressor.state_dict()}

@@ -100,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="run the algorithm list this many times, alternating; report the median round")
     a("--batch", type=int, default=32, help="samples per rank per step")
     a("--lr", type=float, default=0.01)
+    a("--bucket-mb", type=float, default=None,
+      help="bucket capacity (MB) for every library in the run, PyTorch DDP's included "
+      "(default: each one's own, 25; 0: one tensor per bucket)")
     a("--threads", type=int, default=1, help="torch threads per rank")
     a("--timeout", type=float, default=900.0, help="deadline per algorithm (s)")
     a("--stall-timeout", type=float, default=90.0,
@@ -120,6 +123,7 @@ def _spec(args: argparse.Namespace, label: str,
                       "width": args.width, "block": args.block},
             "steps": args.steps, "min_steps": args.min_steps, "warmup": args.warmup,
             "time_limit": args.time_limit, "batch": args.batch, "lr": args.lr, "seed": 0,
+            "bucket_mb": args.bucket_mb,
             "stall_timeout": args.stall_timeout}
 
 
@@ -190,7 +194,9 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> str:
                    if "num_params" in r), None)
     for bw, rows in report["results"].items():
         out.append(f"\n### {args.hosts} hosts x {args.ranks_per_host} rank(s), {bw} links, "
-                   f"{args.model} ({params or '?'} parameters), batch {args.batch}/rank\n")
+                   f"{args.model} ({params or '?'} parameters), batch {args.batch}/rank"
+                   + ("" if args.bucket_mb is None else f", buckets {args.bucket_mb:g} MB")
+                   + "\n")
         out.append(markdown_table(rows))
     for name, why in report["missing"].items():
         out.append(f"\nmissing: {name}: {why}")

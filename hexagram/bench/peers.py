@@ -79,13 +79,16 @@ def _counting(per_step: int) -> tuple[Callable[[], None], Callable[[], int]]:
     return after_step, lambda: steps[0] * per_step
 
 
-def _wrap_peer(name: str, module: nn.Module) -> Wrapped:
+def _wrap_peer(name: str, module: nn.Module, bucket_mb: float | None) -> Wrapped:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     world = dist.get_world_size()
     nbytes = 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
-    ddp = DDP(module)
+    # gradients as bucket views, as Hexagram's default: neither side pays a copy the
+    # other saves
+    ddp = DDP(module, gradient_as_bucket_view=True,
+              **({} if bucket_mb is None else {"bucket_cap_mb": max(bucket_mb, 1e-6)}))
     if name == "ddp":
         after, sent = _counting(ring_bytes(nbytes, world))
     elif name == "ddp-fp16":
@@ -152,18 +155,22 @@ def make_optimizer(name: str, params: Any, lr: float, adaptive: bool = False,
 
 
 def wrap(name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
-         config: Mapping[str, Any] | None = None) -> Wrapped:
+         config: Mapping[str, Any] | None = None, bucket_mb: float | None = None) -> Wrapped:
     """Wrap ``module`` for data-parallel training with algorithm or peer ``name``.
 
     Collective: every rank calls it. Hexagram names come from
     ``hexagram.algorithms.names()``; ``config`` goes to ``hexagram.algorithms.get``.
+    ``bucket_mb`` sets the bucket capacity of either library (None: each one's default,
+    25 MB; 0: one tensor per bucket).
     """
     if is_peer(name):
         if config:
             raise ValueError(f"{name} takes no config (got {dict(config)})")
-        return _wrap_peer(name, module)
+        return _wrap_peer(name, module, bucket_mb)
     import hexagram as hx
 
     algorithm = hx.algorithms.get(name, **dict(config or {}))
-    ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm)
+    size = 25.0 if bucket_mb is None else bucket_mb
+    ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm,
+                                     bucket_size_mb=size, first_bucket_mb=min(1.0, size))
     return Wrapped(ddp, lambda: None, ddp.bytes_sent, estimated=False, close=ddp.close)

@@ -10,6 +10,9 @@ Definitions (per algorithm, on one network):
     wire bytes     per step, the busiest rank (reported by the algorithm; ``~``: formula)
                    and the busiest host's link (interface counter, headers included)
     bound          max(compute time, link bytes / link rate); efficiency = bound / measured
+    CPU/step       process CPU seconds per step (all threads), the busiest rank, and in
+                   brackets the same for the local step without communication: what the
+                   algorithm adds to the CPU's work (on shared cores it lengthens the step)
 
 Example:
     >>> s = summarize({"step_times": [1.0], "window_s": 1.0, "compute_s": 0.5,
@@ -60,7 +63,15 @@ def summarize(*ranks: dict[str, Any], rate: float | None, batch: int,
             "samples_per_s": batch * world / mean, "compute_s": compute,
             "reported_bytes_per_step": reported, "estimated": ranks[0]["estimated"],
             "link_bytes_per_step": link, "bound_s": bound, "efficiency": bound / mean,
-            "num_params": ranks[0]["num_params"], "finite": all(r["finite"] for r in ranks)}
+            "num_params": ranks[0]["num_params"], "finite": all(r["finite"] for r in ranks),
+            **_cpu(ranks)}
+
+
+def _cpu(ranks: Sequence[dict[str, Any]]) -> dict[str, float]:
+    if not all("cpu_s" in r for r in ranks):  # results of an older worker
+        return {}
+    return {"cpu_s": max(r["cpu_s"] for r in ranks),
+            "compute_cpu_s": max(r["compute_cpu_s"] for r in ranks)}
 
 
 def summarize_outcome(outcome: Outcome, rate: float | None, batch: int,
@@ -82,11 +93,12 @@ def markdown_table(rows: Sequence[dict[str, Any]], reference: str = "ddp") -> st
     """A Markdown table of summaries (one network); ratios against ``reference``."""
     ref = next((r for r in rows if r["algorithm"] == reference and "error" not in r), None)
     head = ("| algorithm | step time (s), mean | single steps, median [p10-p90] | samples/s | "
-            "vs ddp | MB/step reported | MB/step on link | bound (s) | efficiency |")
-    lines = [head, "|" + "---|" * 9]
+            "vs ddp | MB/step reported | MB/step on link | bound (s) | efficiency | "
+            "CPU/step, s (local step) |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['algorithm']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['algorithm']} | failed: {r['error']} | | | | | | | | |")
             continue
         ratio = f"{ref['step_s'] / r['step_s']:.2f}x" if ref else "-"
         lines.append(
@@ -95,8 +107,14 @@ def markdown_table(rows: Sequence[dict[str, Any]], reference: str = "ddp") -> st
             f"{r['samples_per_s']:.1f} | {ratio} | "
             f"{_mb(r['reported_bytes_per_step'], r['estimated'])} | "
             f"{_mb(r['link_bytes_per_step'])} | {r['bound_s']:.3f} | "
-            f"{100 * r['efficiency']:.0f}% |")
+            f"{100 * r['efficiency']:.0f}% | {_cpu_text(r)} |")
     return "\n".join(lines)
+
+
+def _cpu_text(row: dict[str, Any]) -> str:
+    if "cpu_s" not in row:
+        return "-"
+    return f"{row['cpu_s']:.3f} ({row['compute_cpu_s']:.3f})"
 
 
 def plot_throughput(results: dict[str, list[dict[str, Any]]], path: str,

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--batch", type=int, default=64, help="samples per rank per step")
     a("--lr", type=float, default=None, help="default 0.05 (SGD, images) / 3e-3 (AdamW, text)")
     a("--time-limit", type=float, default=600.0, help="training seconds per algorithm")
+    a("--bucket-mb", type=float, default=None,
+      help="bucket capacity (MB) for every library in the run, PyTorch DDP's included "
+      "(default: each one's own, 25; 0: one tensor per bucket)")
     a("--threads", type=int, default=1)
     a("--timeout", type=float, default=1800.0, help="deadline per algorithm (s)")
     a("--loopback", action="store_true", help="no lab: ranks on 127.0.0.1, unshaped")
@@ -65,7 +68,7 @@ def _spec(args: argparse.Namespace, label: str, settings: dict[str, Any]) -> dic
                       "layers": args.layers, "width": args.width, "block": args.block},
             "evals_per_epoch": args.evals_per_epoch, "batch": args.batch,
             "lr": args.lr if args.lr is not None else (3e-3 if text else 0.05),
-            "time_limit": args.time_limit, "seed": 0}
+            "time_limit": args.time_limit, "seed": 0, "bucket_mb": args.bucket_mb}
 
 
 def _summary(name: str, ranks: list[dict[str, Any]], error: str | None) -> dict[str, Any]:

@@ -135,7 +135,8 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     loss_fn = _lm_loss if text else F.cross_entropy
     opt = make_optimizer(spec["algorithm"], model.parameters(), spec["lr"], adaptive=text,
                          warmup=spec.get("optimizer_warmup", 50))
-    wrapped = wrap(spec["algorithm"], model, opt, spec.get("config") or {})
+    wrapped = wrap(spec["algorithm"], model, opt, spec.get("config") or {},
+                   bucket_mb=spec.get("bucket_mb"))
     target = spec.get("target")
     better = None if target is None else (
         (lambda v: v <= target) if text else (lambda v: v >= target))

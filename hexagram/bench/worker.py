@@ -7,7 +7,9 @@ process then exits with code 3, after which the lab stops its peers).
 
 Step benchmark, per rank: local compute time of a step (all ranks computing at once, no
 communication), then ``warmup`` wrapped steps, then the timed steps; bytes reported by the
-algorithm and bytes counted on the host's interface over the timed steps.
+algorithm and bytes counted on the host's interface over the timed steps; the process's CPU
+seconds per step, for the local step and the timed steps (where the CPU is shared, an
+algorithm's own CPU work is what it cannot overlap).
 """
 
 from __future__ import annotations
@@ -50,22 +52,25 @@ def _agreed_steps(spec: dict[str, Any], warm_step_s: float) -> int:
     return int(n.item())
 
 
-def _compute_time(work: Any, spec: dict[str, Any], gen: torch.Generator) -> float:
-    """Median seconds of a local step (forward, backward, update) without communication."""
+def _compute_time(work: Any, spec: dict[str, Any], gen: torch.Generator
+                  ) -> tuple[float, float]:
+    """Median seconds of a local step (forward, backward, update) without communication,
+    and the process CPU seconds per such step."""
     import copy
 
     model = copy.deepcopy(work.model)
     opt = _optimizer(model.parameters(), spec["lr"])
-    times = []
+    times, cpu = [], []
     dist.barrier()
     for _ in range(spec.get("compute_steps", 3) + 1):
         x, y = work.batch(spec["batch"], gen)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         work.loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times[1:]), statistics.median(cpu[1:])
 
 
 def _step(wrapped: Any, work: Any, opt: torch.optim.Optimizer, x: Any, y: Any) -> float:
@@ -87,23 +92,26 @@ def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
     work = build_workload(ModelSpec(**spec["model"]), seed=spec.get("seed", 0))
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     beat("the local compute measurement")
-    compute = _compute_time(work, spec, gen)
+    compute, compute_cpu = _compute_time(work, spec, gen)
     opt = make_optimizer(spec["algorithm"], work.model.parameters(), spec["lr"],
                          warmup=spec["warmup"])
     beat("wrapping the model")
-    wrapped = wrap(spec["algorithm"], work.model, opt, spec.get("config") or {})
+    wrapped = wrap(spec["algorithm"], work.model, opt, spec.get("config") or {},
+                   bucket_mb=spec.get("bucket_mb"))
     warm = [_step(wrapped, work, opt, *work.batch(spec["batch"], gen))
             for _ in range(spec["warmup"])]
     steps = _agreed_steps(spec, warm[-1] if warm else compute)
     batches = [work.batch(spec["batch"], gen) for _ in range(steps)]
     dist.barrier()
     b0, tx0, t0 = wrapped.bytes_sent(), interface_tx_bytes(), time.perf_counter()
+    c0 = time.process_time()  # every thread of the rank: compression, gloo's, ours
     times = [_step(wrapped, work, opt, x, y) for x, y in batches]
-    window = time.perf_counter() - t0
+    window, cpu = time.perf_counter() - t0, time.process_time() - c0
     b1, tx1 = wrapped.bytes_sent(), interface_tx_bytes()
     finite = all(torch.isfinite(p).all().item() for p in work.model.parameters())
     wrapped.close()
     return {"step_times": times, "window_s": window, "steps": steps, "compute_s": compute,
+            "cpu_s": cpu / steps, "compute_cpu_s": compute_cpu,
             "warmup_times": warm, "reported_bytes": b1 - b0, "estimated": wrapped.estimated,
             "link_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
             "num_params": work.num_params, "finite": bool(finite)}

@@ -88,6 +88,20 @@ class ErrorFeedback:
             return
         torch.sub(corrected.detach(), sent.detach().to(corrected.dtype), out=residual)
 
+    def residual_buffer(self, key: Hashable, like: Tensor) -> Tensor:
+        """Memory for ``key``'s next residual, shaped like ``like``, for a caller that
+        computes the residual itself (PowerSGD: ``M - P Q^T`` in one fused ``addmm``).
+
+        The old residual's memory when it fits (its values are overwritten by the caller),
+        else a new tensor, registered as ``key``'s residual either way. Whatever the caller
+        writes into it is the residual the next step adds.
+        """
+        residual = self._residuals.get(key)
+        if residual is None or residual.shape != like.shape or residual.dtype != like.dtype:
+            residual = torch.empty_like(like)
+            self._residuals[key] = residual
+        return residual
+
     def update_from(self, key: Hashable, corrected: Tensor, payload: Payload) -> None:
         """Residual of ``key`` := ``corrected - decompress(payload)``, decoded into the old
         residual's memory (same values as :meth:`update`, no new tensors)."""

@@ -49,6 +49,11 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: allow parameters that get no gradient in some steps.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) before each
             forward.
+        gradient_as_bucket_view: each ``.grad`` is a view of its bucket (as PyTorch DDP's
+            option of that name, but on by default): reduced gradients need no copy out of
+            the buckets, and with ``zero_grad(set_to_none=False)`` backward accumulates
+            straight into them (no copy in either). A ``.grad`` kept across a backward then
+            changes with it; pass False for gradients of their own, as PyTorch's default.
 
     After wrapping, parameters and buffers equal rank 0's. ``state_dict()`` has no wrapper
     prefix. ``no_sync()`` accumulates gradients locally. ``join()`` lets ranks run out of
@@ -59,7 +64,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (),
                  algorithm: str | Algorithm = "allreduce", *, bucket_size_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True) -> None:
         super().__init__()
         runtime = get_runtime()
         for field, value in (("bucket_size_mb", bucket_size_mb),
@@ -74,6 +79,7 @@ class DistributedDataParallel(nn.Module):
         self.runtime = runtime
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self._bucket_bytes = int(bucket_size_mb * _MB)
         self._first_bucket_bytes = int(min(first_bucket_mb, bucket_size_mb) * _MB)
         group = dist.new_group(list(range(runtime.world_size)), timeout=runtime.timeout)
@@ -108,7 +114,7 @@ class DistributedDataParallel(nn.Module):
         self._ctx.buckets = buckets
         if self.algorithm.kind == "grad" and buckets:
             self._reducer = Reducer(self.algorithm, self.comm, buckets,
-                                    self.find_unused_parameters)
+                                    self.find_unused_parameters, self.gradient_as_bucket_view)
 
     def _rebucket_by_ready_order(self) -> None:
         """After the first backward, order buckets as gradients actually became ready.

@@ -33,11 +33,14 @@ class Reducer:
         comm: communicator used for the usage bitmap (``find_unused_parameters``).
         buckets: the buckets, in launch order.
         find_unused_parameters: allow parameters that get no gradient in a step.
+        grad_as_view: make each ``.grad`` a view of its bucket (see
+            :class:`~hexagram.engine.ddp.DistributedDataParallel`'s ``gradient_as_bucket_view``).
     """
 
     def __init__(self, algorithm: Algorithm, comm: Communicator, buckets: list[Bucket],
-                 find_unused_parameters: bool) -> None:
+                 find_unused_parameters: bool, grad_as_view: bool = False) -> None:
         self.algorithm = algorithm
+        self.grad_as_view = grad_as_view
         self.comm = comm
         self.buckets = buckets
         self.find_unused = find_unused_parameters
@@ -90,7 +93,7 @@ class Reducer:
                 "model.no_sync() except the last")
         self._done.add(name)
         bucket, entry = self._where[name]
-        bucket.copy_in_grad(entry)
+        bucket.copy_in_grad(entry, as_view=self.grad_as_view)
         bucket.pending -= 1
         self._launch_ready()
 
@@ -113,6 +116,7 @@ class Reducer:
                 "are legitimately unused, or make sure the loss depends on every parameter")
         for name in missing:  # locally unused: contribute zeros, launch in order
             bucket, entry = self._where[name]
+            bucket.release_grad(entry)  # a globally unused .grad must stay as it was
             bucket.view(entry).zero_()  # as DDP: an unused parameter contributes zero
             bucket.pending -= 1
         self._launch_ready()
@@ -123,10 +127,15 @@ class Reducer:
         """Wait every launched bucket, write the results into ``.grad``, end the step."""
         for index, handle in sorted(self._handles.items()):
             if handle is not None:
-                result = handle.wait()
+                result, bucket = handle.wait(), self.buckets[index]
                 if self.grad_scale != 1.0:
                     result = result * self.grad_scale
-                self.buckets[index].copy_out_grads(result, skip=skip)
+                if not self.grad_as_view:
+                    bucket.copy_out_grads(result, skip=skip)
+                    continue
+                if result.data_ptr() != bucket.flat.data_ptr():
+                    bucket.flat.copy_(result)
+                bucket.attach_grads(skip)
         self.algorithm.after_backward()
 
     def shadow(self) -> None:
