@@ -88,7 +88,7 @@ def _wrap_peer(name: str, module: nn.Module, bucket_mb: float | None) -> Wrapped
     # gradients as bucket views, as Hexagram's default: neither side pays a copy the
     # other saves
     ddp = DDP(module, gradient_as_bucket_view=True,
-              **({} if bucket_mb is None else {"bucket_cap_mb": max(bucket_mb, 1e-6)}))
+              bucket_cap_mb=None if bucket_mb is None else max(bucket_mb, 1e-6))
     if name == "ddp":
         after, sent = _counting(ring_bytes(nbytes, world))
     elif name == "ddp-fp16":
