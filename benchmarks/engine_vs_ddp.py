@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 
-def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
-            ) -> dict[str, object]:
+def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float,
+            ddp_views: bool) -> dict[str, object]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -35,7 +35,7 @@ def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
     opt_a = torch.optim.SGD(a.parameters(), lr=0.01)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.01)
     ours = hx.DistributedDataParallel(a, [opt_a], "allreduce", bucket_size_mb=bucket_mb)
-    theirs = TorchDDP(b, bucket_cap_mb=bucket_mb)
+    theirs = TorchDDP(b, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=ddp_views)
     gen = torch.Generator().manual_seed(rt.rank)
     x, y = torch.randn(batch, 784, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
     times: dict[str, list[float]] = {"hexagram": [], "ddp": []}
@@ -68,12 +68,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8, help="alternations of the two")
     parser.add_argument("--block", type=int, default=5, help="steps per block")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--ddp-gradient-as-bucket-view", action="store_true",
+                        help="give PyTorch DDP Hexagram's default (gradients as bucket views; "
+                        "DDP's own default is off)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     from hexagram.launch import run_local
 
     results = run_local(_worker, args.ranks, args=(args.params, args.batch, args.rounds,
-                                                   args.block, args.bucket_mb), timeout=1800)
+                                                   args.block, args.bucket_mb,
+                                                   args.ddp_gradient_as_bucket_view),
+                         timeout=1800)
     # A step is as slow as its slowest rank: take the max over ranks, step by step.
     per_step = {k: [max(r["times"][k][i] for r in results)  # type: ignore[index]
                     for i in range(len(results[0]["times"][k]))]  # type: ignore[index]
