@@ -121,3 +121,44 @@ def test_buckets_launch_during_backward_not_after() -> None:
     assert events.index("launch 1") < events.index("grad 0")
     launches = [e for e in events if e.startswith("launch")]
     assert launches == [f"launch {i}" for i in range(8)]  # in order, each exactly once
+
+
+def _inline_worker() -> dict[str, object]:
+    import threading
+    import time
+
+    import hexagram as hx
+    from hexagram.comm import primitives
+    from hexagram.comm.communicator import Communicator
+
+    rt = hx.init(timeout=60)
+    comm = Communicator(None, rt.timeout, "inline")
+    order: list[str] = []
+    caller = threading.current_thread().name
+
+    def slow() -> None:  # a multi-stage job: blocks the issuing thread for a while
+        time.sleep(0.3)
+        order.append("slow")
+
+    def quick() -> str:
+        order.append("quick")
+        return threading.current_thread().name
+
+    queued = comm.submit("slow", slow)
+    behind = comm.submit("quick", quick, inline=True)  # must wait its turn, not jump ahead
+    queued.wait()
+    ran_behind_on = behind.wait()
+    alone = comm.submit("quick", quick, inline=True).wait()  # nothing queued: runs here
+    x = torch.full((4,), float(rt.rank + 1))
+    mean = primitives.allreduce(comm, x).wait()  # the inline fast path, across ranks
+    comm.close()
+    return {"order": order, "behind_on_caller": ran_behind_on == caller,
+            "alone_on_caller": alone == caller, "mean": mean.tolist(),
+            "expected": (rt.world_size + 1) / 2}
+
+
+def test_inline_jobs_keep_submission_order_and_skip_the_thread_hand_over() -> None:
+    for r in run_local(_inline_worker, 2, timeout=60):
+        assert r["order"] == ["slow", "quick", "quick"]
+        assert r["behind_on_caller"] is False and r["alone_on_caller"] is True
+        assert r["mean"] == [r["expected"]] * 4

@@ -77,7 +77,7 @@ def allreduce(comm: Communicator, tensor: Tensor, average: bool = True) -> Handl
         work = dist.all_reduce(tensor, group=comm.group, async_op=True)
         return Deferred(work, lambda: tensor)
 
-    return comm.submit("allreduce", job, comm.ring_allreduce_bytes(tensor))
+    return comm.submit("allreduce", job, comm.ring_allreduce_bytes(tensor), inline=True)
 
 
 def broadcast(comm: Communicator, tensors: Sequence[Tensor], src: int = 0) -> Handle[None]:
@@ -141,7 +141,8 @@ def allgather_payloads_many(comm: Communicator, payloads: Sequence[Payload]
     def job() -> Deferred:
         return Deferred(dist.all_gather(out, send, group=comm.group, async_op=True), finish)
 
-    return comm.submit("allgather_payloads", job, comm.allgather_bytes(send.numel()))
+    return comm.submit("allgather_payloads", job, comm.allgather_bytes(send.numel()),
+                       inline=True)
 
 
 def allreduce_compressed(comm: Communicator, tensor: Tensor, compressor: Compressor,
