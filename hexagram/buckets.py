@@ -95,13 +95,13 @@ class Bucket:
         ``as_view`` the gradient becomes the buffer's view (the copy is then the last one:
         results land in ``.grad`` without copying out, and the next accumulation writes
         straight into the buffer)."""
-        grad = entry.param.grad
+        grad, view = entry.param.grad, self._views[entry.name]
         if grad is None:
-            self.view(entry).zero_()
+            view.zero_()
         elif not self.holds_grad(entry):
-            self.view(entry).copy_(grad)
+            view.copy_(grad)
         if as_view and grad is not None:
-            entry.param.grad = self._views[entry.name]
+            entry.param.grad = view
 
     def release_grad(self, entry: BucketEntry) -> None:
         """If ``entry``'s ``.grad`` is this bucket's view, give it its own copy (the buffer

@@ -170,7 +170,10 @@ def wrap(name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
     import hexagram as hx
 
     algorithm = hx.algorithms.get(name, **dict(config or {}))
-    size = 25.0 if bucket_mb is None else bucket_mb
-    ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm,
-                                     bucket_size_mb=size, first_bucket_mb=min(1.0, size))
+    if bucket_mb is None:  # the engine's own defaults
+        ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm)
+    else:
+        ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm,
+                                         bucket_size_mb=bucket_mb,
+                                         first_bucket_mb=min(1.0, bucket_mb))
     return Wrapped(ddp, lambda: None, ddp.bytes_sent, estimated=False, close=ddp.close)

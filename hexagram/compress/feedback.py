@@ -90,7 +90,7 @@ class ErrorFeedback:
 
     def residual_buffer(self, key: Hashable, like: Tensor) -> Tensor:
         """Memory for ``key``'s next residual, shaped like ``like``, for a caller that
-        computes the residual itself (PowerSGD: ``M - P Q^T`` in one fused ``addmm``).
+        computes the residual itself (PowerSGD writes ``M - P Q^T`` there directly).
 
         The old residual's memory when it fits (its values are overwritten by the caller),
         else a new tensor, registered as ``key``'s residual either way. Whatever the caller

@@ -251,8 +251,7 @@ class DistributedDataParallel(nn.Module):
         """Every rank takes the weights and buffers of a rank that trained the longest."""
         steps = join_protocol.trained_steps(self.comm, self._join_steps)
         src = join_protocol.authoritative_rank(steps)
-        self._broadcast(list(self.module.parameters())
-                                   + list(self.module.buffers()), src=src)
+        self._broadcast(list(self.module.parameters()) + list(self.module.buffers()), src=src)
 
     # -- user-facing utilities -----------------------------------------------------------
     @property

@@ -128,13 +128,14 @@ class Reducer:
         for index, handle in sorted(self._handles.items()):
             if handle is not None:
                 result, bucket = handle.wait(), self.buckets[index]
-                if self.grad_scale != 1.0:
-                    result = result * self.grad_scale
                 if not self.grad_as_view:
-                    bucket.copy_out_grads(result, skip=skip)
+                    scaled = result * self.grad_scale if self.grad_scale != 1.0 else result
+                    bucket.copy_out_grads(scaled, skip=skip)
                     continue
                 if result.data_ptr() != bucket.flat.data_ptr():
                     bucket.flat.copy_(result)
+                if self.grad_scale != 1.0:  # in place: the gradients are views of flat
+                    bucket.flat.mul_(self.grad_scale)
                 bucket.attach_grads(skip)
         self.algorithm.after_backward()
 
