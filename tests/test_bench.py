@@ -13,7 +13,7 @@ from hexagram.bench import train as train_cli
 from hexagram.bench.advise import recommend
 from hexagram.bench.lab import LabUnavailableError, check_available
 from hexagram.bench.peers import ring_bytes
-from hexagram.bench.report import markdown_table, summarize
+from hexagram.bench.report import markdown_table, ready_bound, summarize
 
 
 def _lab_available() -> bool:
@@ -50,6 +50,34 @@ def test_summary_takes_slowest_rank_and_busiest_link() -> None:
     assert s["samples_per_s"] == pytest.approx(20 / (6.5 / 3))
     unshaped = summarize(a, rate=None, batch=10, world=1)
     assert unshaped["bound_s"] == 0.1
+
+
+def test_ready_bound_follows_when_gradients_are_ready() -> None:
+    """The link cannot send a gradient before backward produces it: gradients ready at the
+    end of backward add their wire time to the step; ready early, they hide behind it."""
+    late = {"compute_s": 1.0, "backward_s": 0.9, "ready_s": [0.85, 0.9],
+            "ready_numel": [3, 1]}
+    # 0.85 + 0.75 s for the first, + 0.25 s for the second, + the 0.1 s update
+    assert ready_bound(late, wire_s=1.0) == pytest.approx(1.95)
+    early = {**late, "ready_s": [0.05, 0.1]}
+    assert ready_bound(early, wire_s=0.5) == 1.0  # all sent while backward still runs
+    assert ready_bound(early, wire_s=2.0) == pytest.approx(0.05 + 2.0 + 0.1)
+    # model averaging after the step, and results without ready times: the plain bound
+    assert ready_bound({**late, "in_backward": False}, wire_s=1.0) == 1.0
+    assert ready_bound({"compute_s": 1.0}, wire_s=3.0) == 3.0
+    # ready order, not parameter order, decides the sends
+    swapped = {**late, "ready_s": [0.9, 0.85], "ready_numel": [1, 3]}
+    assert ready_bound(swapped, wire_s=1.0) == pytest.approx(1.95)
+    s = summarize(_rank([2.5], 1_000_000, **late), rate=8e6, batch=1, world=1)
+    assert s["ready_bound_s"] == pytest.approx(1.95) and s["bound_s"] == 1.0
+    assert s["ready_efficiency"] == pytest.approx(1.95 / 2.5)
+    cpu = {"cpu_s": 0.3, "cpu_sys_s": 0.1, "compute_cpu_s": 0.2}
+    busy = summarize(_rank([2.5], None, **late, **cpu), _rank([2.5], None, **late,
+                     cpu_s=0.2, cpu_sys_s=0.0, compute_cpu_s=0.25), rate=None, batch=1,
+                     world=2)
+    row = markdown_table([{"algorithm": "x", **busy}])
+    # the busiest rank's CPU with its kernel part; the slowest local step
+    assert "| 1.000 | 40% | 0.300, kernel 0.100 (0.250) |" in row  # unshaped: no wire
 
 
 def test_table_ratios_errors_and_advice() -> None:
@@ -89,6 +117,8 @@ def test_bench_smoke_two_hosts(tmp_path: Path, capsys: pytest.CaptureFixture[str
             link = rows[name]["link_bytes_per_step"]
             assert expected < link < 1.15 * expected, (name, link, expected)
             assert 0.0 < rows[name]["efficiency"] <= 1.05  # bound <= measured
+            # both bounds are lower bounds; the ready bound is the tighter one
+            assert rows[name]["efficiency"] <= rows[name]["ready_efficiency"] <= 1.05
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert "| allreduce |" in capsys.readouterr().out
 

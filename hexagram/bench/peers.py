@@ -40,6 +40,9 @@ class Wrapped:
         bytes_sent: bytes this rank sent so far (reported by Hexagram, estimated for peers).
         estimated: True when ``bytes_sent`` is a formula, not a count.
         close: release hooks and background work.
+        in_backward: True when the link traffic is gradients sent during backward (so it
+            can start no earlier than backward produces them); False for model averaging
+            after the step.
     """
 
     model: nn.Module
@@ -47,6 +50,7 @@ class Wrapped:
     bytes_sent: Callable[[], int]
     estimated: bool
     close: Callable[[], None] = field(default=lambda: None)
+    in_backward: bool = True
 
 
 def is_peer(name: str) -> bool:
@@ -131,7 +135,8 @@ def _wrap_localsgd(ddp: nn.Module, nbytes: int, world: int) -> Wrapped:
     def sent() -> int:
         return rounds[0] * ring_bytes(nbytes, world)
 
-    return Wrapped(ddp, after_step, sent, estimated=True)
+    # the hook's allreduce stays inside each host: the link carries only the averaging
+    return Wrapped(ddp, after_step, sent, estimated=True, in_backward=False)
 
 
 def _hosts() -> int:
@@ -176,4 +181,5 @@ def wrap(name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
         ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm,
                                          bucket_size_mb=bucket_mb,
                                          first_bucket_mb=min(1.0, bucket_mb))
-    return Wrapped(ddp, lambda: None, ddp.bytes_sent, estimated=False, close=ddp.close)
+    return Wrapped(ddp, lambda: None, ddp.bytes_sent, estimated=False, close=ddp.close,
+                   in_backward=algorithm.kind == "grad")

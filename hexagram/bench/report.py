@@ -10,9 +10,15 @@ Definitions (per algorithm, on one network):
     wire bytes     per step, the busiest rank (reported by the algorithm; ``~``: formula)
                    and the busiest host's link (interface counter, headers included)
     bound          max(compute time, link bytes / link rate); efficiency = bound / measured
-    CPU/step       process CPU seconds per step (all threads), the busiest rank, and in
-                   brackets the same for the local step without communication: what the
-                   algorithm adds to the CPU's work (on shared cores it lengthens the step)
+    ready bound    what a synchronous step could reach given when backward produces each
+                   gradient (:func:`ready_bound`; the plain bound for model averaging);
+                   ready efficiency = ready bound / measured. The gap between the two
+                   bounds is the part of the wire time that no implementation can overlap.
+    CPU/step       process CPU seconds per step (all threads), the busiest rank, with its
+                   kernel part (sockets, and the shaped links' softirqs that ran while it
+                   did), and in brackets the same for the local step without
+                   communication: what the algorithm adds to the CPU's work (on shared
+                   cores it lengthens the step)
 
 Example:
     >>> s = summarize({"step_times": [1.0], "window_s": 1.0, "compute_s": 0.5,
@@ -56,21 +62,52 @@ def summarize(*ranks: dict[str, Any], rate: float | None, batch: int,
              if r.get("local_rank", 0) == 0 and r.get("link_tx_bytes") is not None]
     link = max(links) / steps if links else None
     wire = link if link is not None else reported
-    bound = max(compute, wire * 8 / rate) if rate else compute
+    wire_s = wire * 8 / rate if rate else 0.0
+    bound = max(compute, wire_s)
+    ready = max(ready_bound(r, wire_s) for r in ranks)
     return {"step_s": mean, "median_s": statistics.median(per_step),
             "p10_s": _percentile(per_step, 0.1), "p90_s": _percentile(per_step, 0.9),
             "steps": steps,
             "samples_per_s": batch * world / mean, "compute_s": compute,
             "reported_bytes_per_step": reported, "estimated": ranks[0]["estimated"],
             "link_bytes_per_step": link, "bound_s": bound, "efficiency": bound / mean,
+            "ready_bound_s": ready, "ready_efficiency": ready / mean,
             "num_params": ranks[0]["num_params"], "finite": all(r["finite"] for r in ranks),
             **_cpu(ranks)}
+
+
+def ready_bound(rank: dict[str, Any], wire_s: float) -> float:
+    """Shortest synchronous step for ``rank``'s local step and ``wire_s`` of link time.
+
+    Each parameter's share of the wire time (by size) is sent no earlier than its gradient
+    is ready in the local step, one after the other in ready order, at the full link rate;
+    the update (the local step after backward returned) follows the last one. So the
+    result is the longer of the local step and *last arrival + update*. Results of weight
+    algorithms (``in_backward`` False: they average models after the step, which async and
+    streaming rounds overlap with later steps) and of older workers get the plain bound
+    max(compute, wire).
+
+    Example:
+        >>> r = {"compute_s": 1.0, "backward_s": 0.8, "ready_s": [0.3, 0.8],
+        ...      "ready_numel": [1, 1]}
+        >>> round(ready_bound(r, wire_s=1.0), 3)  # 0.3 + 0.5, then 0.8 + 0.5, + 0.2 update
+        1.5
+    """
+    compute, ready = rank["compute_s"], rank.get("ready_s")
+    if not ready or not rank.get("in_backward", True):
+        return max(compute, wire_s)
+    total = sum(rank["ready_numel"]) or 1
+    link_free = 0.0
+    for t, n in sorted(zip(ready, rank["ready_numel"])):
+        link_free = max(link_free, t) + wire_s * n / total
+    return max(compute, link_free + compute - rank["backward_s"])
 
 
 def _cpu(ranks: Sequence[dict[str, Any]]) -> dict[str, float]:
     if not all("cpu_s" in r for r in ranks):  # results of an older worker
         return {}
-    return {"cpu_s": max(r["cpu_s"] for r in ranks),
+    busiest = max(ranks, key=lambda r: r["cpu_s"])
+    return {"cpu_s": busiest["cpu_s"], "cpu_sys_s": busiest.get("cpu_sys_s"),
             "compute_cpu_s": max(r["compute_cpu_s"] for r in ranks)}
 
 
@@ -94,11 +131,11 @@ def markdown_table(rows: Sequence[dict[str, Any]], reference: str = "ddp") -> st
     ref = next((r for r in rows if r["algorithm"] == reference and "error" not in r), None)
     head = ("| algorithm | step time (s), mean | single steps, median [p10-p90] | samples/s | "
             "vs ddp | MB/step reported | MB/step on link | bound (s) | efficiency | "
-            "CPU/step, s (local step) |")
-    lines = [head, "|" + "---|" * 10]
+            "ready bound (s) | ready efficiency | CPU/step, s (local step) |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['algorithm']} | failed: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['algorithm']} | failed: {r['error']} |" + " |" * 10)
             continue
         ratio = f"{ref['step_s'] / r['step_s']:.2f}x" if ref else "-"
         lines.append(
@@ -107,14 +144,21 @@ def markdown_table(rows: Sequence[dict[str, Any]], reference: str = "ddp") -> st
             f"{r['samples_per_s']:.1f} | {ratio} | "
             f"{_mb(r['reported_bytes_per_step'], r['estimated'])} | "
             f"{_mb(r['link_bytes_per_step'])} | {r['bound_s']:.3f} | "
-            f"{100 * r['efficiency']:.0f}% | {_cpu_text(r)} |")
+            f"{100 * r['efficiency']:.0f}% | {_ready_text(r)} | {_cpu_text(r)} |")
     return "\n".join(lines)
+
+
+def _ready_text(row: dict[str, Any]) -> str:
+    if "ready_bound_s" not in row:  # a report written before the ready bound existed
+        return "- | -"
+    return f"{row['ready_bound_s']:.3f} | {100 * row['ready_efficiency']:.0f}%"
 
 
 def _cpu_text(row: dict[str, Any]) -> str:
     if "cpu_s" not in row:
         return "-"
-    return f"{row['cpu_s']:.3f} ({row['compute_cpu_s']:.3f})"
+    kernel = "" if row.get("cpu_sys_s") is None else f", kernel {row['cpu_sys_s']:.3f}"
+    return f"{row['cpu_s']:.3f}{kernel} ({row['compute_cpu_s']:.3f})"
 
 
 def plot_throughput(results: dict[str, list[dict[str, Any]]], path: str,

@@ -6,15 +6,17 @@ accuracy), the algorithm or PyTorch peer, the model and the settings. Each rank 
 process then exits with code 3, after which the lab stops its peers).
 
 Step benchmark, per rank: local compute time of a step (all ranks computing at once, no
-communication), then ``warmup`` wrapped steps, then the timed steps; bytes reported by the
-algorithm and bytes counted on the host's interface over the timed steps; the process's CPU
-seconds per step, for the local step and the timed steps (where the CPU is shared, an
-algorithm's own CPU work is what it cannot overlap).
+communication) with the moment each parameter's gradient is ready in it, then ``warmup``
+wrapped steps, then the timed steps; bytes reported by the algorithm and bytes counted on
+the host's interface over the timed steps; the process's CPU seconds per step, for the
+local step and the timed steps (where the CPU is shared, an algorithm's own CPU work is
+what it cannot overlap).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -53,24 +55,43 @@ def _agreed_steps(spec: dict[str, Any], warm_step_s: float) -> int:
 
 
 def _compute_time(work: Any, spec: dict[str, Any], gen: torch.Generator
-                  ) -> tuple[float, float]:
-    """Median seconds of a local step (forward, backward, update) without communication,
-    and the process CPU seconds per such step."""
+                  ) -> dict[str, Any]:
+    """The local step (forward, backward, update) without communication, as medians over
+    ``compute_steps``: seconds (``compute_s``), process CPU seconds (``compute_cpu_s``),
+    when backward returned (``backward_s``) and, per parameter in ``parameters()`` order,
+    when its gradient was ready (``ready_s``) and its size (``ready_numel``)."""
     import copy
 
     model = copy.deepcopy(work.model)
-    opt = _optimizer(model.parameters(), spec["lr"])
-    times, cpu = [], []
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(params, spec["lr"])
+    marks: list[float] = [0.0] * len(params)
+    handles = [p.register_post_accumulate_grad_hook(_marker(marks, i))
+               for i, p in enumerate(params)]
+    rows: list[list[float]] = []
     dist.barrier()
     for _ in range(spec.get("compute_steps", 3) + 1):
         x, y = work.batch(spec["batch"], gen)
+        marks[:] = [math.nan] * len(params)  # an unused parameter counts as ready at the end
         t0, c0 = time.perf_counter(), time.process_time()
         work.loss(model(x), y).backward()
+        backward = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return statistics.median(times[1:]), statistics.median(cpu[1:])
+        total = time.perf_counter() - t0
+        rows.append([total, time.process_time() - c0, backward - t0,
+                     *((backward if math.isnan(m) else m) - t0 for m in marks)])
+    for h in handles:
+        h.remove()
+    med = [statistics.median(col) for col in zip(*rows[1:])]  # the first step warms up
+    return {"compute_s": med[0], "compute_cpu_s": med[1], "backward_s": med[2],
+            "ready_s": med[3:], "ready_numel": [p.numel() for p in params]}
+
+
+def _marker(marks: list[float], i: int) -> Any:
+    def hook(_: torch.Tensor) -> None:
+        marks[i] = time.perf_counter()
+    return hook
 
 
 def _step(wrapped: Any, work: Any, opt: torch.optim.Optimizer, x: Any, y: Any) -> float:
@@ -92,7 +113,7 @@ def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
     work = build_workload(ModelSpec(**spec["model"]), seed=spec.get("seed", 0))
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     beat("the local compute measurement")
-    compute, compute_cpu = _compute_time(work, spec, gen)
+    local = _compute_time(work, spec, gen)
     opt = make_optimizer(spec["algorithm"], work.model.parameters(), spec["lr"],
                          warmup=spec["warmup"])
     beat("wrapping the model")
@@ -100,18 +121,20 @@ def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
                    bucket_mb=spec.get("bucket_mb"))
     warm = [_step(wrapped, work, opt, *work.batch(spec["batch"], gen))
             for _ in range(spec["warmup"])]
-    steps = _agreed_steps(spec, warm[-1] if warm else compute)
+    steps = _agreed_steps(spec, warm[-1] if warm else local["compute_s"])
     batches = [work.batch(spec["batch"], gen) for _ in range(steps)]
     dist.barrier()
     b0, tx0, t0 = wrapped.bytes_sent(), interface_tx_bytes(), time.perf_counter()
-    c0 = time.process_time()  # every thread of the rank: compression, gloo's, ours
+    c0 = os.times()  # every thread of the rank: compression, gloo's, ours
     times = [_step(wrapped, work, opt, x, y) for x, y in batches]
-    window, cpu = time.perf_counter() - t0, time.process_time() - c0
+    window, c1 = time.perf_counter() - t0, os.times()
     b1, tx1 = wrapped.bytes_sent(), interface_tx_bytes()
     finite = all(torch.isfinite(p).all().item() for p in work.model.parameters())
     wrapped.close()
-    return {"step_times": times, "window_s": window, "steps": steps, "compute_s": compute,
-            "cpu_s": cpu / steps, "compute_cpu_s": compute_cpu,
+    return {"step_times": times, "window_s": window, "steps": steps, **local,
+            "cpu_s": (c1.user + c1.system - c0.user - c0.system) / steps,
+            # kernel time: sockets, and the softirqs of the shaped links that ran meanwhile
+            "cpu_sys_s": (c1.system - c0.system) / steps, "in_backward": wrapped.in_backward,
             "warmup_times": warm, "reported_bytes": b1 - b0, "estimated": wrapped.estimated,
             "link_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
             "num_params": work.num_params, "finite": bool(finite)}
