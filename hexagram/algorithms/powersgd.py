@@ -180,13 +180,12 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         ef = self.error_feedback
         if x.m.data_ptr() == view.data_ptr() and x.m.numel() == view.numel() \
                 and len(x.segment.entries) == 1:
-            qt = q.t().contiguous()
             if ef is None:
-                torch.mm(p, qt, out=x.m)
+                self.compressor.product_into(p, q, x.m)
                 return
             residual = ef.residual_buffer(x.segment.names[0], view).view(x.m.shape)
             residual.copy_(x.m)
-            torch.mm(p, qt, out=x.m)
+            self.compressor.product_into(p, q, x.m)
             residual.sub_(x.m)
             return
         approx = self.compressor.reconstruct(p, q, x.shape, bucket.dtype).reshape(-1)
