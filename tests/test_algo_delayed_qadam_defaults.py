@@ -93,3 +93,26 @@ def test_variance_floor_is_validated() -> None:
 
     with pytest.raises(ConfigError, match="variance_floor"):
         QAdamOptimizer([nn.Parameter(torch.ones(1))], variance_floor=2.0)
+
+
+def test_frozen_denominator_is_kept_until_the_variance_or_eps_changes() -> None:
+    """The frozen denominator is computed once; a changed v_hat (in place or loaded) or eps
+    gives the new value, never a stale one."""
+    from hexagram.optim import QAdamOptimizer
+
+    p = nn.Parameter(torch.zeros(3))
+    opt = QAdamOptimizer([p], lr=1e-3, warmup_steps=2, variance_floor=0.0)
+    for g in ([1.0, 2.0, 3.0], [3.0, 2.0, 1.0], [1.0, 1.0, 1.0]):
+        p.grad = torch.tensor(g)
+        opt.step()
+    d = opt.denominator(p)
+    assert opt.denominator(p) is d  # frozen: not recomputed
+    assert torch.equal(d, opt.state[p]["v_hat"].sqrt() + 1e-8)
+    opt.state[p]["v_hat"].mul_(4.0)  # in place: the version changes
+    assert torch.allclose(opt.denominator(p), 2 * d, rtol=1e-6)
+    opt.param_groups[0]["eps"] = 1.0
+    assert torch.equal(opt.denominator(p), opt.state[p]["v_hat"].sqrt() + 1.0)
+    state = opt.state_dict()
+    state["state"][0]["v_hat"] = torch.full((3,), 9.0)
+    opt.load_state_dict(state)
+    assert torch.equal(opt.denominator(p), torch.full((3,), 4.0))  # sqrt(9) + eps 1

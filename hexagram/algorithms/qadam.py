@@ -49,7 +49,7 @@ from hexagram.algorithms.weight_sync import as_compressor, check_compressor_spec
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
-from hexagram.compress.base import Aggregation, Compressor
+from hexagram.compress.base import Aggregation, Compressor, Payload
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.errors import ConfigError
 from hexagram.optim.qadam import QAdamOptimizer
@@ -85,6 +85,7 @@ class QAdamAlgorithm(Algorithm):
         assert compressor is not None
         self.compressor: Compressor = compressor
         self.feedback = ErrorFeedback(compressor)  # residuals keyed by parameter name
+        self._scratch: dict[int, Tensor] = {}  # per bucket: this rank's own Q(x), reused
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -97,34 +98,51 @@ class QAdamAlgorithm(Algorithm):
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
         if not self.optimizer.frozen:
             return primitives.allreduce(self.ctx.comm, bucket.flat, average=True)
-        opt = self.optimizer
-        m = torch.cat([opt.momentum(e.param).reshape(-1) for e in bucket.entries])
-        beta = torch.cat([torch.full((e.numel,), opt.beta1(e.param)) for e in bucket.entries])
-        denom = torch.cat([opt.denominator(e.param).reshape(-1) for e in bucket.entries])
-        # (numel,) the momentum Adam would compute, preconditioned by the frozen denominator
-        local = (beta * m + (1 - beta) * bucket.flat) / denom
-        # x = local + residual, per parameter (residuals are keyed by name)
-        parts = [self.feedback.correct(e.name, bucket.view(e, local)) for e in bucket.entries]
-        handle, mine = self._exchange(torch.cat([p.reshape(-1) for p in parts]))
-        for e, corrected in zip(bucket.entries, parts):  # e <- x - Q(x)
-            self.feedback.update(e.name, corrected, bucket.view(e, mine))
+        opt, flat = self.optimizer, bucket.flat
+        terms = [(bucket.view(e), opt.momentum(e.param), opt.denominator(e.param),
+                  opt.beta1(e.param)) for e in bucket.entries]
+        # in place, the bucket is ours until the handle completes: x = (beta m + (1 - beta)
+        # g) / d + residual, per parameter (residuals are keyed by name)
+        for e, (g, m, d, beta) in zip(bucket.entries, terms):
+            self.feedback.correct_(e.name, g.mul_(1 - beta).add_(m, alpha=beta).div_(d))
+        handle, k = self._exchange(bucket)
 
-        def effective_grad(u_bar: Tensor) -> Tensor:
-            return (u_bar * denom - beta * m) / (1 - beta)
+        def effective_grad(u: Tensor) -> Tensor:
+            # g_eff = (mean_j u_j * d - beta m) / (1 - beta), in place; u = k * the mean
+            if u is not flat:
+                flat.copy_(u)
+            for g, m, d, beta in terms:
+                g.mul_(d).sub_(m, alpha=beta * k).div_(k * (1 - beta))
+            return flat
 
         return handle.then(effective_grad)
 
-    def _exchange(self, x: Tensor) -> tuple[Handle[Tensor], Tensor]:
-        """(handle of the mean over ranks of Q(x_j), my own reconstruction Q(x))."""
-        comm, c = self.ctx.comm, self.compressor
+    def _exchange(self, bucket: Bucket) -> tuple[Handle[Tensor], int]:
+        """Send Q(x) (x: the bucket's contents), keep x - Q(x) as the residuals. Returns
+        the handle of ``k`` times the mean over ranks of Q(x_j), and ``k``: summable
+        payloads are averaged by the allreduce (k = 1); gathered ones are summed into the
+        bucket (k = P), the division folded into the caller's pass."""
+        comm, c, x = self.ctx.comm, self.compressor, bucket.flat
         if c.aggregation is Aggregation.SUM and c.payload_sums_elementwise:  # divided first
-            mine = c.decompress(c.compress(x / comm.size)) * comm.size
-            return primitives.allreduce_compressed(comm, x, c, average=True), mine
+            sent = c.decompress(c.compress(x / comm.size)) * comm.size
+            self._update_residuals(bucket, sent)
+            return primitives.allreduce_compressed(comm, x, c, average=True), 1
         payload = c.compress(x)
-        handle = primitives.allgather_payloads(comm, payload)
-        mean = handle.then(lambda ps: torch.stack([c.decompress(p) for p in ps])
-                            .sum(0) / comm.size)
-        return mean, c.decompress(payload)
+        mine = self._scratch.get(bucket.index)
+        if mine is None or mine.shape != x.shape or mine.dtype != x.dtype:
+            mine = self._scratch[bucket.index] = torch.empty_like(x)
+        self._update_residuals(bucket, c.decompress_into(payload, mine))
+        return primitives.allgather_payloads(comm, payload).then(
+            lambda ps: self._sum_into(ps, x)), comm.size
+
+    def _update_residuals(self, bucket: Bucket, mine: Tensor) -> None:
+        for e in bucket.entries:  # e <- x - Q(x), in the old residuals' memory
+            self.feedback.update_(e.name, bucket.view(e), bucket.view(e, mine))
+
+    def _sum_into(self, payloads: list[Payload], out: Tensor) -> Tensor:
+        for i, p in enumerate(payloads):  # rank order: the same sum on every rank
+            self.compressor.decompress_into(p, out, add=i > 0)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"feedback": self.feedback.state_dict()}

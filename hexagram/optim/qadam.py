@@ -81,6 +81,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.warmup_steps = warmup_steps
         self.steps_done = 0
+        # per parameter: (v_hat, its version, eps, sqrt(v_hat) + eps), see denominator()
+        self._denominators: dict[Tensor, tuple[Tensor, int, float, Tensor]] = {}
 
     @property
     def frozen(self) -> bool:
@@ -96,13 +98,26 @@ class QAdamOptimizer(torch.optim.Optimizer):
         return state["exp_avg"]  # type: ignore[no-any-return]
 
     def denominator(self, p: Tensor) -> Tensor:
-        """``sqrt(v_hat) + eps`` of ``p``: frozen (and equal on every rank) once :attr:`frozen`."""
+        """``sqrt(v_hat) + eps`` of ``p``: frozen (and equal on every rank) once :attr:`frozen`.
+
+        Read-only. Once frozen it is computed once and kept (the optimizer's step and the
+        ``qadam`` algorithm need it every step; recomputing allocated a parameter-sized
+        tensor twice per step); it is recomputed if ``v_hat`` or ``eps`` change (a loaded
+        state, the variance floor applied in place).
+        """
         state = self.state[p]
         if "v_hat" not in state:
             raise RuntimeError("QAdamOptimizer.denominator: the parameter has not stepped yet; "
                                "every parameter needs a gradient during the warm-up")
+        v_hat = state["v_hat"]
         eps = next(g["eps"] for g in self.param_groups if any(q is p for q in g["params"]))
-        return state["v_hat"].sqrt() + eps  # type: ignore[no-any-return]
+        hit = self._denominators.get(p)
+        if hit is not None and hit[0] is v_hat and hit[1] == v_hat._version and hit[2] == eps:
+            return hit[3]
+        denom = v_hat.sqrt().add_(eps)
+        if self.frozen:
+            self._denominators[p] = (v_hat, v_hat._version, eps, denom)
+        return denom
 
     def beta1(self, p: Tensor) -> float:
         """beta1 of the group holding ``p``."""
@@ -153,7 +168,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             state["v_hat"] = v / (1 - beta2 ** self.steps_done)
         correction1 = 1 - beta1 ** self.steps_done
-        denom = state["v_hat"].sqrt().add_(group["eps"])
+        denom = self.denominator(p)
         p.addcdiv_(m, denom, value=-group["lr"] / correction1)
 
     def state_dict(self) -> dict[str, Any]:
