@@ -4,7 +4,7 @@ Shows how well each collective fills a link: ring allreduce and allgather keep o
 link; all-to-all sends to every peer at once, so P-1 flows converge on each receiver's
 shaped port (incast), and a pairwise-shift all-to-all (one peer per round) pays a round
 trip and a TCP ramp per round. Scatter-gather algorithms (bytegrad, qsgd) use all-to-all
-for their first leg.
+for their first leg. The decentralized algorithms send to both ring neighbours at once.
 
     sudo .venv/bin/python benchmarks/lab_collectives.py --hosts 4 --bandwidth 100mbit
 
@@ -49,6 +49,19 @@ def _shifted_all_to_all(out: object, inp: object) -> None:
             work.wait()
 
 
+def _ring_neighbours(send: object, recv: list[object]) -> None:
+    """Send ``send`` to both ring neighbours and receive theirs, all four at once (the
+    decentralized algorithms' exchange)."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    peers = [(rank - 1) % size, (rank + 1) % size]
+    ops = [dist.P2POp(dist.isend, send, p) for p in peers]
+    ops += [dist.P2POp(dist.irecv, r, p) for p, r in zip(peers, recv)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
 def rank_main(mbytes: float) -> None:
     """One rank: time each collective on ``mbytes`` MB per rank; rank 0 prints JSON."""
     import torch
@@ -61,10 +74,13 @@ def rank_main(mbytes: float) -> None:
     part = torch.randn(n // size)
     parts = [torch.empty_like(part) for _ in range(size)]
     share = (size - 1) / size * 4 * n  # what each rank sends in all-to-all / reduce-scatter
+    half = torch.randn(int(share / 4) // 2)  # sent to each of 2 neighbours: share in all
+    halves = [torch.empty_like(half) for _ in range(2)]
     res = {"allreduce (ring)": _timed(lambda: dist.all_reduce(x), 2 * share),
            "allgather": _timed(lambda: dist.all_gather(parts, part), share),
            "all_to_all_single": _timed(lambda: dist.all_to_all_single(out, x), share),
-           "all_to_all, pairwise shift": _timed(lambda: _shifted_all_to_all(out, x), share)}
+           "all_to_all, pairwise shift": _timed(lambda: _shifted_all_to_all(out, x), share),
+           "both ring neighbours": _timed(lambda: _ring_neighbours(half, halves), share)}
     if dist.get_rank() == 0:
         print(json.dumps(res))
     dist.destroy_process_group()
