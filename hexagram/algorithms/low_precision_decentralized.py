@@ -39,8 +39,8 @@ from hexagram.algorithms.weight_sync import (
     flats_from_named,
     named_from_flats,
     read_weights,
-    write_weights,
 )
+from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.peers import select_peers
 from hexagram.compress.base import Compressor
@@ -85,6 +85,7 @@ class LowPrecisionDecentralizedAlgorithm(RoundAlgorithm):
         self.compressor: Compressor = compressor
         # public copies: "self" and one per neighbour (group rank), one flat per bucket
         self.replicas: dict[str, list[Tensor]] = {}
+        self._scratches: dict[int, Tensor] = {}  # per bucket index, reused every round
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -101,26 +102,34 @@ class LowPrecisionDecentralizedAlgorithm(RoundAlgorithm):
             self._round(active=True)
 
     def _round(self, active: bool) -> int:
+        """One CHOCO round, in place: each bucket's buffer holds the weights (x), the
+        public copies take the payloads, one scratch buffer per bucket holds x - h_self
+        and then each h_j - h_self (no temporaries as large as the model)."""
         comm, c = self.ctx.comm, self.compressor
         self.rounds += 1
         control = self._control(active, contributing=True)
-        weights = read_weights(self.ctx.buckets)
-        mine, handles = [], []
-        for w, h_self in zip(weights, self.replicas["self"]):
-            payload = c.compress(w - h_self)
-            mine.append(c.decompress(payload))
+        handles = []
+        for b, h_self in zip(self.ctx.buckets, self.replicas["self"]):
+            b.copy_in_weights()
+            payload = c.compress(torch.sub(b.flat, h_self, out=self._scratch(b)))
+            c.decompress_into(payload, h_self, add=True)  # h_i += Q(x_i - h_i)
             handles.append(primitives.neighbor_exchange_payloads(comm, payload, self.peers,
                                                                  self.peers))
         share = self.config.gamma / (len(self.peers) + 1)
-        for b, (w, q_self, handle) in enumerate(zip(weights, mine, handles)):
-            self.replicas["self"][b] += q_self
-            pull = torch.zeros_like(w)
+        for i, (b, handle) in enumerate(zip(self.ctx.buckets, handles)):
+            h_self, scratch = self.replicas["self"][i], self._scratch(b)
             for peer, payload in zip(self.peers, handle.wait()):
-                self.replicas[str(peer)][b] += c.decompress(payload)
-                pull += self.replicas[str(peer)][b] - self.replicas["self"][b]
-            w += share * pull
-        write_weights(self.ctx.buckets, weights)
+                h_peer = self.replicas[str(peer)][i]
+                c.decompress_into(payload, h_peer, add=True)  # as the neighbour did
+                b.flat.add_(torch.sub(h_peer, h_self, out=scratch), alpha=share)
+            b.copy_out_weights()
         return int(control.wait()[0].item())
+
+    def _scratch(self, bucket: Bucket) -> Tensor:
+        buf = self._scratches.get(bucket.index)
+        if buf is None or buf.shape != bucket.flat.shape or buf.dtype != bucket.flat.dtype:
+            buf = self._scratches[bucket.index] = torch.empty_like(bucket.flat)
+        return buf
 
     def state_dict(self) -> dict[str, Any]:
         state = self._base_state()
