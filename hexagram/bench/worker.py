@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def _compute_time(work: Any, spec: dict[str, Any], gen: torch.Generator
     model = copy.deepcopy(work.model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params, spec["lr"])
-    marks: list[float] = [0.0] * len(params)
+    marks = [math.nan] * len(params)
     handles = [p.register_post_accumulate_grad_hook(_marker(marks, i))
                for i, p in enumerate(params)]
     rows: list[list[float]] = []
@@ -88,7 +89,9 @@ def _compute_time(work: Any, spec: dict[str, Any], gen: torch.Generator
             "ready_s": med[3:], "ready_numel": [p.numel() for p in params]}
 
 
-def _marker(marks: list[float], i: int) -> Any:
+def _marker(marks: list[float], i: int) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook that stores when parameter ``i``'s gradient is ready."""
+
     def hook(_: torch.Tensor) -> None:
         marks[i] = time.perf_counter()
     return hook
