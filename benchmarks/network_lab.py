@@ -7,10 +7,13 @@ Runs, as `hexagram bench` / `hexagram train` commands (printed before each run):
   3. 2 hosts x 2 ranks at 100 Mbit/s: flat against hierarchical allreduce;
   4. time to accuracy on Fashion-MNIST at 100 Mbit/s for DDP and a few Hexagram algorithms;
   5. step time of a small GPT (many small tensors) at 100 Mbit/s;
-  6. time to a validation loss of the character-level GPT on the offline text corpus.
+  6. time to a validation loss of the character-level GPT on the offline text corpus;
+  7. the efficiency studies at 100 Mbit/s: 256 samples per rank, and the same parameter
+     budget in 8 hidden layers (gradients ready evenly).
 Outputs go to --out (JSON, PNG, Markdown tables). Needs root (network namespaces).
 
-    .venv/bin/python benchmarks/network_lab.py --out /tmp/netlab [--only step|train|gpt|text]
+    .venv/bin/python benchmarks/network_lab.py --out /tmp/netlab \
+        [--only step|main|train|gpt|text|efficiency]
 """
 
 from __future__ import annotations
@@ -88,12 +91,32 @@ def text_time_to_loss(out: Path) -> None:
           "--plot", str(out / "text.png"), "--markdown", str(out / "text.md")])
 
 
+#: The compressed algorithms the 8-layer study compares with DDP.
+EVEN_ALGORITHMS = "ddp,powersgd,topk,signsgd,onebit,efsign,terngrad,qsgd,bytegrad,dgc,gtopk,randomk"
+
+
+def efficiency_studies(out: Path, params: int) -> None:
+    """More compute per step (batch 256), and gradients ready evenly (8 layers)."""
+    _run(["bench", "--hosts", "4", "--bandwidth", "100mbit", "--algorithms", "all",
+          "--model", "mlp", "--params", str(params), "--batch", "256", "--warmup", "2",
+          "--steps", "4", "--time-limit", "30", "--stall-timeout", "60", "--quiet",
+          "--set", "powersgd.start_iter=0", "--set", "diloco.period=4",
+          "--set", "local_sgd.period=4", "--json", str(out / "b256.json"),
+          "--markdown", str(out / "b256.md")])
+    _run(["bench", "--hosts", "4", "--bandwidth", "100mbit", "--model", "mlp",
+          "--params", str(params), "--layers", "8", "--batch", "32", "--warmup", "2",
+          "--steps", "6", "--time-limit", "30", "--stall-timeout", "45", "--quiet",
+          "--algorithms", EVEN_ALGORITHMS, "--set", "powersgd.start_iter=0",
+          "--json", str(out / "layers8.json"), "--markdown", str(out / "layers8.md")])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/hexagram-netlab")
-    parser.add_argument("--only", choices=("step", "train", "main", "gpt", "text"),
+    parser.add_argument("--only", choices=("step", "train", "main", "gpt", "text",
+                                           "efficiency"),
                         help="step: the three step-time runs; main: only the first one; "
-                             "gpt, text: runs 5 and 6")
+                             "gpt, text, efficiency: runs 5, 6 and 7")
     parser.add_argument("--params", type=int, default=10_500_000)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--algorithms", default="all", help="for the step-time run")
@@ -108,7 +131,9 @@ def main() -> None:
         gpt_step_time(out)
     if args.only in (None, "text"):
         text_time_to_loss(out)
-    if args.only in ("gpt", "text"):
+    if args.only in (None, "efficiency"):
+        efficiency_studies(out, args.params)
+    if args.only in ("gpt", "text", "efficiency"):
         return
     if args.only != "train":
         step_time(out, args.params, args.steps, args.algorithms, main_only=args.only == "main")
