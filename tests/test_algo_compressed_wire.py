@@ -24,7 +24,7 @@ from torch import nn
 
 import hexagram.compress as hc
 from hexagram.algorithms.gtopk import sparse_pairs
-from hexagram.comm.gtopk import tree_children
+from hexagram.comm.gtopk import butterfly, tree_children
 from hexagram.launch import run_local
 
 WORLD = 3
@@ -185,8 +185,9 @@ def expected_bytes(name: str, rank: int, world: int) -> int:
     bucket = name in ("fp16", "bytegrad", "signsgd")  # their default granularity
     sizes = [TOTAL] if bucket else list(NUMELS.values())
     if name == "gtopk":  # one message of k (float32, int32) pairs up, one per tree child down
-        ks = [_k(ccfg, n) for n in sizes]
-        edges = (rank != 0) + len(tree_children(rank, world))
+        ks = [_k(ccfg, n) for n in sizes]  # (or one per round of recursive doubling)
+        edges = world.bit_length() - 1 if butterfly(world) else \
+            (rank != 0) + len(tree_children(rank, world))
         return sum(8 * k * edges for k in ks)
     if name == "randomk":  # shared positions: ring allreduce of the k float32 values only
         return sum(2 * (world - 1) * 4 * _k(ccfg, n) // world for n in sizes)

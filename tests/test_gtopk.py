@@ -16,6 +16,9 @@ import torch
 
 from hexagram.comm.communicator import Communicator
 from hexagram.comm.gtopk import (
+    _broadcast_down,
+    _reduce_up,
+    butterfly,
     gtopk_allreduce,
     gtopk_bytes,
     merge_topk,
@@ -49,9 +52,14 @@ def test_merge_sums_shared_indices_and_keeps_largest() -> None:
 
 
 def test_bytes_formula_totals_two_messages_per_edge() -> None:
+    """Tree: one message per edge each way. Recursive doubling (sizes 2, 4, 8): every rank
+    sends one message per round, log2 P rounds."""
     for size in range(1, 9):
         total = sum(sum(gtopk_bytes(r, size, k=10)) for r in range(size))
-        assert total == 2 * (size - 1) * 10 * 8
+        rounds = size.bit_length() - 1
+        assert total == (size * rounds if butterfly(size) else 2 * (size - 1)) * 10 * 8
+    assert [butterfly(n) for n in range(1, 9)] == [False, True, False, True, False, False,
+                                                   False, True]
 
 
 def _gtopk_worker(trials: int) -> dict[int, list[dict[str, object]]]:
@@ -90,8 +98,12 @@ def _trials(comm: Communicator, trials: int) -> list[dict[str, object]]:
         for name, (values, indices) in cases.items():
             v, i = gtopk_allreduce(comm, values, indices, NUMEL).wait()
             # plain lists: tensors in run_local's queue need the sender alive to unpickle
-            out.append({"trial": trial, "case": name, "values": values.tolist(),
-                        "indices": indices.tolist(), "gv": v.tolist(), "gi": i.tolist()})
+            row = {"trial": trial, "case": name, "values": values.tolist(),
+                   "indices": indices.tolist(), "gv": v.tolist(), "gi": i.tolist()}
+            if butterfly(comm.size):  # the tree's result, computed here for comparison
+                tv, ti = _broadcast_down(comm, *_reduce_up(comm, values, indices.long(), K), K)
+                row.update(tree_gv=tv.tolist(), tree_gi=ti.tolist())
+            out.append(row)
         after = comm.counter.by_op()
         out.append({"trial": trial, "case": "bytes",
                     "up": after.get("gtopk.reduce", 0) - before.get("gtopk.reduce", 0),
@@ -121,12 +133,18 @@ def test_gtopk_allreduce_identical_exact_k(
             ups = [int(r["up"]) for r in rows]
             downs = [int(r["down"]) for r in rows]
             msg = K * 8 * 3  # three collectives per trial, k float32 + int32 pairs each
-            assert ups == [0] + [msg] * (world - 1)
-            assert sum(ups) + sum(downs) == 2 * (world - 1) * msg
+            if butterfly(world):  # one exchange per round on every rank, nothing down
+                assert ups == [msg * (world.bit_length() - 1)] * world
+                assert downs == [0] * world
+            else:
+                assert ups == [0] + [msg] * (world - 1)
+                assert sum(ups) + sum(downs) == 2 * (world - 1) * msg
             continue
         ref = _dense(rows[0]["gv"], rows[0]["gi"])
         for r in rows[1:]:  # identical on every rank, bit for bit
             assert r["gv"] == rows[0]["gv"] and r["gi"] == rows[0]["gi"]
+        if butterfly(world):  # recursive doubling gives the tree's pairs, bit for bit
+            assert rows[0]["gv"] == rows[0]["tree_gv"] and rows[0]["gi"] == rows[0]["tree_gi"]
         gi = torch.tensor(rows[0]["gi"])
         assert gi.numel() == K and gi.unique().numel() == K
         total = torch.stack([_dense(r["values"], r["indices"]) for r in rows]).sum(0)

@@ -13,6 +13,15 @@ identical everywhere by construction. Each rank sends ``k`` pairs once on the wa
 rank 0) and ``k`` pairs to each of its tree children on the way down: ``2 (P-1)`` messages of
 ``k`` pairs in all, against ``P (P-1)`` for the allgather.
 
+When P is a power of two the same reduction runs as recursive doubling instead: in round
+``d = 1, 2, 4, ...`` ranks ``r`` and ``r ^ d`` exchange their ``k`` pairs and *both* merge.
+After ``log2 P`` rounds every rank holds ``merge(merge(A_0, A_1), merge(A_2, A_3))``...,
+exactly the tree's result at rank 0, bit for bit (``merge_topk`` is symmetric: it sums in
+float, whose addition commutes, over the sorted union of indices, and selects from that
+identical vector). The critical path halves, ``log2 P`` messages instead of ``2 log2 P``
+(each waits for the merge before it), for ``P log2 P`` messages in all: every rank sends
+``log2 P`` of them, as many as the tree's busiest rank.
+
 Pairs travel as one uint8 buffer: ``k`` values in their own dtype, then ``k`` int32 indices
 (tensors of up to 2**31 elements).
 
@@ -29,7 +38,13 @@ from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Handle
 
-__all__ = ["gtopk_allreduce", "gtopk_bytes", "merge_topk", "tree_children", "tree_parent"]
+__all__ = ["butterfly", "gtopk_allreduce", "gtopk_bytes", "merge_topk", "tree_children",
+           "tree_parent"]
+
+
+def butterfly(size: int) -> bool:
+    """True when ``size`` ranks reduce by recursive doubling (a power of two, >= 2)."""
+    return size >= 2 and size & (size - 1) == 0
 
 
 def tree_parent(rank: int, size: int) -> int | None:
@@ -57,9 +72,12 @@ def tree_children(rank: int, size: int) -> list[int]:
 def gtopk_bytes(rank: int, size: int, k: int, value_bytes: int = 4) -> tuple[int, int]:
     """(bytes sent going up, bytes sent going down) by ``rank`` for ``k`` pairs.
 
-    One pair is ``value_bytes`` plus a 4-byte int32 index.
+    One pair is ``value_bytes`` plus a 4-byte int32 index. With :func:`butterfly` sizes
+    every round's exchange counts as going up: ``(log2 P pairs, 0)``.
     """
     pair = k * (value_bytes + 4)
+    if butterfly(size):
+        return pair * (size.bit_length() - 1), 0
     up = 0 if rank == 0 else pair
     return up, pair * len(tree_children(rank, size))
 
@@ -131,6 +149,8 @@ def gtopk_allreduce(comm: Communicator, values: Tensor, indices: Tensor, numel: 
     up, down = gtopk_bytes(comm.rank, comm.size, k, values.element_size())
 
     def job() -> tuple[Tensor, Tensor]:
+        if butterfly(comm.size):
+            return _recursive_doubling(comm, values, indices, k)
         v, i = _reduce_up(comm, values, indices, k)
         comm.counter.add("gtopk.broadcast", down)
         return _broadcast_down(comm, v, i, k)
@@ -152,6 +172,25 @@ def _reduce_up(comm: Communicator, values: Tensor, indices: Tensor, k: int
             _recv(comm, buf, rank + d)
             other_v, other_i = _unpack(buf, k, values.dtype)
             values, indices = merge_topk(values, indices, other_v, other_i, k)
+        d *= 2
+    return values, indices
+
+
+def _recursive_doubling(comm: Communicator, values: Tensor, indices: Tensor, k: int
+                        ) -> tuple[Tensor, Tensor]:
+    """Round d = 1, 2, 4, ...: exchange k pairs with ``rank ^ d`` (both directions at once)
+    and keep the merge; every rank ends with the global top-k (see the module docstring)."""
+    d = 1
+    while d < comm.size:
+        peer = comm.global_rank(comm.rank ^ d)
+        send = _pack(values, indices)
+        recv = torch.empty_like(send)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, comm.group),
+                                        dist.P2POp(dist.irecv, recv, peer, comm.group)])
+        for work in works:
+            work.wait(comm.timeout)
+        other_v, other_i = _unpack(recv, k, values.dtype)
+        values, indices = merge_topk(values, indices, other_v, other_i, k)
         d *= 2
     return values, indices
 
