@@ -217,3 +217,25 @@ def _compress_with_two_threads(c: hc.Compressor, x: torch.Tensor) -> hc.Payload:
         return c.compress(x, torch.Generator())
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_above_scan_finds_every_entry_over_the_threshold_and_nan(dtype: torch.dtype) -> None:
+    """The threshold scan behind top-k and threshold (numpy for float32/64 on the CPU,
+    torch otherwise) returns exactly the entries with |x| >= t, NaN and Inf included, in
+    order, across block boundaries."""
+    from hexagram.compress.packing import block_size
+    from hexagram.compress.sparsify import above
+
+    n = block_size() * 2 + 777  # three blocks, the last one partial
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[[5, block_size(), n - 1]] = torch.tensor([float("nan"), float("inf"), -float("inf")],
+                                               dtype=dtype)
+    x[block_size() - 1] = 2.0  # exactly at the threshold: kept
+    idx, values = above(x, 2.0)
+    expect = (~(x.abs() < 2.0)).nonzero().flatten()
+    assert idx.dtype == torch.int64 and torch.equal(idx, expect)
+    torch.testing.assert_close(values, x[expect], rtol=0, atol=0, equal_nan=True)
+    assert {5, block_size() - 1, block_size(), n - 1} <= set(idx.tolist())
+    empty_idx, empty_values = above(x[:0], 1.0)
+    assert empty_idx.numel() == 0 and empty_values.numel() == 0

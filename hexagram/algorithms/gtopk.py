@@ -5,8 +5,8 @@ compressor); :func:`hexagram.comm.gtopk.gtopk_allreduce` merges the ranks' pairs
 (log2 P rounds of k pairs, summing shared indices and keeping the top k), and rank 0's final
 ``k`` pairs are broadcast (for a power-of-two P, recursive doubling computes the same pairs
 on every rank in half the sequential messages), so every rank applies the same sparse mean
-with exactly ``k`` entries. Local entries that were selected but lost globally stay in the residual with
-everything else that was not applied (error feedback, as the paper).
+with exactly ``k`` entries. Local entries that were selected but lost globally stay in the
+residual with everything else that was not applied (error feedback, as the paper).
 
 Approximation inherited from the paper: an index that wins globally is applied with the
 values that survived the tree's merges; a rank's value for it dropped in an early merge is
