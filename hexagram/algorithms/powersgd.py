@@ -170,10 +170,9 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
 
         When M is the segment itself (one tensor, no padding: every weight matrix
         layer-wise) this needs no temporary: M is saved into the old residual's memory (its
-        values were added into M already), overwritten with P Q^T, and subtracted. Three
-        plain passes: a fused ``addmm(M, P, Q^T, alpha=-1)`` is 2.5x slower on CPU, and so
-        is ``mm`` into a row-major output with a column-major Q^T, hence ``contiguous``.
-        Otherwise (bucket granularity, padding, low-precision gradients) through a dense
+        values were added into M already), overwritten with P Q^T
+        (:meth:`PowerSGDCompressor.product_into`) and subtracted: three memory-bound
+        passes. Otherwise (bucket granularity, padding, low-precision gradients) through a dense
         approximation.
         """
         view = bucket.flat[x.segment.start:x.segment.stop]

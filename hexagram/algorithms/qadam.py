@@ -124,9 +124,9 @@ class QAdamAlgorithm(Algorithm):
         bucket (k = P), the division folded into the caller's pass."""
         comm, c, x = self.ctx.comm, self.compressor, bucket.flat
         if c.aggregation is Aggregation.SUM and c.payload_sums_elementwise:  # divided first
-            sent = c.decompress(c.compress(x / comm.size)) * comm.size
-            self._update_residuals(bucket, sent)
-            return primitives.allreduce_compressed(comm, x, c, average=True), 1
+            payload = c.compress(x / comm.size)  # compressed once, for both uses
+            self._update_residuals(bucket, c.decompress(payload) * comm.size)
+            return primitives.allreduce_compressed(comm, x, c, payload=payload), 1
         payload = c.compress(x)
         mine = self._scratch.get(bucket.index)
         if mine is None or mine.shape != x.shape or mine.dtype != x.dtype:

@@ -146,11 +146,15 @@ def allgather_payloads_many(comm: Communicator, payloads: Sequence[Payload]
 
 
 def allreduce_compressed(comm: Communicator, tensor: Tensor, compressor: Compressor,
-                         average: bool = True) -> Handle[Tensor]:
+                         average: bool = True, payload: Payload | None = None
+                         ) -> Handle[Tensor]:
     """Sum compressed payloads with allreduce (compressors with ``Aggregation.SUM``).
 
     The tensor is divided by the world size *before* compression (so fp16 sums do not
-    overflow), payload tensors are summed in compressed form, then decompressed.
+    overflow), payload tensors are summed in compressed form, then decompressed. A caller
+    that needs its own payload too (error feedback) passes it as ``payload``: the
+    compression of ``tensor`` (divided by the world size if ``average``), whose tensors are
+    then summed in place; ``tensor`` is not read again.
     """
     if compressor.aggregation is not Aggregation.SUM:
         raise ValueError(f"{compressor!r} payloads cannot be summed "
@@ -160,8 +164,8 @@ def allreduce_compressed(comm: Communicator, tensor: Tensor, compressor: Compres
         raise ValueError(f"{compressor!r} payloads must be reduced by their own protocol "
                          "(e.g. the 'powersgd' algorithm's two allreduces), not summed "
                          "tensor by tensor")
-    scaled = tensor / comm.size if average else tensor
-    payload = compressor.compress(scaled)
+    if payload is None:
+        payload = compressor.compress(tensor / comm.size if average else tensor)
     if comm.size == 1:
         return Handle.completed(compressor.decompress(payload), "allreduce_compressed")
     nbytes = sum(comm.ring_allreduce_bytes(t) for t in payload.tensors)
