@@ -24,6 +24,7 @@ from hexagram.buckets import Bucket, build_buckets
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
 from hexagram.engine import join as join_protocol
+from hexagram.engine import lifecycle
 from hexagram.engine.checks import check_same_model
 from hexagram.engine.reducer import Reducer
 from hexagram.errors import ConfigError
@@ -89,11 +90,15 @@ class DistributedDataParallel(nn.Module):
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._reducer: Reducer | None = None
         self._rebucketed = False
+        # released by close(), garbage collection or interpreter exit (no close() needed)
+        self._resources = lifecycle.Resources(self.algorithm, self.comm)
+        self._finalizer = lifecycle.attach(self, self._resources)
         self._ctx = AlgorithmContext(module, self.optimizers, runtime, self.comm, self._named)
         self._build()
         self.algorithm.setup(self._ctx)
-        self._step_hooks = [opt.register_step_post_hook(self._after_step)
+        self._step_hooks = [opt.register_step_post_hook(lifecycle.weak_method(self._after_step))
                             for opt in self.optimizers]
+        self._resources.hooks.extend(self._step_hooks)
         self._joining = False
         self._divide_by_world = True
         self._join_steps = 0
@@ -115,6 +120,7 @@ class DistributedDataParallel(nn.Module):
         if self.algorithm.kind == "grad" and buckets:
             self._reducer = Reducer(self.algorithm, self.comm, buckets,
                                     self.find_unused_parameters, self.gradient_as_bucket_view)
+        self._resources.reducer = self._reducer
 
     def _rebucket_by_ready_order(self) -> None:
         """After the first backward, order buckets as gradients actually became ready.
@@ -286,10 +292,9 @@ class DistributedDataParallel(nn.Module):
         self.algorithm.load_state_dict(state)
 
     def close(self) -> None:
-        """Stop background work and detach hooks; the module stays usable locally."""
-        self.algorithm.close()
-        if self._reducer is not None:
-            self._reducer.remove()
-        for h in self._step_hooks:
-            h.remove()
-        self.comm.close()
+        """Stop background work and detach hooks; the module stays usable locally.
+
+        Optional: the same happens, quietly, when the wrapper is garbage-collected or the
+        interpreter exits (see :mod:`hexagram.engine.lifecycle`). Idempotent."""
+        self._finalizer.detach()
+        self._resources.release()
