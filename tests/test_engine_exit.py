@@ -3,8 +3,9 @@
 PyTorch DDP needs no ``close()``; Hexagram's wrapper must not either, whatever the
 algorithm (the async one runs a background thread inside collectives), also after
 ``dist.destroy_process_group()`` and when a wrapper is garbage-collected mid-script (then
-its threads stop and its hooks are gone). Each case runs two real processes (not ``run_local``, whose ranks shut down cleanly for
-the script) and checks both exit codes and that every rank reached the end.
+its threads stop and its hooks are gone). Each case runs two real processes (not
+``run_local``, whose ranks shut down cleanly for the script) and checks both exit codes
+and that every rank reached the end.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class Resources:
         """:meth:`release` for garbage collection and interpreter exit: report, never raise."""
         try:
             self.release()
-        except BaseException as exc:  # noqa: BLE001 - nothing can handle it at exit
+        except BaseException as exc:  # nothing can handle it at exit
             name = getattr(self.algorithm, "name", "?")
             print(f"hexagram: releasing algorithm {name!r} at exit failed: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr)
