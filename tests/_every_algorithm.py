@@ -46,7 +46,7 @@ def optimizer_for(name: str, params: Any, lr: float = 0.05) -> torch.optim.Optim
 
 
 def train_steps(name: str, model: nn.Module, device: torch.device, steps: int = 4,
-                **wrap: Any) -> Any:
+                dtype: torch.dtype = torch.float32, **wrap: Any) -> Any:
     """Wrap ``model`` with algorithm ``name`` and train ``steps`` steps on random data.
 
     Returns the wrapper (not closed: the caller decides).
@@ -59,7 +59,7 @@ def train_steps(name: str, model: nn.Module, device: torch.device, steps: int = 
     ddp = hx.DistributedDataParallel(model, [opt], algo, **wrap)
     gen = torch.Generator().manual_seed(100 + rt.rank)
     for _ in range(steps):
-        x = torch.randn(8, 16, generator=gen).to(device)
+        x = torch.randn(8, 16, generator=gen).to(device=device, dtype=dtype)
         y = torch.randint(0, 4, (8,), generator=gen).to(device)
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()

@@ -52,14 +52,14 @@ from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.algorithms.weight_sync import (
+    average_weights,
     flats_from_named,
     named_from_flats,
-    read_weights,
-    write_weights,
+    sync_buffers,
 )
-from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
+from hexagram.comm.control import count_flags
 from hexagram.config import check_float
 from hexagram.errors import CommError, ConfigError
 
@@ -81,10 +81,19 @@ class AsyncConfig:
         check_float(self, "interval_ms", low=0.0)
 
 
-def _snapshot(bucket: Bucket) -> Tensor:
-    """The bucket's current weights as a new flat tensor (never touches ``bucket.flat``)."""
+def _snapshot(tensors: list[Tensor]) -> Tensor:
+    """The current values of ``tensors`` (one dtype) as a new flat tensor."""
     with torch.no_grad():
-        return torch.cat([e.param.detach().reshape(-1) for e in bucket.entries])
+        return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _float_buffers(module: torch.nn.Module) -> list[list[Tensor]]:
+    """Floating buffers (BatchNorm statistics), grouped by dtype and device."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for b in module.buffers():
+        if b.is_floating_point():
+            groups.setdefault((b.dtype, b.device), []).append(b)
+    return list(groups.values())
 
 
 class AsyncModelAverageAlgorithm(Algorithm):
@@ -112,7 +121,14 @@ class AsyncModelAverageAlgorithm(Algorithm):
         super().setup(ctx)
         group = ctx.runtime.new_group("async_model_average")  # collective, same order
         self.comm = Communicator(group, ctx.runtime.timeout, name="async")
+        # averaged like the weights, as corrections (BatchNorm running statistics)
+        self._buffers = _float_buffers(ctx.module)
         self._start()
+
+    def _groups(self) -> list[list[Tensor]]:
+        """What a round averages: each bucket's parameters, then each buffer group."""
+        params: list[list[Tensor]] = [[e.param for e in b.entries] for b in self.ctx.buckets]
+        return params + self._buffers
 
     # -- background thread ---------------------------------------------------------------
     def _start(self) -> None:
@@ -139,12 +155,11 @@ class AsyncModelAverageAlgorithm(Algorithm):
 
     def _one_round(self) -> bool:
         """One collective round; False when every thread must stop (same on all ranks)."""
-        flags = torch.tensor([float(self._active), float(self._stop.is_set())])
-        flags = primitives.allreduce(self.comm, flags, average=False).wait()
-        if flags[1].item() > 0:
+        counts = count_flags(self.comm, active=self._active, stop=self._stop.is_set()).wait()
+        if counts.stop > 0:
             self._aborted = True  # a peer (or I) asked to stop: everyone stops here
             return False
-        if flags[0].item() == 0:
+        if counts.active == 0:
             return False
         self._average()
         return True
@@ -153,7 +168,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
         """Steps 2-4 of a round (collective on the async communicator)."""
         with self._lock:
             pending = self._pending
-            snaps = [_snapshot(b) for b in self.ctx.buckets]
+            snaps = [_snapshot(g) for g in self._groups()]
             if pending is not None:
                 snaps = [s + p for s, p in zip(snaps, pending)]
         handles = [primitives.allreduce(self.comm, s.clone(), average=True) for s in snaps]
@@ -176,9 +191,9 @@ class AsyncModelAverageAlgorithm(Algorithm):
             pending, self._pending = self._pending, None
         if pending is not None:
             with torch.no_grad():
-                for b, delta in zip(self.ctx.buckets, pending):
-                    for e in b.entries:
-                        e.param.add_(b.view(e, delta))
+                for group, delta in zip(self._groups(), pending):
+                    for t, d in zip(group, delta.split([t.numel() for t in group])):
+                        t.add_(d.view_as(t))
 
     def _join_thread(self) -> None:
         thread, self._thread = self._thread, None
@@ -209,11 +224,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
         """Average until every rank is inactive, then make all weights identical."""
         self._active = False
         self._join_thread()
-        if self.comm.size > 1:
-            flats = read_weights(self.ctx.buckets)
-            for flat in flats:
-                primitives.allreduce(self.ctx.comm, flat, average=True).wait()
-            write_weights(self.ctx.buckets, flats)
+        average_weights(self.ctx.comm, self.ctx.buckets)
+        sync_buffers(self.ctx.comm, self.ctx.module)
         if not self._aborted and not self._closed:
             self._start()
 
@@ -246,7 +258,9 @@ class AsyncModelAverageAlgorithm(Algorithm):
         with self._round_lock, self._lock:  # no half-applied round in the checkpoint
             pending = None if self._pending is None else \
                 named_from_flats(self.ctx.buckets, self._pending)
-            return {"rounds": self.rounds, "pending": pending,
+            extra = [] if self._pending is None else \
+                [t.clone() for t in self._pending[len(self.ctx.buckets):]]
+            return {"rounds": self.rounds, "pending": pending, "pending_buffers": extra,
                     "aborted": self._paused,
                     "interval_ms": self.config.interval_ms}
 
@@ -257,7 +271,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
                               f"{state['interval_ms']}, this algorithm has "
                               f"{self.config.interval_ms}; use the same AsyncConfig")
         pending = None if state["pending"] is None else \
-            flats_from_named(self.ctx.buckets, state["pending"], "async pending correction")
+            flats_from_named(self.ctx.buckets, state["pending"], "async pending correction") \
+            + list(state.get("pending_buffers", []))
         self._halt()
         with self._lock:
             self._pending = pending

@@ -69,7 +69,7 @@ class _Exchange:
 
     own: list[Tensor]
     handles: list[Handle[Any]]
-    control: Handle[Tensor]
+    control: Handle[Any]
     npeers: int
 
 
@@ -120,7 +120,9 @@ class DecentralizedAlgorithm(RoundAlgorithm):
             else:  # uniform weights 1/(k+1) over me and my k peers (k = 0: unchanged)
                 mixed.append(torch.stack([own, *got]).sum(0) / (ex.npeers + 1))
         write_weights(self.ctx.buckets, mixed)
-        return int(ex.control.wait()[0].item())
+        active = int(ex.control.wait().active)
+        self._sync_buffers()
+        return active
 
     def _finish_pending(self) -> None:
         if self._pending is not None:

@@ -156,13 +156,16 @@ class DiLoCoAlgorithm(RoundAlgorithm):
 
     def __init__(self, config: DiLoCoConfig | None = None) -> None:
         super().__init__(config or DiLoCoConfig())
-        self.config: DiLoCoConfig
-        self.compressor = as_compressor(self.config.compressor)
+        self.config: Any
+        self.outer: DiLoCoConfig = self.config  # the outer step and schedule (see LocalSGD)
+        self.compressor = as_compressor(self.outer.compressor)
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
-        self.fragments = _split(ctx.buckets, self.config.fragments)
-        self.momentum = [[torch.zeros_like(b.flat) for b in f] for f in self.fragments]
+        self.fragments = _split(ctx.buckets, self.outer.fragments)
+        with_momentum = self.outer.outer_momentum > 0  # none at all for local SGD
+        self.momentum = [[torch.zeros_like(b.flat) for b in f] if with_momentum else []
+                         for f in self.fragments]
         self.fresh = [False] * len(self.fragments)  # local steps since the fragment's sync
         self.inflight: list[_InFlight] = []  # exchanges started, outer update not applied
         self._after_consensus()
@@ -175,21 +178,26 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         self.fresh = [True] * len(self.fragments)
         while self.inflight and self.inflight[0].due <= self.step:
             self._apply(self.inflight.pop(0))
-        if self.step % (self.config.period // self.config.fragments) == 0:
+        if self._due(self.step):
             self._round(active=True)
+
+    def _due(self, step: int) -> bool:
+        """True when a round follows the first optimizer's ``step()`` number ``step``."""
+        return step % (self.outer.period // self.outer.fragments) == 0
 
     def _round(self, active: bool) -> int:
         f = self.rounds % len(self.fragments)
         self.rounds += 1
-        flags = self._control(active, contributing=self.fresh[f]).wait()
-        n_active, n_contrib = int(flags[0].item()), int(flags[1].item())
-        if n_contrib > 0:  # identical decision everywhere
-            exchange = self._start(f, n_contrib)
-            if active and self.config.overlap_steps > 0:
+        counts = self._control(active, contributing=self.fresh[f]).wait()
+        if counts.contributing > 0:  # identical decision everywhere
+            exchange = self._start(f, counts.contributing)
+            if active and self.outer.overlap_steps > 0:
                 self.inflight.append(exchange)  # applied in _on_step, tau steps later
             else:  # no inner step to overlap: apply now, as without overlap
                 self._apply(exchange)
-        return n_active
+        self._sync_buffers()
+        self.dirty = False
+        return int(counts.active)
 
     def _start(self, f: int, n: int) -> _InFlight:
         """Start the sum over ranks of the fragment's pseudo-gradients ``anchor - x``."""
@@ -198,18 +206,20 @@ class DiLoCoAlgorithm(RoundAlgorithm):
                   for a, x in zip(self.anchor[f], local)]
         self.fresh[f] = False
         sums = [compressed_sum(self.ctx.comm, d, self.compressor) for d in deltas]
-        return _InFlight(f, self.step, self.step + self.config.overlap_steps, n, sums)
+        return _InFlight(f, self.step, self.step + self.outer.overlap_steps, n, sums)
 
     def _apply(self, exchange: _InFlight) -> None:
         """Outer Nesterov step of the fragment; merge if inner steps ran meanwhile."""
         f = exchange.fragment
         buckets, anchor = self.fragments[f], self.anchor[f]
-        mu, lr = self.config.outer_momentum, self.config.outer_lr
-        for a, m, h in zip(anchor, self.momentum[f], exchange.sums):
+        mu, lr = self.outer.outer_momentum, self.outer.outer_lr
+        for i, (a, h) in enumerate(zip(anchor, exchange.sums)):
             d = h.wait() / exchange.contributors
-            m.mul_(mu).add_(d)
-            a.sub_(lr * (d + mu * m))
-        late, mix = self.step > exchange.start, self.config.overlap_mix
+            if mu > 0:
+                m = self.momentum[f][i].mul_(mu).add_(d)
+                d = d + mu * m
+            a.sub_(lr * d)
+        late, mix = self.step > exchange.start, self.outer.overlap_mix
         if late and mix > 0:  # x_f = mix * x_f + (1 - mix) * anchor_f
             local = read_weights(buckets)
             write_weights(buckets, [mix * x + (1 - mix) * a for x, a in zip(local, anchor)])
@@ -244,21 +254,21 @@ class DiLoCoAlgorithm(RoundAlgorithm):
 
     def _schedule(self) -> dict[str, int]:
         """Settings that fix which fragment syncs when (a checkpoint needs the same)."""
-        cfg = self.config
+        cfg = self.outer
         return {"period": cfg.period, "fragments": cfg.fragments,
                 "overlap_steps": cfg.overlap_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("schedule", self._schedule())
         if saved != self._schedule():
-            raise ConfigError(f"diloco: checkpoint was saved with {saved}, this algorithm has "
-                              f"{self._schedule()}; use the same DiLoCoConfig to resume")
+            raise ConfigError(f"{self.name}: checkpoint was saved with {saved}, this algorithm "
+                              f"has {self._schedule()}; use the same config to resume")
         self._load_base_state(state)
         self.fresh = [bool(x) for x in state["fresh"]]
         self.anchor = [flats_from_named(b, state["anchor"], "diloco anchor")
                        for b in self.fragments]
         self.momentum = [flats_from_named(b, state["outer_momentum"], "diloco momentum")
-                         for b in self.fragments]
+                         if self.momentum[f] else [] for f, b in enumerate(self.fragments)]
         for x in self.inflight:  # exchanges of the replaced state: let them land, unapplied
             for h in x.sums:
                 h.wait()

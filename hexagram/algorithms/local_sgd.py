@@ -5,10 +5,13 @@ over all ranks when ``s <= warmup_steps`` (post-local SGD's synchronous warm-up:
 per step) or when ``(s - warmup_steps) % period == 0``. The average lands in the parameters
 before ``step()`` returns, so every rank starts the next step from identical weights.
 
-What is exchanged is the change since the last average, ``x_i - anchor`` (``anchor``: the
-weights all ranks agreed on last time), optionally compressed; the new weights are
-``anchor + sum_i Q(x_i - anchor) / n``. In full precision this equals the plain average of
+Local SGD *is* DiLoCo (:mod:`hexagram.algorithms.diloco`) with outer learning rate 1 and no
+momentum: what is exchanged is the change since the last average, ``anchor - x_i``
+(``anchor``: the weights all ranks agreed on last time), optionally compressed, and the new
+weights are ``anchor - sum_i Q(anchor - x_i) / n``; in full precision the plain average of
 the weights. Compressing the (small) change rather than the weights keeps 8-bit error small.
+Only the schedule differs (the warm-up), so the exchange, the join protocol of uneven ends,
+``synchronize()`` and checkpoints are DiLoCo's code.
 
 Ranks that run out of data early (see :mod:`hexagram.algorithms.weight_sync`) flush their
 last local steps in the next round and contribute nothing after that: ``n`` counts the ranks
@@ -22,19 +25,9 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from hexagram.algorithms.base import AlgorithmContext
-from hexagram.algorithms.weight_sync import (
-    RoundAlgorithm,
-    as_compressor,
-    check_compressor_spec,
-    compressed_sum,
-    flats_from_named,
-    named_from_flats,
-    read_weights,
-    write_weights,
-)
+from hexagram.algorithms.diloco import DiLoCoAlgorithm, DiLoCoConfig
+from hexagram.algorithms.weight_sync import check_compressor_spec
 from hexagram.compress.base import Compressor
 from hexagram.config import check_int
 
@@ -64,52 +57,20 @@ class LocalSGDConfig:
         check_compressor_spec(self, "compressor", allow_none=True)
 
 
-class LocalSGDAlgorithm(RoundAlgorithm):
-    """Periodic model averaging; see :class:`LocalSGDConfig`."""
+class LocalSGDAlgorithm(DiLoCoAlgorithm):
+    """Periodic model averaging: DiLoCo with ``outer_lr=1``, no momentum, and a warm-up."""
 
     name = "local_sgd"
 
     def __init__(self, config: LocalSGDConfig | None = None) -> None:
-        super().__init__(config or LocalSGDConfig())
-        self.config: LocalSGDConfig
-        self.compressor = as_compressor(self.config.compressor)
+        cfg = config or LocalSGDConfig()
+        super().__init__(DiLoCoConfig(period=cfg.period, outer_lr=1.0, outer_momentum=0.0,
+                                      compressor=cfg.compressor))
+        self.config = cfg
 
-    def setup(self, ctx: AlgorithmContext) -> None:
-        super().setup(ctx)
-        self._after_consensus()
+    def _due(self, step: int) -> bool:
+        warmup = self.config.warmup_steps
+        return step <= warmup or (step - warmup) % self.config.period == 0
 
-    def _after_consensus(self) -> None:
-        self.anchor = read_weights(self.ctx.buckets)
-
-    def _on_step(self) -> None:
-        s, cfg = self.step, self.config
-        if s <= cfg.warmup_steps or (s - cfg.warmup_steps) % cfg.period == 0:
-            self._round(active=True)
-
-    def _round(self, active: bool) -> int:
-        comm = self.ctx.comm
-        self.rounds += 1
-        flags = self._control(active, contributing=self.dirty).wait()
-        n_active, n_contrib = int(flags[0].item()), int(flags[1].item())
-        if n_contrib == 0:  # same decision on every rank: nobody has anything new
-            return n_active
-        weights = read_weights(self.ctx.buckets)
-        changes = [w - a if self.dirty else (w - a).zero_() for w, a in zip(weights, self.anchor)]
-        handles = [compressed_sum(comm, c, self.compressor) for c in changes]
-        self.anchor = [a + h.wait() / n_contrib for a, h in zip(self.anchor, handles)]
-        write_weights(self.ctx.buckets, self.anchor)
-        self.dirty = False
-        return n_active
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self._base_state()
-        state["anchor"] = named_from_flats(self.ctx.buckets, self.anchor)
-        if self.compressor is not None:
-            state["compressor"] = self.compressor.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_base_state(state)
-        self.anchor = flats_from_named(self.ctx.buckets, state["anchor"], "local_sgd anchor")
-        if self.compressor is not None:
-            self.compressor.load_state_dict(state["compressor"])
+    def _schedule(self) -> dict[str, int]:
+        return {**super()._schedule(), "warmup_steps": self.config.warmup_steps}

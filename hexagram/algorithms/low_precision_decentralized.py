@@ -123,7 +123,9 @@ class LowPrecisionDecentralizedAlgorithm(RoundAlgorithm):
                 c.decompress_into(payload, h_peer, add=True)  # as the neighbour did
                 b.flat.add_(torch.sub(h_peer, h_self, out=scratch), alpha=share)
             b.copy_out_weights()
-        return int(control.wait()[0].item())
+        n_active = int(control.wait().active)
+        self._sync_buffers()
+        return n_active
 
     def _scratch(self, bucket: Bucket) -> Tensor:
         buf = self._scratches.get(bucket.index)

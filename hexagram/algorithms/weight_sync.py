@@ -5,15 +5,21 @@
   with less data finish early, and implements :meth:`RoundAlgorithm.synchronize`.
 - :func:`compressed_sum`: sum a tensor over ranks in full precision or with any compressor,
   choosing the collective from the compressor's ``aggregation`` (never guessed).
+- :func:`average_weights` (the final average of ``synchronize()``) and
+  :func:`sync_buffers` (BatchNorm statistics and other buffers: floating ones averaged,
+  integer counters taken from rank 0, at every round and at ``synchronize()``), used by
+  every weight algorithm.
 - Small helpers to move bucket weights in and out and to save flat state by parameter name.
 
 The join protocol (uneven data across ranks): every round starts with a tiny allreduce of
-``[active, contributing]`` (two floats). A rank that has run out of data calls
-``model.synchronize()``, which keeps answering rounds with ``active = 0`` (its weights still
-take part, so it neither blocks its peers nor loses its last local steps) until a round in
-which no rank is active; every rank sees that same count, leaves at the same round, and a
-final allreduce makes the weights identical. Rounds therefore line up on every rank whatever
-the number of local steps, and no rank waits for a peer that has finished.
+``[active, contributing]`` (:func:`hexagram.comm.control.count_flags`, the one control
+collective, also behind ``DistributedDataParallel.join`` and the async algorithm's stop). A
+rank that has run out of data calls ``model.synchronize()``, which keeps answering rounds
+with ``active = 0`` (its weights still take part, so it neither blocks its peers nor loses
+its last local steps) until a round in which no rank is active; every rank sees that same
+count, leaves at the same round, and a final allreduce makes the weights identical. Rounds
+therefore line up on every rank whatever the number of local steps, and no rank waits for a
+peer that has finished.
 
 Example:
     >>> from hexagram.algorithms.weight_sync import as_compressor
@@ -34,18 +40,21 @@ from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
+from hexagram.comm.control import count_flags
 from hexagram.compress.base import Aggregation, Compressor
 from hexagram.errors import ConfigError
 
 __all__ = [
     "RoundAlgorithm",
     "as_compressor",
+    "average_weights",
     "check_compressor_spec",
     "compressed_sum",
     "flats_from_named",
     "named_from_flats",
     "read_weights",
     "require_optimizers",
+    "sync_buffers",
     "write_weights",
 ]
 
@@ -118,6 +127,44 @@ def write_weights(buckets: Sequence[Bucket], flats: Sequence[Tensor]) -> None:
         b.copy_out_weights(flat)
 
 
+def average_weights(comm: Communicator, buckets: Sequence[Bucket]) -> None:
+    """Replace the weights of ``buckets`` by their mean over the ranks (collective)."""
+    if comm.size == 1:
+        return
+    flats = read_weights(buckets)
+    handles = [primitives.allreduce(comm, flat, average=True) for flat in flats]
+    write_weights(buckets, [h.wait() for h in handles])
+
+
+def sync_buffers(comm: Communicator, module: torch.nn.Module) -> None:
+    """Make ``module``'s buffers equal on every rank (collective).
+
+    Floating buffers (BatchNorm running mean and variance) are averaged, one allreduce per
+    dtype and device; integer buffers (``num_batches_tracked``) are taken from rank 0, as
+    PyTorch DDP's ``broadcast_buffers`` does for all buffers. Buffers are few and small.
+    """
+    if comm.size == 1:
+        return
+    floats: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    others = []
+    for b in module.buffers():
+        if b.is_floating_point() or b.is_complex():
+            floats.setdefault((b.dtype, b.device), []).append(b)
+        else:
+            others.append(b)
+    handles = [(group, primitives.allreduce(
+        comm, torch.cat([b.detach().reshape(-1) for b in group]), average=True))
+        for group in floats.values()]
+    done = primitives.broadcast(comm, others, src=0)
+    with torch.no_grad():
+        for group, handle in handles:
+            flat, offset = handle.wait(), 0
+            for b in group:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+    done.wait()
+
+
 def named_from_flats(buckets: Sequence[Bucket], flats: Sequence[Tensor]) -> dict[str, Tensor]:
     """Flat per-bucket state -> ``{parameter name: tensor}`` (what checkpoints hold)."""
     return {e.name: b.view(e, flat).clone() for b, flat in zip(buckets, flats)
@@ -169,10 +216,14 @@ class RoundAlgorithm(Algorithm):
     def _on_step(self) -> None:
         """Called after each counted step (start a round here if it is due)."""
 
-    def _control(self, active: bool, contributing: bool) -> Handle[Tensor]:
-        """Start the join allreduce; result ``[ranks active, ranks contributing]``."""
-        flags = torch.tensor([float(active), float(contributing)])
-        return primitives.allreduce(self.ctx.comm, flags, average=False)
+    def _control(self, active: bool, contributing: bool) -> Handle[Any]:
+        """Start the join allreduce; result ``(active, contributing)``: how many ranks are
+        still training, how many have local steps to contribute."""
+        return count_flags(self.ctx.comm, active=active, contributing=contributing)
+
+    def _sync_buffers(self) -> None:
+        """End of a round: buffers (BatchNorm statistics) equal on every rank."""
+        sync_buffers(self.ctx.comm, self.ctx.module)
 
     def _round(self, active: bool) -> int:
         """One collective round; returns how many ranks were active in it."""
@@ -185,7 +236,8 @@ class RoundAlgorithm(Algorithm):
         """Reset state that refers to the weights after :meth:`synchronize` equalised them."""
 
     def synchronize(self) -> None:
-        """Answer rounds until no rank is active, then average weights over all ranks.
+        """Answer rounds until no rank is active, then average weights over all ranks (and
+        buffers: see :func:`sync_buffers`).
 
         Collective: every rank calls it once it has no more data (ranks may arrive after
         different numbers of steps). Afterwards every rank holds the same weights.
@@ -194,10 +246,8 @@ class RoundAlgorithm(Algorithm):
         if self.ctx.comm.size > 1:
             while self._round(active=False) > 0:
                 pass
-            flats = read_weights(self.ctx.buckets)
-            for flat in flats:
-                primitives.allreduce(self.ctx.comm, flat, average=True).wait()
-            write_weights(self.ctx.buckets, flats)
+            average_weights(self.ctx.comm, self.ctx.buckets)
+            self._sync_buffers()
         self.dirty = False
         self._after_consensus()
 

@@ -2,17 +2,19 @@
 
 A model that differs across ranks (a parameter missing, a different shape or dtype) would
 otherwise hang or corrupt a collective. Every rank gathers every rank's signature and raises
-the same clear error naming the first differing parameter.
+the same clear error naming the first differing parameter. Layers that cannot run where the
+model is (SyncBatchNorm off the GPU) are refused at wrap time, not at the first forward.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from hexagram.errors import ModelMismatchError
+from hexagram.errors import ConfigError, ModelMismatchError
 
-__all__ = ["check_same_model", "model_signature"]
+__all__ = ["check_runs_on", "check_same_model", "model_signature"]
 
 Signature = list[tuple[str, tuple[int, ...], str, bool]]
 
@@ -58,3 +60,21 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup | None = None) 
                 f"the model on rank {rank} differs from rank 0's ({len(sig)} vs {len(ref)} "
                 f"parameters and buffers); first difference at {diff}. Build the same model "
                 "on every rank before wrapping it")
+
+
+def check_runs_on(module: nn.Module, device: torch.device) -> None:
+    """Refuse layers that cannot run on ``device`` (the runtime's), naming the module.
+
+    ``nn.SyncBatchNorm`` needs CUDA tensors and an NCCL group (PyTorch DDP refuses it with
+    "SyncBatchNorm layers only work with GPU modules"); on the CPU it would fail only at
+    the first forward pass.
+    """
+    if device.type == "cuda":
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, nn.SyncBatchNorm):
+            raise ConfigError(
+                f"SyncBatchNorm layers only work with GPU modules, and {name or 'the model'!r} "
+                f"is one while this job runs on {device} (gloo). Use nn.BatchNorm on the CPU "
+                "(convert back with a plain BatchNorm of the same shape), or run on CUDA "
+                "with NCCL")

@@ -23,9 +23,10 @@ from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket, build_buckets
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
+from hexagram.comm.device import control_tensor
 from hexagram.engine import join as join_protocol
 from hexagram.engine import lifecycle
-from hexagram.engine.checks import check_same_model
+from hexagram.engine.checks import check_runs_on, check_same_model
 from hexagram.engine.reducer import Reducer
 from hexagram.errors import ConfigError
 from hexagram.runtime import get_runtime
@@ -72,6 +73,7 @@ class DistributedDataParallel(nn.Module):
                              ("first_bucket_mb", first_bucket_mb)):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{field} must be a number >= 0 (MiB), got {value!r}")
+        check_runs_on(module, runtime.device)
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         self.module = module
@@ -90,6 +92,7 @@ class DistributedDataParallel(nn.Module):
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._reducer: Reducer | None = None
         self._rebucketed = False
+        self._sync = True  # False inside no_sync()
         # released by close(), garbage collection or interpreter exit (no close() needed)
         self._resources = lifecycle.Resources(self.algorithm, self.comm)
         self._finalizer = lifecycle.attach(self, self._resources)
@@ -120,6 +123,7 @@ class DistributedDataParallel(nn.Module):
         if self.algorithm.kind == "grad" and buckets:
             self._reducer = Reducer(self.algorithm, self.comm, buckets,
                                     self.find_unused_parameters, self.gradient_as_bucket_view)
+            self._reducer.enabled = self._sync
         self._resources.reducer = self._reducer
 
     def _rebucket_by_ready_order(self) -> None:
@@ -134,7 +138,7 @@ class DistributedDataParallel(nn.Module):
         index = {n: i for i, (n, _) in enumerate(self._named)}
         seen = [index[n] for n in reducer.ready_order if n in index]
         rest = [i for i in range(len(self._named)) if i not in set(seen)]
-        order = torch.tensor(seen + [i for i in reversed(rest)], dtype=torch.int64)
+        order = control_tensor(seen + [i for i in reversed(rest)], self.comm)
         primitives.broadcast(self.comm, [order], src=0).wait()
         new = [self._named[i] for i in order.tolist()]
         current = [(e.name, e.param) for b in reducer.buckets for e in b.entries]
@@ -176,15 +180,17 @@ class DistributedDataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: backward passes inside do not communicate."""
-        reducer = self._reducer
-        previous = reducer.enabled if reducer is not None else True
-        if reducer is not None:
-            reducer.enabled = False
+        # the flag belongs to the wrapper: a reducer rebuilt inside the block (re-bucketing
+        # after the first backward) must start disabled too
+        previous, self._sync = self._sync, False
+        if self._reducer is not None:
+            self._reducer.enabled = False
         try:
             yield
         finally:
-            if reducer is not None:
-                reducer.enabled = previous
+            self._sync = previous
+            if self._reducer is not None:
+                self._reducer.enabled = previous
 
     @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True,

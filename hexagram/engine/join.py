@@ -10,7 +10,7 @@ reports no active rank. Every rank then takes the weights and buffers of a rank 
 trained longest (the *authoritative* rank), as PyTorch DDP's join does.
 
 Example:
-    >>> authoritative_rank(torch.tensor([3.0, 5.0, 5.0]))
+    >>> authoritative_rank(torch.tensor([3, 5, 5]))
     1
 """
 
@@ -20,21 +20,22 @@ import torch
 
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
+from hexagram.comm.control import count_flags
+from hexagram.comm.device import control_zeros
 
 __all__ = ["authoritative_rank", "control_round", "trained_steps"]
 
 
 def control_round(comm: Communicator, active: bool, syncing: bool) -> tuple[int, int]:
     """Allreduce ``[active, syncing]``; (ranks active, ranks that will sync gradients)."""
-    flags = torch.tensor([float(active), float(active and syncing)])
-    total = primitives.allreduce(comm, flags, average=False).wait()
-    return int(total[0].item()), int(total[1].item())
+    counts = count_flags(comm, active=active, syncing=active and syncing).wait()
+    return counts.active, counts.syncing
 
 
 def trained_steps(comm: Communicator, steps: int) -> torch.Tensor:
     """(world,) steps each rank trained inside ``join()`` (one allreduce)."""
-    counts = torch.zeros(comm.size, dtype=torch.float64)
-    counts[comm.rank] = float(steps)
+    counts = control_zeros(comm.size, comm)
+    counts[comm.rank] = steps
     return primitives.allreduce(comm, counts, average=False).wait()
 
 

@@ -21,6 +21,7 @@ from hexagram.algorithms.base import Algorithm
 from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
+from hexagram.comm.device import control_tensor
 
 __all__ = ["Reducer"]
 
@@ -163,6 +164,7 @@ class Reducer:
     def _globally_unused(self, missing: list[str]) -> frozenset[str]:
         """Names no rank used (their ``.grad`` stays as it was, like PyTorch DDP)."""
         names = [e.name for b in self.buckets for e in b.entries]
-        used = torch.tensor([0.0 if n in set(missing) else 1.0 for n in names])
+        gone = set(missing)
+        used = control_tensor([n not in gone for n in names], self.comm)
         used = primitives.allreduce(self.comm, used, average=False).wait()
-        return frozenset(n for n, u in zip(names, used.tolist()) if u == 0.0)
+        return frozenset(n for n, u in zip(names, used.tolist()) if u == 0)

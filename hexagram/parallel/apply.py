@@ -37,9 +37,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from hexagram.comm.device import group_device
 from hexagram.errors import HexagramError
 from hexagram.parallel.plans import Plan, StagePlan
 from hexagram.parallel.runner import ParallelModel
+from hexagram.runtime import get_runtime, is_initialized
 
 __all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "check_executable",
            "default_loss", "parallelize", "sync_gradients"]
@@ -114,9 +116,12 @@ def apply_sharding(module: nn.Module, stage: StagePlan, tp_mesh: DeviceMesh) -> 
 
 
 def apply_pipeline(module: nn.Module, plan: Plan, index: int, group: dist.ProcessGroup,
-                   loss_fn: LossFn) -> ScheduleGPipe | Schedule1F1B:
-    """A pipeline stage over ``group`` (one rank per stage) and the plan's schedule."""
-    stage = PipelineStage(module, index, len(plan.stages), torch.device("cpu"), group=group)
+                   loss_fn: LossFn, device: torch.device | None = None
+                   ) -> ScheduleGPipe | Schedule1F1B:
+    """A pipeline stage over ``group`` (one rank per stage) and the plan's schedule;
+    ``device``: where the stage runs (default: the group's, see :mod:`hexagram.comm.device`)."""
+    device = device if device is not None else group_device(group)
+    stage = PipelineStage(module, index, len(plan.stages), device, group=group)
     schedule = Schedule1F1B if plan.schedule == "1f1b" else ScheduleGPipe
     return schedule(stage, n_microbatches=plan.microbatches, loss_fn=loss_fn)
 
@@ -147,11 +152,12 @@ def sync_gradients(module: nn.Module, stage: StagePlan, group: dist.ProcessGroup
         g.div_(stage.dp)
 
 
-def _groups(plan: Plan, rank: int) -> tuple[int, DeviceMesh, dist.ProcessGroup | None]:
+def _groups(plan: Plan, rank: int, device: torch.device
+            ) -> tuple[int, DeviceMesh, dist.ProcessGroup | None]:
     """(my stage, my stage's dp x tp mesh, my pipeline group); collective on all ranks."""
     mine, my_mesh, my_pp = -1, None, None
     for k, st in enumerate(plan.stages):
-        mesh = DeviceMesh("cpu", torch.tensor(st.ranks).view(st.dp, st.tp),
+        mesh = DeviceMesh(device.type, torch.tensor(st.ranks).view(st.dp, st.tp),
                           mesh_dim_names=("dp", "tp"))
         if rank in st.ranks:
             mine, my_mesh = k, mesh
@@ -175,11 +181,12 @@ def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss) ->
                             "hexagram.init() first")
     rank = dist.get_rank()
     check_executable(model, plan, dist.get_world_size())
-    index, mesh, pp_group = _groups(plan, rank)
+    device = get_runtime().device if is_initialized() else group_device(None)
+    index, mesh, pp_group = _groups(plan, rank, device)
     stage = plan.stages[index]
     assert isinstance(model, nn.Sequential)
-    module = apply_sharding(apply_stage(model, stage), stage, mesh["tp"])
-    schedule = apply_pipeline(module, plan, index, pp_group, loss_fn) \
+    module = apply_sharding(apply_stage(model, stage).to(device), stage, mesh["tp"])
+    schedule = apply_pipeline(module, plan, index, pp_group, loss_fn, device) \
         if pp_group is not None else None
     dp_rank = stage.ranks.index(rank) // stage.tp
     return ParallelModel(module=module, plan=plan, stage_index=index, dp_rank=dp_rank,
