@@ -20,8 +20,6 @@ from torch import Tensor
 
 from hexagram import compress
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm
-from hexagram.compress.base import Payload
-from hexagram.compress.combine import sum_payloads
 
 __all__ = ["SignSGDAlgorithm", "SignSGDConfig", "majority_vote"]
 
@@ -48,17 +46,9 @@ class SignSGDAlgorithm(CompressorAlgorithm):
     """Majority-vote signSGD; see :class:`SignSGDConfig`."""
 
     name = "signsgd"
+    reduction = "majority"  # sign of the sum of the decoded (+-1) signs
 
     def __init__(self, config: SignSGDConfig | None = None) -> None:
         super().__init__(config or SignSGDConfig())
         self.config: SignSGDConfig
         self.use_compressor(compress.get("sign"), feedback=False)
-
-    def aggregate_payloads(self, payloads: list[Payload], out: Tensor) -> Tensor:
-        """:func:`majority_vote` of the ranks' signs, decoded (+-1) and summed into ``out``:
-        the decoded values are their own signs, so the sum's sign is the vote."""
-        if sum_payloads(self.compressor, payloads, out, lambda t: t.sign_()) is not None:
-            return out  # voted in code space (up to 8 ranks): the same values
-        for i, p in enumerate(payloads):
-            self.compressor.decompress_into(p, out, add=i > 0)
-        return out.sign_()

@@ -34,6 +34,7 @@ from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
+from hexagram.comm.reduce import reduce
 from hexagram.compress.base import Aggregation, Compressor
 from hexagram.errors import ConfigError
 
@@ -83,7 +84,7 @@ def compressed_sum(comm: Communicator, tensor: Tensor, compressor: Compressor | 
     if compressor is None:
         return primitives.allreduce(comm, tensor.detach().clone(), average=False)
     if compressor.aggregation is Aggregation.SUM and compressor.payload_sums_elementwise:
-        return primitives.allreduce_compressed(comm, tensor.detach(), compressor, average=False)
+        return reduce(comm, tensor.detach(), compressor, reduction="sum")
     if compressor.aggregation is Aggregation.SCATTER_GATHER:
         return primitives.scatter_gather(comm, tensor.detach(), compressor, average=False)
     handle = primitives.allgather_payloads(comm, compressor.compress(tensor.detach()))
