@@ -74,6 +74,8 @@ class CompressedConfig:
         seed: seeds this algorithm's random generator (stochastic rounding, random-k).
     """
 
+    #: the algorithm's registry name: validation errors name it (``algorithm 'fp16': ...``)
+    algorithm: ClassVar[str] = ""
     granularity: str = "layer"
     on_nonfinite: str = "raise"
     seed: int = 0

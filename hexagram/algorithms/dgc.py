@@ -62,6 +62,8 @@ class DGCConfig(CompressedConfig):
         warmup_density: density of the first warm-up stage (>= ``density``).
     """
 
+    algorithm = "dgc"
+
     density: float = 0.01
     approximate: bool = True
     momentum: float = 0.9

@@ -44,6 +44,8 @@ class Fp16Config(CompressedConfig):
             ``"bucket"`` (default) sends one allreduce per bucket, ``"layer"`` one per tensor.
     """
 
+    algorithm = "fp16"
+
     wire: str = "fp16"
     granularity: str = "bucket"
 

@@ -44,11 +44,11 @@ from hexagram.compress.feedback import ErrorFeedback
 from hexagram.compress.lowrank import PowerSGDCompressor
 from hexagram.config import check_int
 
-__all__ = ["PowerSGDAlgorithm", "PowerSGDConfig", "compressible", "segment_shape"]
+__all__ = ["PowerSGDAlgorithm", "PowerSGDAlgorithmConfig", "compressible", "segment_shape"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class PowerSGDConfig(CompressedConfig):
+class PowerSGDAlgorithmConfig(CompressedConfig):
     """Config of :class:`PowerSGDAlgorithm` (plus :class:`CompressedConfig`'s fields).
 
     Attributes:
@@ -59,6 +59,8 @@ class PowerSGDConfig(CompressedConfig):
             then converges over steps) or draw a fresh random Q every step.
         error_feedback: carry ``M - approx`` to the next step (needed for convergence).
     """
+
+    algorithm = "powersgd"
 
     rank: int = 2
     start_iter: int = 10
@@ -97,13 +99,13 @@ class _Matrix:
 
 
 class PowerSGDAlgorithm(CompressedAlgorithm):
-    """Rank-r PowerSGD with warm start and error feedback; see :class:`PowerSGDConfig`."""
+    """Rank-r PowerSGD with warm start and error feedback; see :class:`PowerSGDAlgorithmConfig`."""
 
     name = "powersgd"
 
-    def __init__(self, config: PowerSGDConfig | None = None) -> None:
-        super().__init__(config or PowerSGDConfig())
-        self.config: PowerSGDConfig
+    def __init__(self, config: PowerSGDAlgorithmConfig | None = None) -> None:
+        super().__init__(config or PowerSGDAlgorithmConfig())
+        self.config: PowerSGDAlgorithmConfig
         c = self.config
         # the compressor's step API: matrix, compute_p, orthogonalize, compute_q, store_q
         # (warm-start Q per key, initial Q seeded by key: the same on every rank)

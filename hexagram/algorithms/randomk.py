@@ -27,17 +27,19 @@ from hexagram.comm.reduce import reduce_many
 from hexagram.compress.base import Payload
 from hexagram.config import check_float
 
-__all__ = ["RandomKAlgorithm", "RandomKConfig"]
+__all__ = ["RandomKAlgorithm", "RandomKAlgorithmConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class RandomKConfig(CompressedConfig):
+class RandomKAlgorithmConfig(CompressedConfig):
     """Config of :class:`RandomKAlgorithm` (plus :class:`CompressedConfig`'s fields).
 
     Attributes:
         density: fraction of elements sent per segment; lower => fewer bytes, more steps.
         error_feedback: keep unsent values for the next step (on: random-k is not scaled).
     """
+
+    algorithm = "randomk"
 
     density: float = 0.1
     error_feedback: bool = True
@@ -48,14 +50,14 @@ class RandomKConfig(CompressedConfig):
 
 
 class RandomKAlgorithm(CompressorAlgorithm):
-    """Shared-seed random-k with error feedback; see :class:`RandomKConfig`."""
+    """Shared-seed random-k with error feedback; see :class:`RandomKAlgorithmConfig`."""
 
     name = "randomk"
     shared_randomness = True  # the same positions on every rank
 
-    def __init__(self, config: RandomKConfig | None = None) -> None:
-        super().__init__(config or RandomKConfig())
-        self.config: RandomKConfig
+    def __init__(self, config: RandomKAlgorithmConfig | None = None) -> None:
+        super().__init__(config or RandomKAlgorithmConfig())
+        self.config: RandomKAlgorithmConfig
         # Unscaled values: error feedback keeps the rest. (Rescaling by n/k makes the
         # estimate unbiased but the residual would then grow without bound.)
         self.use_compressor(compress.get("randomk", density=self.config.density,
