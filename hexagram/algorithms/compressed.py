@@ -236,7 +236,7 @@ class CompressedAlgorithm(Algorithm):
         into the old residuals' memory."""
         ef = self._feedback()
         for e, a, b in _spans(segment):
-            ef.update_(e.name, corrected[a:b], sent[a:b])
+            ef.update(e.name, corrected[a:b], sent[a:b])
 
     def compress_with_feedback(self, segment: Segment, tensor: Tensor,
                                compressor: Compressor, divisor: int = 1) -> Payload:

@@ -139,7 +139,7 @@ class QAdamAlgorithm(Algorithm):
 
     def _update_residuals(self, bucket: Bucket, mine: Tensor) -> None:
         for e in bucket.entries:  # e <- x - Q(x), in the old residuals' memory
-            self.feedback.update_(e.name, bucket.view(e), bucket.view(e, mine))
+            self.feedback.update(e.name, bucket.view(e), bucket.view(e, mine))
 
     def state_dict(self) -> dict[str, Any]:
         return {"feedback": self.feedback.state_dict()}
