@@ -1,7 +1,9 @@
 """Validation helpers for frozen, keyword-only config dataclasses.
 
 Every check raises :class:`hexagram.errors.ConfigError` naming the field, the value and the
-allowed range, e.g. ``ConfigError("QSGDConfig.levels must be an integer >= 1, got 0")``.
+allowed range, e.g. ``ConfigError("MinMax8Config.chunk_size must be an integer >= 1, got
+0")``; an algorithm's config (a class attribute ``algorithm`` names it) is named by the
+algorithm: ``ConfigError("algorithm 'qsgd': levels must be an integer in [1, 127], got 0")``.
 
 Example:
     >>> from dataclasses import dataclass

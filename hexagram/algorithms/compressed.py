@@ -3,23 +3,22 @@
 A compressed-gradient algorithm receives each ready bucket, checks it for NaN/Inf (before
 anything is compressed, naming the step and the parameter), cuts it into *segments* (one per
 tensor with ``granularity="layer"``, the whole bucket with ``granularity="bucket"``: Dutta
-et al.'s layer-wise vs whole-model compression), reduces each segment with
-:meth:`CompressedAlgorithm.reduce_segment` and joins the results into the bucket's flat
-gradient. Subclasses only say how a segment is reduced.
+et al.'s layer-wise vs whole-model compression) and reduces them into the bucket's flat
+gradient: :class:`CompressorAlgorithm` through :func:`hexagram.comm.reduce.reduce_many`
+(the collective follows the compressor), others segment by segment
+(:meth:`CompressedAlgorithm.reduce_segment`: gTop-k's tree) or bucket by bucket (PowerSGD).
 
 Per-tensor state (error-feedback residuals, momenta) is kept per parameter *name*, so it
 survives the engine re-forming buckets after the first step; a bucket-granularity segment's
 residual is the concatenation of its tensors' residuals. Residuals live in a
 :class:`hexagram.compress.ErrorFeedback` keyed by parameter name.
 
-Example (a subclass; :class:`CompressorAlgorithm` picks the collective from the
-compressor's aggregation)::
+An algorithm that only applies a compressor needs no class: it is a registry line
+(:class:`hexagram.algorithms.recipe.Recipe`), e.g.::
 
-    class TopK(CompressorAlgorithm):
-        name = "topk"
-        def __init__(self, config):
-            super().__init__(config)
-            self.use_compressor(hexagram.compress.get("topk", density=0.01), feedback=True)
+    Entry.declared(Recipe("topk", "topk", "top-k pairs by allgather",
+                          {"density": Option(0.01, "fraction sent", _DENSITY)},
+                          error_feedback=True))
 """
 
 from __future__ import annotations
