@@ -1,5 +1,6 @@
 # The two quickstart targets (`make demo`, `make test`) work on a fresh machine: they create
-# .venv, install the local CPU build of torch first, then the package with its dev extras.
+# .venv, install the local CPU build of torch first, then the package with its optional
+# extras (data, planner, bench: see pyproject.toml) and the dev tools.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[all,dev]"
 	@$(MAKE) --no-print-directory data
 	touch $(STAMP)
 

@@ -1,7 +1,9 @@
 """Validation helpers for frozen, keyword-only config dataclasses.
 
 Every check raises :class:`hexagram.errors.ConfigError` naming the field, the value and the
-allowed range, e.g. ``ConfigError("QSGDConfig.levels must be an integer >= 1, got 0")``.
+allowed range, e.g. ``ConfigError("MinMax8Config.chunk_size must be an integer >= 1, got
+0")``; an algorithm's config (a class attribute ``algorithm`` names it) is named by the
+algorithm: ``ConfigError("algorithm 'qsgd': levels must be an integer in [1, 127], got 0")``.
 
 Example:
     >>> from dataclasses import dataclass
@@ -28,7 +30,19 @@ __all__ = ["build_config", "check_choice", "check_float", "check_int"]
 
 
 def _label(obj: Any, field: str) -> str:
-    return f"{type(obj).__name__}.{field}"
+    """How messages name a field: ``algorithm 'qsgd': levels`` for an algorithm's config
+    (a class attribute ``algorithm`` names it), else ``ClassName.field``."""
+    return f"{_owner(type(obj))}{': ' if _algorithm(type(obj)) else '.'}{field}"
+
+
+def _algorithm(cls: type) -> str:
+    name = getattr(cls, "algorithm", "")
+    return name if isinstance(name, str) else ""
+
+
+def _owner(cls: type) -> str:
+    name = _algorithm(cls)
+    return f"algorithm {name!r}" if name else cls.__name__
 
 
 def check_int(obj: Any, field: str, low: int | None = None, high: int | None = None) -> None:
@@ -71,5 +85,5 @@ def build_config(cls: type, kwargs: dict[str, Any]) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(kwargs) - set(names))
     if unknown:
-        raise ConfigError(f"{cls.__name__} has no field(s) {unknown}; valid fields: {names}")
+        raise ConfigError(f"{_owner(cls)} has no field(s) {unknown}; valid fields: {names}")
     return cls(**kwargs)

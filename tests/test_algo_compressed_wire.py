@@ -10,7 +10,10 @@ feeds a chosen gradient. For every algorithm, one spawned job checks:
   gtopk, PowerSGD exact on a rank-1 mean, fp16/8-bit close to the mean);
 - resuming from ``algorithm_state_dict()`` continues exactly as an uninterrupted run.
 
-World size 3 makes chunks uneven (no power of two, sizes not divisible by 3).
+World size 3 makes chunks uneven (no power of two, sizes not divisible by 3). Every
+registered compressed-gradient algorithm is checked (by class, from the registry): CASES
+only gives configs; an algorithm without a case runs with its defaults, and its bytes follow
+from its compressor, granularity and route (hexagram.comm.reduce.route).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import torch
 from torch import nn
 
 import hexagram.compress as hc
+from hexagram.algorithms import registry
+from hexagram.algorithms.compressed import CompressedAlgorithm, CompressorAlgorithm
 from hexagram.algorithms.gtopk import sparse_pairs
 from hexagram.comm.gtopk import butterfly, tree_children
+from hexagram.comm.reduce import Route, route
 from hexagram.launch import run_local
 
 WORLD = 3
@@ -47,6 +53,11 @@ CASES: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     "randomk": ({"density": 0.05}, "randomk", {"density": 0.05}),
     "powersgd": ({"rank": 1, "start_iter": 0}, "", {}),  # rank 1: exact on a rank-1 mean
 }
+NAMES = [n for n, e in registry.entries().items() if issubclass(e.load()[1], CompressedAlgorithm)]
+
+
+def _config(name: str) -> dict[str, Any]:
+    return CASES[name][0] if name in CASES else {}
 
 
 class Probe(nn.Module):
@@ -155,7 +166,7 @@ def _worker(names: list[str]) -> dict[str, Any]:
     hx.init()
     results: dict[str, Any] = {"bad_input": _bad_input_cases()}
     for name in names:
-        config = CASES[name][0]
+        config = _config(name)
         rank1 = name == "powersgd"
         full = _run(name, config, steps=4, rank1=rank1)
         head = _run(name, config, steps=2, rank1=rank1)
@@ -165,10 +176,6 @@ def _worker(names: list[str]) -> dict[str, Any]:
     return results
 
 
-def _payload_bytes(comp: str, cfg: dict[str, Any], numel: int) -> int:
-    return hc.get(comp, **cfg).compress(torch.randn(numel)).nbytes
-
-
 def _k(ccfg: dict[str, Any], numel: int) -> int:
     """Pairs a sparsifier of this config keeps of ``numel`` elements (its payload size)."""
     return sparse_pairs(hc.get("topk", **ccfg).compress(torch.randn(numel)))[0].numel()
@@ -176,50 +183,44 @@ def _k(ccfg: dict[str, Any], numel: int) -> int:
 
 def expected_bytes(name: str, rank: int, world: int) -> int:
     """Bytes rank ``rank`` sends per step: payload sizes times each collective's formula."""
-    config, comp, ccfg = CASES[name]
+    config = _config(name)
     if name == "powersgd":  # ring allreduce of all P (n x r) + vectors, then of all Q (m x r)
         r = config["rank"]
         first = 40 * r + 30 + 17 * r  # P of a (40x30) and c (17x5); the vector b goes dense
         second = 30 * r + 5 * r
         return sum(2 * (world - 1) * (4 * n) // world for n in (first, second))
-    bucket = name in ("fp16", "bytegrad", "signsgd")  # their default granularity
-    sizes = [TOTAL] if bucket else list(NUMELS.values())
+    algo = registry.get(name, **config)
+    sizes = [TOTAL] if algo.config.granularity == "bucket" else list(NUMELS.values())
     if name == "gtopk":  # one message of k (float32, int32) pairs up, one per tree child down
-        ks = [_k(ccfg, n) for n in sizes]  # (or one per round of recursive doubling)
+        ks = [_k(CASES[name][2], n) for n in sizes]  # (or one per round of recursive doubling)
         edges = world.bit_length() - 1 if butterfly(world) else \
             (rank != 0) + len(tree_children(rank, world))
         return sum(8 * k * edges for k in ks)
     if name == "randomk":  # shared positions: ring allreduce of the k float32 values only
-        return sum(2 * (world - 1) * 4 * _k(ccfg, n) // world for n in sizes)
-    agg = hc.get(comp, **ccfg).aggregation
+        return sum(2 * (world - 1) * 4 * _k(CASES[name][2], n) // world for n in sizes)
+    assert isinstance(algo, CompressorAlgorithm), f"{name}: add its byte formula here"
+    comp = algo.compressor
+    way = route(comp, exact_local=algo.error_feedback is not None or algo.custom_encoding,
+                reduction=algo.reduction)
     total = 0
     for n in sizes:
-        if agg is hc.Aggregation.SUM:  # ring allreduce of the payload
-            total += 2 * (world - 1) * _payload_bytes(comp, ccfg, n) // world
-        elif agg is hc.Aggregation.SCATTER_GATHER and name in ("bytegrad", "qsgd"):
+        if way is Route.SUM:  # ring allreduce of the payload
+            total += 2 * (world - 1) * comp.compress(torch.randn(n)).nbytes // world
+        elif way is Route.SCATTER_GATHER:
             # P chunks of ceil(n/P): all-to-all sends P-1 of them, allgather P-1 copies of one
-            chunk = _payload_bytes(comp, ccfg, -(-n // world))
-            total += 2 * (world - 1) * chunk
+            total += 2 * (world - 1) * comp.compress(torch.randn(-(-n // world))).nbytes
         else:  # ring allgather of the payload
-            total += (world - 1) * _payload_bytes(comp, ccfg, n)
+            total += (world - 1) * comp.compress(torch.randn(n)).nbytes
     return total
-
-
-def _registered(names: list[str]) -> list[str]:
-    need = {n: CASES[n][1] for n in names}
-    return [n for n in names if need[n] == "" or need[n] in hc.names()]
 
 
 @pytest.fixture(scope="module")
 def wire_results() -> list[dict[str, Any]]:
-    names = _registered(list(CASES))
-    return run_local(_worker, WORLD, args=(names,), timeout=240)
+    return run_local(_worker, WORLD, args=(NAMES,), timeout=240)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_bytes_agreement_and_resume(name: str, wire_results: list[dict[str, Any]]) -> None:
-    if name not in wire_results[0]:
-        pytest.skip(f"compressor {CASES[name][1]!r} is not registered yet")
     per_rank = [r[name] for r in wire_results]
     for rank, res in enumerate(per_rank):
         assert res["bytes"] == [expected_bytes(name, rank, WORLD)] * 4, f"rank {rank}"
@@ -235,8 +236,6 @@ def _mean_of_decompressed(comp: str, ccfg: dict[str, Any], segs: list[list[torch
 
 
 def _step0(name: str, wire_results: list[dict[str, Any]]) -> tuple[torch.Tensor, list[Any]]:
-    if name not in wire_results[0]:
-        pytest.skip(f"compressor {CASES[name][1]!r} is not registered yet")
     got = torch.tensor([v for g in wire_results[0][name]["grads"][0] for v in g])
     xs = [inputs(0, r, rank1=name == "powersgd") for r in range(WORLD)]
     return got, xs

@@ -188,6 +188,7 @@ def _worker() -> dict[str, float]:
 @pytest.mark.parametrize("world_size", [2, 3, 5])
 def test_decentralized_math_uneven_and_resume(world_size: int) -> None:
     for rank, result in enumerate(run_local(_worker, world_size, timeout=120)):
+        assert len(result) >= 3, f"rank {rank} measured only {sorted(result)}"
         for key, err in result.items():
             tol = 1e-6
             assert err <= tol, f"world {world_size} rank {rank} {key}: error {err}"

@@ -103,7 +103,9 @@ def _worker() -> dict[str, float]:
         out["warmup_vs_adam"] = max(out["warmup_vs_adam"], max(
             (a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters())))
     for s in range(WARMUP, WARMUP + 3):
-        for k, v in _compressed_step_errors(model, opt, s, "minmax8").items():
+        errors = _compressed_step_errors(model, opt, s, "minmax8")
+        assert errors, "no error was measured"
+        for k, v in errors.items():
             out[f"minmax8/{k}"] = max(out.get(f"minmax8/{k}", 0.0), v)
     out.update(_fp16_errors())
     saved = copy.deepcopy((net.state_dict(), model.algorithm_state_dict(), opt.state_dict()))
@@ -141,7 +143,9 @@ def _fp16_errors() -> dict[str, float]:
         opt.zero_grad()
     out: dict[str, float] = {}
     for s in range(WARMUP, WARMUP + 2):
-        for k, v in _compressed_step_errors(model, opt, s, "fp16").items():
+        errors = _compressed_step_errors(model, opt, s, "fp16")
+        assert errors, "no error was measured"
+        for k, v in errors.items():
             out[f"fp16/{k}"] = max(out.get(f"fp16/{k}", 0.0), v)
     model.close()
     return out

@@ -45,6 +45,7 @@ def _primitives_worker() -> dict[str, object]:
     from hexagram.comm import primitives
     from hexagram.comm.communicator import Communicator
     from hexagram.comm.hierarchical import HostGroups, hierarchical_allreduce
+    from hexagram.comm.reduce import reduce
     from hexagram.compress import get
 
     os.environ["HEXAGRAM_HOST"] = str(int(os.environ["RANK"]) // 2)  # 2 ranks per "host"
@@ -57,7 +58,7 @@ def _primitives_worker() -> dict[str, object]:
     out["allreduce"] = primitives.allreduce(comm, mine.clone()).wait()
     out["hier"] = hierarchical_allreduce(comm, HostGroups.from_runtime(rt), mine.clone()).wait()
     out["sg"] = primitives.scatter_gather(comm, mine.clone(), get("fp16")).wait()
-    out["fp16"] = primitives.allreduce_compressed(comm, mine.clone(), get("fp16")).wait()
+    out["fp16"] = reduce(comm, mine.clone(), get("fp16")).wait()
     gathered = primitives.allgather_payloads(comm, get("fp16").compress(mine)).wait()
     out["gather"] = [get("fp16").decompress(g) for g in gathered]
     ring = select_peers("ring", rt.rank, p)

@@ -88,7 +88,6 @@ def test_aggregation_of_each_compressor() -> None:
             "qsgd": "scatter_gather"}
     for name in hc.names():
         assert hc.get(name).aggregation.value == want.get(name, "gather"), name
-    assert hc.ErrorFeedback(hc.get("qsgd")).aggregation is hc.Aggregation.SCATTER_GATHER
 
 
 def test_summable_payloads_add_up_in_compressed_form() -> None:

@@ -3,32 +3,30 @@
 A compressed-gradient algorithm receives each ready bucket, checks it for NaN/Inf (before
 anything is compressed, naming the step and the parameter), cuts it into *segments* (one per
 tensor with ``granularity="layer"``, the whole bucket with ``granularity="bucket"``: Dutta
-et al.'s layer-wise vs whole-model compression), reduces each segment with
-:meth:`CompressedAlgorithm.reduce_segment` and joins the results into the bucket's flat
-gradient. Subclasses only say how a segment is reduced.
+et al.'s layer-wise vs whole-model compression) and reduces them into the bucket's flat
+gradient: :class:`CompressorAlgorithm` through :func:`hexagram.comm.reduce.reduce_many`
+(the collective follows the compressor), others segment by segment
+(:meth:`CompressedAlgorithm.reduce_segment`: gTop-k's tree) or bucket by bucket (PowerSGD).
 
 Per-tensor state (error-feedback residuals, momenta) is kept per parameter *name*, so it
 survives the engine re-forming buckets after the first step; a bucket-granularity segment's
 residual is the concatenation of its tensors' residuals. Residuals live in a
 :class:`hexagram.compress.ErrorFeedback` keyed by parameter name.
 
-Example (a subclass; :class:`CompressorAlgorithm` picks the collective from the
-compressor's aggregation)::
+An algorithm that only applies a compressor needs no class: it is a registry line
+(:class:`hexagram.algorithms.recipe.Recipe`), e.g.::
 
-    class TopK(CompressorAlgorithm):
-        name = "topk"
-        def __init__(self, config):
-            super().__init__(config)
-            self.use_compressor(hexagram.compress.get("topk", density=0.01), feedback=True)
+    Entry.declared(Recipe("topk", "topk", "top-k pairs by allgather",
+                          {"density": Option(0.01, "fraction sent", _DENSITY)},
+                          error_feedback=True))
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -37,8 +35,8 @@ from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
-from hexagram.compress.base import Aggregation, Compressor, Payload, all_finite
-from hexagram.compress.combine import sum_payloads
+from hexagram.comm.reduce import reduce_many
+from hexagram.compress.base import Compressor, Payload, all_finite
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.config import check_choice, check_int
 from hexagram.errors import NonFiniteGradientError
@@ -51,9 +49,6 @@ __all__ = [
     "CompressorAlgorithm",
     "Segment",
     "check_finite",
-    "gather_state",
-    "mean_of",
-    "scatter_state",
     "segments",
 ]
 
@@ -78,6 +73,8 @@ class CompressedConfig:
         seed: seeds this algorithm's random generator (stochastic rounding, random-k).
     """
 
+    #: the algorithm's registry name: validation errors name it (``algorithm 'fp16': ...``)
+    algorithm: ClassVar[str] = ""
     granularity: str = "layer"
     on_nonfinite: str = "raise"
     seed: int = 0
@@ -130,33 +127,10 @@ def check_finite(bucket: Bucket, step: int, who: str) -> str | None:
     return f"{who}: non-finite gradient at step {step}"  # pragma: no cover - unreachable
 
 
-def gather_state(store: dict[str, Tensor], segment: Segment, like: Tensor) -> Tensor:
-    """Per-name state of the segment's tensors, concatenated (zeros where absent), 1-D."""
-    parts = [store.get(e.name) for e in segment.entries]
-    return torch.cat([p if p is not None else like.new_zeros(e.numel)
-                      for p, e in zip(parts, segment.entries)])
-
-
-def scatter_state(store: dict[str, Tensor], segment: Segment, value: Tensor) -> None:
-    """Store a segment's 1-D state split per tensor name (copies, so buffers can change)."""
-    offset = 0
-    for e in segment.entries:
-        store[e.name] = value[offset:offset + e.numel].detach().clone()
-        offset += e.numel
-
-
 def _spans(segment: Segment) -> list[tuple[BucketEntry, int, int]]:
     """Each tensor of the segment with its [start, stop) inside the segment."""
     return [(e, e.offset - segment.start, e.offset - segment.start + e.numel)
             for e in segment.entries]
-
-
-def mean_of(tensors: Sequence[Tensor]) -> Tensor:
-    """Element-wise mean, summed in rank order (identical on every rank)."""
-    total = tensors[0].clone()
-    for t in tensors[1:]:
-        total.add_(t)
-    return total.div_(len(tensors))
 
 
 class CompressedAlgorithm(Algorithm):
@@ -169,6 +143,9 @@ class CompressedAlgorithm(Algorithm):
     """
 
     kind = "grad"
+    #: True where every rank must draw the same random numbers (random-k's shared
+    #: positions); False: independent noise per rank (stochastic rounding)
+    shared_randomness: ClassVar[bool] = False
 
     def __init__(self, config: CompressedConfig) -> None:
         super().__init__(config)
@@ -178,16 +155,13 @@ class CompressedAlgorithm(Algorithm):
         self.error_feedback: ErrorFeedback | None = None
         self.generator = torch.Generator()
         self.reduce_generator = torch.Generator()
-        self._shared_seed = False  # subclasses whose ranks must draw the same numbers set it
         self._generator_loaded = False
         self._last_skipped = -1
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
-        # Independent noise per rank (stochastic rounding) unless the method needs shared
-        # randomness (random-k with the same indices everywhere).
         if not self._generator_loaded:
-            offset = 0 if self._shared_seed else ctx.comm.rank
+            offset = 0 if self.shared_randomness else ctx.comm.rank
             self.generator = torch.Generator(device=ctx.runtime.device)
             self.generator.manual_seed(self.config.seed * 1_000_003 + offset)
             # draws made on the communicator's thread (scatter-gather's second leg) use
@@ -248,13 +222,9 @@ class CompressedAlgorithm(Algorithm):
             raise RuntimeError(f"{self.name}: error feedback is off in this configuration")
         return self.error_feedback
 
-    def correct(self, segment: Segment, tensor: Tensor) -> Tensor:
-        """``tensor`` (the segment, 1-D) plus each of its tensors' residual: a new tensor."""
-        ef = self._feedback()
-        return torch.cat([ef.correct(e.name, tensor[a:b]) for e, a, b in _spans(segment)])
-
     def correct_(self, segment: Segment, tensor: Tensor) -> Tensor:
-        """:meth:`correct` in place: ``tensor`` (the algorithm's own buffer) += residuals."""
+        """``tensor`` (the segment, 1-D, the algorithm's own buffer) += each of its tensors'
+        residual, in place; returns ``tensor``."""
         ef = self._feedback()
         for e, a, b in _spans(segment):
             ef.correct_(e.name, tensor[a:b])
@@ -265,21 +235,30 @@ class CompressedAlgorithm(Algorithm):
         into the old residuals' memory."""
         ef = self._feedback()
         for e, a, b in _spans(segment):
-            ef.update_(e.name, corrected[a:b], sent[a:b])
+            ef.update(e.name, corrected[a:b], sent[a:b])
 
     def compress_with_feedback(self, segment: Segment, tensor: Tensor,
-                               compressor: Compressor) -> Payload:
-        """Compress ``tensor`` (+ residual, if error feedback is on); keep what was lost.
+                               compressor: Compressor, divisor: int = 1) -> Payload:
+        """The payload of ``(tensor + residual) / divisor``; keep what it lost.
 
         Invariant (Karimireddy et al. 2019): ``sent + new residual == tensor + old residual``
-        where ``sent = decompress(payload)``. With error feedback ``tensor`` (the segment's
-        view of the bucket, the algorithm's own buffer) receives the residual in place, and
-        the new residual is decoded into the old one's memory: no gradient-sized temporaries.
+        where ``sent = divisor * decompress(payload)`` (``divisor``: the world size where
+        the collective sums payloads of a mean, see :mod:`hexagram.comm.reduce`). Without
+        error feedback this is the plain compression. ``tensor`` (the segment's view of the
+        bucket, the algorithm's own buffer) receives the residual in place, and the new
+        residual is decoded into the old one's memory: no gradient-sized temporaries.
         """
         if self.error_feedback is None:
-            return compressor.compress(tensor, self.generator)
+            return compressor.compress(tensor.div_(divisor) if divisor > 1 else tensor,
+                                       self.generator)
         ef, spans = self._feedback(), _spans(segment)
-        payload = compressor.compress(self.correct_(segment, tensor), self.generator)
+        self.correct_(segment, tensor)
+        if divisor > 1:
+            payload = compressor.compress(tensor / divisor, self.generator)
+            self.update(segment, tensor, compressor.decompress(payload).reshape(-1)
+                        .mul_(divisor))
+            return payload
+        payload = compressor.compress(tensor, self.generator)
         if len(spans) == 1:
             ef.update_from(spans[0][0].name, tensor, payload)
         else:  # several tensors' residuals: decode once, split
@@ -305,18 +284,23 @@ class CompressedAlgorithm(Algorithm):
 
 
 class CompressorAlgorithm(CompressedAlgorithm):
-    """A compressor applied per segment, exchanged the way its payloads combine.
+    """A compressor applied per segment, exchanged by :func:`hexagram.comm.reduce.reduce_many`.
 
-    The compressor's :attr:`~hexagram.compress.base.Compressor.aggregation` picks the
-    collective: ``SUM`` -> allreduce of the payloads; ``SCATTER_GATHER`` -> scatter-gather
-    (compress, all-to-all, reduce, compress, allgather), unless error feedback is on;
-    ``GATHER`` (or ``SCATTER_GATHER`` with error feedback, which needs the exact local
-    compression error) -> allgather of payloads, then :meth:`aggregate_payloads`.
+    The compressor's aggregation picks the collective there (one rule for every algorithm);
+    every segment of a bucket goes out in one message per leg, decoded into the bucket.
+    With error feedback (or ``custom_encoding``) the algorithm encodes each segment itself
+    (:meth:`encode_segment`), which keeps scatter-gather formats on the allgather route.
 
-    Subclasses set ``name`` and call :meth:`use_compressor` in ``__init__``.
+    Subclasses set ``compressor`` (and ``error_feedback``) with :meth:`use_compressor`; they
+    may set ``reduction = "majority"`` (signSGD's vote) and override :meth:`encode_segment`
+    with ``custom_encoding = True`` (DGC's momentum correction, fp16's range check).
     """
 
     compressor: Compressor
+    #: how the ranks' decoded segments combine: "mean", or "majority" (sign of the sum)
+    reduction: ClassVar[str] = "mean"
+    #: True where :meth:`encode_segment` does more than (error-feedback) compression
+    custom_encoding: ClassVar[bool] = False
 
     def use_compressor(self, compressor: Compressor, feedback: bool) -> None:
         """Set the compressor, wrapped in error feedback if ``feedback``."""
@@ -324,66 +308,18 @@ class CompressorAlgorithm(CompressedAlgorithm):
         self.error_feedback = ErrorFeedback(compressor) if feedback else None
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
-        """Layer-wise segments of scatter-gather and gather formats go out coalesced: each
-        tensor is compressed on its own, and all of a bucket's payloads travel in one
-        message per leg (same payloads, bytes and draws as one collective per tensor)."""
         segs = segments(bucket, self.config.granularity)
-        comp, feedback = self.compressor, self.error_feedback is not None
-        custom = type(self).reduce_segment is not CompressorAlgorithm.reduce_segment
-        if len(segs) == 1 or custom or comp.aggregation is Aggregation.SUM:
-            return super().reduce_bucket(bucket)
         views = [bucket.flat[s.start:s.stop] for s in segs]
-        if comp.aggregation is Aggregation.SCATTER_GATHER and not feedback:
-            return primitives.scatter_gather_many(
-                self.ctx.comm, views, comp, generator=self.generator,
-                reduce_generator=self.reduce_generator, outs=views
-            ).then(lambda _: bucket.flat)
-        payloads = [self.compress_with_feedback(s, v, comp) for s, v in zip(segs, views)]
+        own = self.error_feedback is not None or self.custom_encoding
+        return reduce_many(
+            self.ctx.comm, views, self.compressor, reduction=self.reduction, outs=views,
+            encode=(lambda i, t, d: self.encode_segment(segs[i], t, d)) if own else None,
+            generator=self.generator, reduce_generator=self.reduce_generator,
+        ).then(lambda _: bucket.flat)
 
-        def combine(per_tensor: list[list[Payload]]) -> Tensor:
-            for view, payloads_of_all in zip(views, per_tensor):
-                result = self.aggregate_payloads(payloads_of_all, view)
-                if result.data_ptr() != view.data_ptr():
-                    view.copy_(result.reshape(-1))
-            return bucket.flat
-
-        return primitives.allgather_payloads_many(self.ctx.comm, payloads).then(combine)
-
-    def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
-        """Reduce ``tensor`` (the segment's view of the bucket); the mean is written into it
-        (the input is fully compressed before any result arrives)."""
-        comm, comp = self.ctx.comm, self.compressor
-        feedback = self.error_feedback is not None
-        if comp.aggregation is Aggregation.SUM:
-            if not feedback:
-                return primitives.allreduce_compressed(comm, tensor, comp)
-            return self._sum_payload(self.compress_with_feedback(segment, tensor, comp), tensor)
-        if comp.aggregation is Aggregation.SCATTER_GATHER and not feedback:
-            return primitives.scatter_gather(comm, tensor, comp, generator=self.generator,
-                                             reduce_generator=self.reduce_generator, out=tensor)
-        payload = self.compress_with_feedback(segment, tensor, comp)
-        h = primitives.allgather_payloads(comm, payload)
-        return h.then(lambda payloads: self.aggregate_payloads(payloads, tensor))
-
-    def _sum_payload(self, payload: Payload, out: Tensor) -> Handle[Tensor]:
-        """Allreduce (sum) a summable payload's tensors in place; decode into ``out``, / P."""
-        handles = [primitives.allreduce(self.ctx.comm, t, average=False)
-                   for t in payload.tensors]
-        size = self.ctx.comm.size
-        return Handle.gather(handles, f"{self.name}.sum").then(
-            lambda _: self.compressor.decompress_into(payload, out).div_(size))
-
-    def aggregate_payloads(self, payloads: list[Payload], out: Tensor) -> Tensor:
-        """Combine every rank's payload (rank order) into ``out`` (the segment, 1-D, free to
-        overwrite) and return it; default: the mean, each payload decoded and added straight
-        into ``out`` (no dense temporary per rank), summed in rank order as :func:`mean_of`.
-        """
-        size = len(payloads)
-        if sum_payloads(self.compressor, payloads, out, lambda t: t.div_(size)) is not None:
-            return out  # summed in code space (few-bit formats): same values, fewer passes
-        for i, p in enumerate(payloads):
-            self.compressor.decompress_into(p, out, add=i > 0)
-        return out.div_(size)
+    def encode_segment(self, segment: Segment, tensor: Tensor, divisor: int) -> Payload:
+        """The payload of ``tensor / divisor`` with error feedback (the default)."""
+        return self.compress_with_feedback(segment, tensor, self.compressor, divisor)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "compressor": self.compressor.state_dict()}

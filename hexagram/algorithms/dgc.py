@@ -32,9 +32,7 @@ from torch import Tensor
 from hexagram import compress
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, Segment
 from hexagram.buckets import BucketEntry
-from hexagram.comm import primitives
-from hexagram.comm.communicator import Handle
-from hexagram.compress.base import Compressor
+from hexagram.compress.base import Compressor, Payload
 from hexagram.config import check_float, check_int
 
 __all__ = ["DGCAlgorithm", "DGCConfig", "density_at"]
@@ -63,6 +61,8 @@ class DGCConfig(CompressedConfig):
         warmup_steps: steps of the sparsity warm-up; 0 => ``density`` from the start.
         warmup_density: density of the first warm-up stage (>= ``density``).
     """
+
+    algorithm = "dgc"
 
     density: float = 0.01
     approximate: bool = True
@@ -99,6 +99,7 @@ class DGCAlgorithm(CompressorAlgorithm):
     :class:`DGCConfig`."""
 
     name = "dgc"
+    custom_encoding = True
 
     def __init__(self, config: DGCConfig | None = None) -> None:
         super().__init__(config or DGCConfig())
@@ -118,9 +119,11 @@ class DGCAlgorithm(CompressorAlgorithm):
                                                          approximate=self.config.approximate)
         return self._by_density[density]
 
-    def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
+    def encode_segment(self, segment: Segment, tensor: Tensor, divisor: int) -> Payload:
         """Clip, update u, build v = u + residual in ``tensor`` (the bucket's own view),
-        send top-k(v), mask u and v where sent; all in place: no gradient-sized copies."""
+        encode top-k(v), mask u and v where sent; all in place: no gradient-sized copies.
+        (Top-k is gathered, never summed: ``divisor`` is 1.) Every rank's payload is then
+        decoded by any of our top-k compressors: decoding does not depend on the density."""
         self._clip(tensor)
         ef, moms = self._feedback(), self._momenta(segment, tensor)
         for e, u in zip(segment.entries, moms):  # v = u + residual, in the bucket's view
@@ -136,9 +139,7 @@ class DGCAlgorithm(CompressorAlgorithm):
             ef.update_from(segment.entries[0].name, tensor, payload)
         else:
             self.update(segment, tensor, comp.decompress(payload).reshape(-1))
-        handle = primitives.allgather_payloads(self.ctx.comm, payload)
-        # decoding a top-k payload does not depend on its density: any of ours decodes it
-        return handle.then(lambda payloads: self.aggregate_payloads(payloads, tensor))
+        return payload
 
     def _clip(self, grad: Tensor) -> None:
         """Local gradient clipping, in place, to ``clip_norm / sqrt(P)``."""

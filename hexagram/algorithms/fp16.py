@@ -23,9 +23,8 @@ import torch
 from torch import Tensor
 
 from hexagram import compress
-from hexagram.algorithms.compressed import CompressedAlgorithm, CompressedConfig, Segment
-from hexagram.comm import primitives
-from hexagram.comm.communicator import Handle
+from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, Segment
+from hexagram.compress.base import Payload
 from hexagram.config import check_choice
 from hexagram.errors import NonFiniteGradientError
 
@@ -45,6 +44,8 @@ class Fp16Config(CompressedConfig):
             ``"bucket"`` (default) sends one allreduce per bucket, ``"layer"`` one per tensor.
     """
 
+    algorithm = "fp16"
+
     wire: str = "fp16"
     granularity: str = "bucket"
 
@@ -53,32 +54,26 @@ class Fp16Config(CompressedConfig):
         check_choice(self, "wire", ("fp16", "bf16"))
 
 
-class Fp16Algorithm(CompressedAlgorithm):
+class Fp16Algorithm(CompressorAlgorithm):
     """16-bit gradient allreduce; see :class:`Fp16Config`."""
 
     name = "fp16"
+    custom_encoding = True  # the range check before the division
 
     def __init__(self, config: Fp16Config | None = None) -> None:
         super().__init__(config or Fp16Config())
         self.config: Fp16Config
-        self.compressor = compress.get(self.config.wire)  # no error feedback: see above
+        self.use_compressor(compress.get(self.config.wire), feedback=False)  # see above
 
-    def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
-        """Divide by P in place (as allreduce: before the sum), cast, allreduce the 16-bit
-        values, decode the sum back into ``tensor`` (the bucket's view: no new buffer)."""
-        size = self.ctx.comm.size
+    def encode_segment(self, segment: Segment, tensor: Tensor, divisor: int) -> Payload:
+        """Check fp16's range after the division by P, then cast (the sum is reduced in
+        16 bits by :func:`hexagram.comm.reduce.reduce_many`: its ``SUM`` route)."""
         if self.config.wire == "fp16":
             lo, hi = torch.aminmax(tensor)  # one pass, no |x| temporary
-            peak = max(-float(lo), float(hi)) / size
+            peak = max(-float(lo), float(hi)) / self.ctx.comm.size
             if peak > _FP16_MAX:
                 raise NonFiniteGradientError(
                     f"fp16: gradient of {', '.join(segment.names)} at step {self.step} reaches "
                     f"{peak:.3g} after division by the world size, beyond fp16's {_FP16_MAX:.0f}"
                     "; it would become Inf on the wire. Use wire='bf16' or clip gradients")
-        comm, comp = self.ctx.comm, self.compressor
-        if size == 1:
-            return primitives.allreduce_compressed(comm, tensor, comp)
-        payload = comp.compress(tensor.div_(size))
-        (wire,) = payload.tensors
-        return primitives.allreduce(comm, wire, average=False).then(
-            lambda summed: tensor.copy_(summed))
+        return super().encode_segment(segment, tensor, divisor)

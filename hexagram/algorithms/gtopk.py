@@ -53,6 +53,8 @@ class GTopKConfig(CompressedConfig):
         error_feedback: keep what was not applied for the next step (on, as the paper).
     """
 
+    algorithm = "gtopk"
+
     density: float = 0.01
     approximate: bool = True
     error_feedback: bool = True

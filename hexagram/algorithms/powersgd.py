@@ -7,9 +7,12 @@ Per matrix ``M`` (n x m: a weight's gradient plus its error-feedback residual, v
     Q = M^T P        allreduce-mean Q (m x r), kept for next step (warm start)
     approx = P Q^T   the update every rank applies; residual = M - approx
 
-Both allreduces sum factors in full precision (they are linear in ``M``), so the whole
-bucket is one job on the communicator: the P stage also carries the bucket's vectors (biases)
-and small matrices, which are sent uncompressed (they would not shrink: ``r (n + m) >= n m``).
+Both allreduces sum factors in full precision (they are linear in ``M``), each one message
+per bucket through :func:`hexagram.comm.reduce.reduce`: the P stage also carries the
+bucket's vectors (biases) and small matrices, which are sent uncompressed (they would not
+shrink: ``r (n + m) >= n m``). The orthogonalization and the Q stage are chained on the P
+allreduce's handle, so later buckets' collectives never queue behind this compute; P's of
+the same shape are orthogonalized by one batched QR.
 The first ``start_iter`` steps are plain allreduce, as the paper's warm-up.
 
 With ``granularity="bucket"`` the whole bucket is one ``ceil(sqrt(N))``-row matrix (zero
@@ -23,27 +26,29 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from hexagram import compress
 from hexagram.algorithms.compressed import CompressedAlgorithm, CompressedConfig, Segment, segments
 from hexagram.buckets import Bucket
-from hexagram.comm import primitives
-from hexagram.comm.communicator import Communicator, Handle
+from hexagram.comm.communicator import Handle
+from hexagram.comm.reduce import reduce
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.compress.lowrank import PowerSGDCompressor
 from hexagram.config import check_int
 
-__all__ = ["PowerSGDAlgorithm", "PowerSGDConfig", "compressible", "segment_shape"]
+__all__ = ["PowerSGDAlgorithm", "PowerSGDAlgorithmConfig", "compressible", "segment_shape"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class PowerSGDConfig(CompressedConfig):
+class PowerSGDAlgorithmConfig(CompressedConfig):
     """Config of :class:`PowerSGDAlgorithm` (plus :class:`CompressedConfig`'s fields).
 
     Attributes:
@@ -54,6 +59,8 @@ class PowerSGDConfig(CompressedConfig):
             then converges over steps) or draw a fresh random Q every step.
         error_feedback: carry ``M - approx`` to the next step (needed for convergence).
     """
+
+    algorithm = "powersgd"
 
     rank: int = 2
     start_iter: int = 10
@@ -92,13 +99,13 @@ class _Matrix:
 
 
 class PowerSGDAlgorithm(CompressedAlgorithm):
-    """Rank-r PowerSGD with warm start and error feedback; see :class:`PowerSGDConfig`."""
+    """Rank-r PowerSGD with warm start and error feedback; see :class:`PowerSGDAlgorithmConfig`."""
 
     name = "powersgd"
 
-    def __init__(self, config: PowerSGDConfig | None = None) -> None:
-        super().__init__(config or PowerSGDConfig())
-        self.config: PowerSGDConfig
+    def __init__(self, config: PowerSGDAlgorithmConfig | None = None) -> None:
+        super().__init__(config or PowerSGDAlgorithmConfig())
+        self.config: PowerSGDAlgorithmConfig
         c = self.config
         # the compressor's step API: matrix, compute_p, orthogonalize, compute_q, store_q
         # (warm-start Q per key, initial Q seeded by key: the same on every rank)
@@ -108,21 +115,17 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
             self.error_feedback = ErrorFeedback(self.compressor)
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
+        """Stage 1 now: P of every matrix and the dense segments in one allreduce (mean).
+        Stage 2 chained on it (:meth:`Handle.then_wait`): orthogonalize, Q, allreduce Q,
+        write P Q^T and the residuals. The issuing thread only ever issues collectives."""
         comm = self.ctx.comm
         if self.step < self.config.start_iter:
-            return primitives.allreduce(comm, bucket.flat, average=True)
+            return reduce(comm, bucket.flat, out=bucket.flat)
         mats, dense = self._prepare(bucket)
-        # stage 1 buffer: every P (rows x r) then the uncompressed segments
         first = torch.cat([x.p.reshape(-1) for x in mats]
                           + [bucket.flat[s.start:s.stop].float() for s in dense])
-        if comm.size == 1:
-            return Handle.completed(self._finish(bucket, mats, dense, first, None),
-                                    "powersgd")
-
-        def job() -> Tensor:
-            return self._finish(bucket, mats, dense, first, comm)
-
-        return comm.submit("powersgd.p", job, comm.ring_allreduce_bytes(first))
+        return reduce(comm, first, out=first).then_wait(
+            lambda mean_p: self._second_stage(bucket, mats, dense, mean_p))
 
     def _prepare(self, bucket: Bucket) -> tuple[list[_Matrix], list[Segment]]:
         mats: list[_Matrix] = []
@@ -140,26 +143,26 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
             mats.append(_Matrix(seg, key, shape, corrected, m, self.compressor.compute_p(key, m)))
         return mats, dense
 
-    def _finish(self, bucket: Bucket, mats: list[_Matrix], dense: list[Segment],
-                first: Tensor, comm: Communicator | None) -> Tensor:
-        """Runs on the issuing thread: both allreduces, orthogonalization, residuals."""
-        c = self.compressor
-        _allreduce_mean(first, comm)
-        ps, offset = [], 0
-        for x in mats:
-            ps.append(c.orthogonalize(first[offset:offset + x.p.numel()].view_as(x.p)))
-            offset += x.p.numel()
-        qs = [c.compute_q(x.m, p) for x, p in zip(mats, ps)]
+    def _second_stage(self, bucket: Bucket, mats: list[_Matrix], dense: list[Segment],
+                      first: Tensor) -> Handle[Tensor]:
+        """Orthogonalize the averaged P's (same-shape ones as one batched QR), Q = M^T P,
+        allreduce every Q as one buffer; then :meth:`_write`."""
+        ps = _views(first, [x.p.shape for x in mats])
+        _orthogonalize_batched(self.compressor, ps)
+        qs = [self.compressor.compute_q(x.m, p) for x, p in zip(mats, ps)]
         second = torch.cat([q.reshape(-1) for q in qs]) if qs else first.new_zeros(0)
-        if comm is not None:
-            comm.counter.add("powersgd.q", comm.ring_allreduce_bytes(second))
-        _allreduce_mean(second, comm)
-        q_offset = 0
+        return reduce(self.ctx.comm, second, out=second).then(
+            lambda mean_q: self._write(bucket, mats, dense, first, ps, mean_q))
+
+    def _write(self, bucket: Bucket, mats: list[_Matrix], dense: list[Segment],
+               first: Tensor, ps: list[Tensor], second: Tensor) -> Tensor:
+        """Warm starts := the averaged Q's; segments := P Q^T (residuals := M - P Q^T);
+        the dense segments := their means."""
+        qs = _views(second, [(x.m.shape[1], x.p.shape[1]) for x in mats])
         for x, p, q in zip(mats, ps, qs):
-            q = second[q_offset:q_offset + q.numel()].view_as(q)
-            q_offset += q.numel()
-            c.store_q(x.key, q)
+            self.compressor.store_q(x.key, q)
             self._write_approx(bucket, x, p, q)
+        offset = sum(x.p.numel() for x in mats)
         for s in dense:
             bucket.flat[s.start:s.stop] = first[offset:offset + s.numel]
             offset += s.numel
@@ -200,11 +203,27 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         self.compressor.load_state_dict(state["compressor"])
 
 
-def _allreduce_mean(buf: Tensor, comm: Communicator | None) -> None:
-    """In-place mean over ranks (blocking; on the issuing thread)."""
-    if comm is None or comm.size == 1 or buf.numel() == 0:
-        return
-    buf.div_(comm.size)
-    work = dist.all_reduce(buf, group=comm.group, async_op=True)
-    assert work is not None
-    work.wait(comm.timeout)
+def _views(flat: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
+    """Consecutive views of ``flat`` with the given shapes."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[offset:offset + n].view(*shape))
+        offset += n
+    return out
+
+
+def _orthogonalize_batched(compressor: PowerSGDCompressor, ps: list[Tensor]) -> None:
+    """Orthogonalize every P in place; P's of one shape go through one batched QR (one
+    LAPACK call instead of one per layer, as PyTorch's ``batch_tensors_with_same_shape``);
+    the same values as one QR each."""
+    by_shape: dict[tuple[int, ...], list[Tensor]] = defaultdict(list)
+    for p in ps:
+        by_shape[tuple(p.shape)].append(p)
+    for group in by_shape.values():
+        if len(group) == 1:
+            compressor.orthogonalize(group[0])
+            continue
+        stacked = compressor.orthogonalize(torch.stack(group))
+        for p, q in zip(group, stacked):
+            p.copy_(q)

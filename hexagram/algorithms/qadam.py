@@ -49,7 +49,8 @@ from hexagram.algorithms.weight_sync import as_compressor, check_compressor_spec
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
-from hexagram.compress.base import Aggregation, Compressor, Payload
+from hexagram.comm.reduce import reduce
+from hexagram.compress.base import Compressor, Payload
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.errors import ConfigError
 from hexagram.optim.qadam import QAdamOptimizer
@@ -105,44 +106,40 @@ class QAdamAlgorithm(Algorithm):
         # g) / d + residual, per parameter (residuals are keyed by name)
         for e, (g, m, d, beta) in zip(bucket.entries, terms):
             self.feedback.correct_(e.name, g.mul_(1 - beta).add_(m, alpha=beta).div_(d))
-        handle, k = self._exchange(bucket)
 
         def effective_grad(u: Tensor) -> Tensor:
-            # g_eff = (mean_j u_j * d - beta m) / (1 - beta), in place; u = k * the mean
+            # g_eff = (mean_j u_j * d - beta m) / (1 - beta), in place; u is the mean
             if u is not flat:
                 flat.copy_(u)
             for g, m, d, beta in terms:
-                g.mul_(d).sub_(m, alpha=beta * k).div_(k * (1 - beta))
+                g.mul_(d).sub_(m, alpha=beta).div_(1 - beta)
             return flat
 
-        return handle.then(effective_grad)
+        return self._exchange(bucket).then(effective_grad)
 
-    def _exchange(self, bucket: Bucket) -> tuple[Handle[Tensor], int]:
-        """Send Q(x) (x: the bucket's contents), keep x - Q(x) as the residuals. Returns
-        the handle of ``k`` times the mean over ranks of Q(x_j), and ``k``: summable
-        payloads are averaged by the allreduce (k = 1); gathered ones are summed into the
-        bucket (k = P), the division folded into the caller's pass."""
-        comm, c, x = self.ctx.comm, self.compressor, bucket.flat
-        if c.aggregation is Aggregation.SUM and c.payload_sums_elementwise:  # divided first
-            payload = c.compress(x / comm.size)  # compressed once, for both uses
-            self._update_residuals(bucket, c.decompress(payload) * comm.size)
-            return primitives.allreduce_compressed(comm, x, c, payload=payload), 1
-        payload = c.compress(x)
-        mine = self._scratch.get(bucket.index)
-        if mine is None or mine.shape != x.shape or mine.dtype != x.dtype:
-            mine = self._scratch[bucket.index] = torch.empty_like(x)
-        self._update_residuals(bucket, c.decompress_into(payload, mine))
-        return primitives.allgather_payloads(comm, payload).then(
-            lambda ps: self._sum_into(ps, x)), comm.size
+    def _exchange(self, bucket: Bucket) -> Handle[Tensor]:
+        """Send Q(x) (x: the bucket's contents), keep x - sent as the residuals. Returns the
+        handle of the mean over ranks of Q(x_j), decoded into the bucket.
+
+        :func:`hexagram.comm.reduce.reduce` picks the collective; our encoder keeps the
+        residual exact (so scatter-gather formats are allgathered, see the module doc)."""
+        c, x = self.compressor, bucket.flat
+
+        def encode(_: int, t: Tensor, divisor: int) -> Payload:
+            # summed formats (fp16) are divided by P first: sent = P * decode(payload)
+            payload = c.compress(t / divisor if divisor > 1 else t)
+            mine = self._scratch.get(bucket.index)
+            if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
+                mine = self._scratch[bucket.index] = torch.empty_like(t)
+            c.decompress_into(payload, mine)
+            self._update_residuals(bucket, mine.mul_(divisor) if divisor > 1 else mine)
+            return payload
+
+        return reduce(self.ctx.comm, x, c, out=x, encode=encode)
 
     def _update_residuals(self, bucket: Bucket, mine: Tensor) -> None:
         for e in bucket.entries:  # e <- x - Q(x), in the old residuals' memory
-            self.feedback.update_(e.name, bucket.view(e), bucket.view(e, mine))
-
-    def _sum_into(self, payloads: list[Payload], out: Tensor) -> Tensor:
-        for i, p in enumerate(payloads):  # rank order: the same sum on every rank
-            self.compressor.decompress_into(p, out, add=i > 0)
-        return out
+            self.feedback.update(e.name, bucket.view(e), bucket.view(e, mine))
 
     def state_dict(self) -> dict[str, Any]:
         return {"feedback": self.feedback.state_dict()}

@@ -19,27 +19,27 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from hexagram import compress
-from hexagram.algorithms.compressed import (
-    CompressedConfig,
-    CompressorAlgorithm,
-    Segment,
-)
+from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, segments
 from hexagram.algorithms.gtopk import sparse_pairs
-from hexagram.comm import primitives
+from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
+from hexagram.comm.reduce import reduce_many
+from hexagram.compress.base import Payload
 from hexagram.config import check_float
 
-__all__ = ["RandomKAlgorithm", "RandomKConfig"]
+__all__ = ["RandomKAlgorithm", "RandomKAlgorithmConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class RandomKConfig(CompressedConfig):
+class RandomKAlgorithmConfig(CompressedConfig):
     """Config of :class:`RandomKAlgorithm` (plus :class:`CompressedConfig`'s fields).
 
     Attributes:
         density: fraction of elements sent per segment; lower => fewer bytes, more steps.
         error_feedback: keep unsent values for the next step (on: random-k is not scaled).
     """
+
+    algorithm = "randomk"
 
     density: float = 0.1
     error_feedback: bool = True
@@ -50,24 +50,33 @@ class RandomKConfig(CompressedConfig):
 
 
 class RandomKAlgorithm(CompressorAlgorithm):
-    """Shared-seed random-k with error feedback; see :class:`RandomKConfig`."""
+    """Shared-seed random-k with error feedback; see :class:`RandomKAlgorithmConfig`."""
 
     name = "randomk"
+    shared_randomness = True  # the same positions on every rank
 
-    def __init__(self, config: RandomKConfig | None = None) -> None:
-        super().__init__(config or RandomKConfig())
-        self.config: RandomKConfig
+    def __init__(self, config: RandomKAlgorithmConfig | None = None) -> None:
+        super().__init__(config or RandomKAlgorithmConfig())
+        self.config: RandomKAlgorithmConfig
         # Unscaled values: error feedback keeps the rest. (Rescaling by n/k makes the
         # estimate unbiased but the residual would then grow without bound.)
         self.use_compressor(compress.get("randomk", density=self.config.density,
                                          seed=self.config.seed,
                                          rescale=not self.config.error_feedback),
                             self.config.error_feedback)
-        self._shared_seed = True  # the same positions on every rank
 
-    def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
-        payload = self.compress_with_feedback(segment, tensor, self.compressor)
-        values, _ = sparse_pairs(payload)  # the payload's own values tensor, summed in place
-        handle = primitives.allreduce(self.ctx.comm, values, average=True)
-        # decoded straight into the segment's view of the bucket (compressed already)
-        return handle.then(lambda _: self.compressor.decompress_into(payload, tensor))
+    def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
+        """Every segment with feedback, then only the values: summed by allreduce (slot i
+        is the same element on every rank), decoded into the segment's view of the bucket."""
+        segs = segments(bucket, self.config.granularity)
+        views = [bucket.flat[s.start:s.stop] for s in segs]
+        payloads = [self.compress_with_feedback(s, v, self.compressor)
+                    for s, v in zip(segs, views)]
+        values = [sparse_pairs(p)[0] for p in payloads]  # the payloads' own tensors
+        return reduce_many(self.ctx.comm, values, None, outs=values).then(
+            lambda _: self._decode(payloads, views, bucket.flat))
+
+    def _decode(self, payloads: list[Payload], views: list[Tensor], flat: Tensor) -> Tensor:
+        for p, v in zip(payloads, views):
+            self.compressor.decompress_into(p, v)
+        return flat

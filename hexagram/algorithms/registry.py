@@ -2,7 +2,13 @@
 
 Each entry names the module, its frozen config dataclass and its algorithm class; modules
 are imported on first use so a broken optional algorithm cannot break ``import hexagram``.
-Add an algorithm by adding one line to ``_ENTRIES``.
+Add an algorithm by adding one line to ``_ENTRIES``. A compressed-gradient algorithm that
+only applies a compressor is a :class:`~hexagram.algorithms.recipe.Recipe` instead (the
+compressor, its options and defaults, feedback, granularity): ``Entry.declared(Recipe(...))``.
+
+Wrappers compose with any gradient algorithm through ``get``: ``get("powersgd",
+hierarchical=True)`` reduces inside each host first and runs PowerSGD between host leaders
+(:mod:`hexagram.algorithms.wrappers`).
 
 Example:
     >>> from hexagram.algorithms import registry
@@ -14,12 +20,16 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from hexagram.algorithms.base import Algorithm
-from hexagram.config import build_config
+from hexagram.algorithms.recipe import Option, Recipe, classes
+from hexagram.algorithms.wrappers import WRAPPER_OPTIONS, wrap
+from hexagram.config import build_config, check_float, check_int
 
 __all__ = ["Entry", "entries", "get", "names"]
 
@@ -33,10 +43,29 @@ class Entry:
     config: str
     algorithm: str
     summary: str
+    recipe: Recipe | None = None
+
+    @classmethod
+    def declared(cls, recipe: Recipe) -> Entry:
+        """The entry of a declarative compressed-gradient algorithm."""
+        return cls(recipe.name, "hexagram.algorithms.recipe", "", "", recipe.summary, recipe)
 
     def load(self) -> tuple[type, type[Algorithm]]:
+        """(config class, algorithm class)."""
+        if self.recipe is not None:
+            return classes(self.recipe)
         mod = importlib.import_module(self.module)
         return getattr(mod, self.config), getattr(mod, self.algorithm)
+
+    @property
+    def kind(self) -> str:
+        """``"grad"`` or ``"weight"``: what the algorithm communicates (loads it)."""
+        return str(self.load()[1].kind)
+
+
+_DENSITY = partial(check_float, low=0.0, high=1.0, low_open=True)
+_APPROXIMATE = Option(True, "estimate the top-k threshold from a sample (DGC's trick): "
+                      "faster on large tensors, same selection (exact top-k when it misses)")
 
 
 _ENTRIES: tuple[Entry, ...] = (
@@ -44,27 +73,48 @@ _ENTRIES: tuple[Entry, ...] = (
           "full-precision gradient allreduce (optionally hierarchical), like PyTorch DDP"),
     Entry("fp16", "hexagram.algorithms.fp16", "Fp16Config", "Fp16Algorithm",
           "16-bit (fp16 or bf16) gradient allreduce: half the bytes of allreduce"),
-    Entry("powersgd", "hexagram.algorithms.powersgd", "PowerSGDConfig", "PowerSGDAlgorithm",
+    Entry("powersgd", "hexagram.algorithms.powersgd", "PowerSGDAlgorithmConfig",
+          "PowerSGDAlgorithm",
           "rank-r PowerSGD: power iteration, warm start, error feedback (Vogels et al. 2019)"),
-    Entry("bytegrad", "hexagram.algorithms.bytegrad", "ByteGradConfig", "ByteGradAlgorithm",
-          "8-bit min-max gradients by scatter-gather (BAGUA's ByteGrad)"),
-    Entry("qsgd", "hexagram.algorithms.qsgd", "QSGDConfig", "QSGDAlgorithm",
-          "QSGD stochastic quantization, unbiased (Alistarh et al. 2017)"),
-    Entry("terngrad", "hexagram.algorithms.terngrad", "TernGradConfig", "TernGradAlgorithm",
-          "ternary gradients {-s, 0, s}, unbiased, layer-wise scale (Wen et al. 2017)"),
-    Entry("onebit", "hexagram.algorithms.onebit", "OneBitConfig", "OneBitAlgorithm",
-          "1-bit SGD with error feedback (Seide et al. 2014)"),
-    Entry("efsign", "hexagram.algorithms.efsign", "EFSignConfig", "EFSignAlgorithm",
-          "scaled signs with error feedback, EF-signSGD (Karimireddy et al. 2019)"),
-    Entry("signsgd", "hexagram.algorithms.signsgd", "SignSGDConfig", "SignSGDAlgorithm",
-          "signs by allgather, element-wise majority vote (Bernstein et al. 2018)"),
-    Entry("topk", "hexagram.algorithms.topk", "TopKConfig", "TopKAlgorithm",
-          "top-k (index, value) pairs by allgather, error feedback"),
+    Entry.declared(Recipe(
+        "bytegrad", "minmax8", "8-bit min-max gradients by scatter-gather (BAGUA's ByteGrad)",
+        {"chunk_size": Option(1024, "elements sharing one (min, step) pair; smaller => finer "
+                              "scales, more header bytes (8 per chunk)",
+                              partial(check_int, low=1, high=1 << 24))},
+        granularity="bucket")),
+    Entry.declared(Recipe(
+        "qsgd", "qsgd", "QSGD stochastic quantization, unbiased (Alistarh et al. 2017)",
+        {"levels": Option(7, "s, levels per sign; more => lower variance, more bits per "
+                          "element (ceil(log2(2s + 1)))", partial(check_int, low=1, high=127)),
+         "bucket_size": Option(512, "elements sharing one norm; smaller => lower variance, "
+                               "more header bytes", partial(check_int, low=1, high=1 << 24))},
+        seeded=True)),
+    Entry.declared(Recipe(
+        "terngrad", "terngrad",
+        "ternary gradients {-s, 0, s}, unbiased, layer-wise scale (Wen et al. 2017)",
+        {"clip": Option(2.5, "clip |g| to clip * std(g) before ternarizing (the paper's 2.5): "
+                        "smaller scale and variance, a little bias; 0 => no clipping",
+                        partial(check_float, low=0.0))},
+        seeded=True)),
+    Entry.declared(Recipe("onebit", "onebit", "1-bit SGD with error feedback (Seide et al. 2014)",
+                          error_feedback=True)),
+    Entry.declared(Recipe(
+        "efsign", "efsign", "scaled signs with error feedback, EF-signSGD (Karimireddy et al. "
+        "2019)", error_feedback=True)),
+    Entry.declared(Recipe(
+        "signsgd", "sign", "signs by allgather, element-wise majority vote (Bernstein et al. "
+        "2018)", granularity="bucket", reduction="majority")),
+    Entry.declared(Recipe(
+        "topk", "topk", "top-k (index, value) pairs by allgather, error feedback",
+        {"density": Option(0.01, "fraction of elements sent per segment; lower => fewer "
+                           "bytes, slower convergence", _DENSITY),
+         "approximate": _APPROXIMATE},
+        error_feedback=True)),
     Entry("gtopk", "hexagram.algorithms.gtopk", "GTopKConfig", "GTopKAlgorithm",
           "global top-k by gTopKAllReduce on a tree, error feedback (Shi et al. 2019)"),
     Entry("dgc", "hexagram.algorithms.dgc", "DGCConfig", "DGCAlgorithm",
           "Deep Gradient Compression: top-k, momentum correction, clipping, warm-up"),
-    Entry("randomk", "hexagram.algorithms.randomk", "RandomKConfig", "RandomKAlgorithm",
+    Entry("randomk", "hexagram.algorithms.randomk", "RandomKAlgorithmConfig", "RandomKAlgorithm",
           "random-k with positions shared by all ranks, error feedback"),
     Entry("decentralized", "hexagram.algorithms.decentralized", "DecentralizedConfig",
           "DecentralizedAlgorithm", "full-precision weight exchange with peers (all, ring, "
@@ -96,17 +146,26 @@ def names() -> list[str]:
 def get(name: str | Algorithm, **config: Any) -> Algorithm:
     """A new algorithm instance: ``get("allreduce", hierarchical=True)``.
 
+    ``config`` holds the algorithm's config fields, plus the wrapper options
+    (:data:`~hexagram.algorithms.wrappers.WRAPPER_OPTIONS`, e.g. ``hierarchical=True``) for
+    any gradient algorithm that has no field of that name: ``get("powersgd",
+    hierarchical=True, rank=4)``.
+
     Raises:
         ValueError: unknown name (lists the valid names).
         ConfigError: unknown config field or a value out of range (names the field).
     """
+    options = {k: config.pop(k) for k in WRAPPER_OPTIONS if k in config}
     if isinstance(name, Algorithm):
         if config:
             raise ValueError("pass config either to hexagram.algorithms.get(name, **config) or "
                              "to the algorithm's constructor, not both")
-        return name
+        return wrap(name, **options)
     table = entries()
     if name not in table:
         raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(table)}")
     config_cls, algorithm_cls = table[name].load()
-    return algorithm_cls(build_config(config_cls, config))
+    own = {f.name for f in dataclasses.fields(config_cls)}
+    config.update({k: v for k, v in options.items() if k in own})  # e.g. allreduce's
+    algorithm = algorithm_cls(build_config(config_cls, config))
+    return wrap(algorithm, **{k: v for k, v in options.items() if k not in own})

@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +41,8 @@ from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.control import count_flags
-from hexagram.compress.base import Aggregation, Compressor
+from hexagram.comm.reduce import reduce
+from hexagram.compress.base import Compressor
 from hexagram.errors import ConfigError
 
 __all__ = [
@@ -58,8 +59,6 @@ __all__ = [
     "write_weights",
 ]
 
-T = TypeVar("T")
-U = TypeVar("U")
 
 
 def as_compressor(spec: str | Compressor | None) -> Compressor | None:
@@ -84,23 +83,12 @@ def compressed_sum(comm: Communicator, tensor: Tensor, compressor: Compressor | 
                    ) -> Handle[Tensor]:
     """Sum of ``tensor`` over the ranks of ``comm`` (a new tensor; input untouched).
 
-    ``None`` -> full-precision allreduce; ``SUM`` payloads that sum element-wise ->
-    compressed allreduce; ``SCATTER_GATHER`` -> scatter-gather; anything else (``GATHER``,
-    PowerSGD factors) -> allgather of payloads, then a local sum. Every rank
-    receives the same result bit for bit (same payloads, same order of summation).
+    :func:`hexagram.comm.reduce.reduce` with ``reduction="sum"``: the collective follows the
+    compressor's aggregation (full-precision allreduce for ``None``, compressed allreduce,
+    scatter-gather, or allgather and a decode-and-sum into the output). Every rank receives
+    the same result bit for bit (same payloads, same order of summation).
     """
-    if compressor is None:
-        return primitives.allreduce(comm, tensor.detach().clone(), average=False)
-    if compressor.aggregation is Aggregation.SUM and compressor.payload_sums_elementwise:
-        return primitives.allreduce_compressed(comm, tensor.detach(), compressor, average=False)
-    if compressor.aggregation is Aggregation.SCATTER_GATHER:
-        return primitives.scatter_gather(comm, tensor.detach(), compressor, average=False)
-    handle = primitives.allgather_payloads(comm, compressor.compress(tensor.detach()))
-
-    def total(payloads: list[Any]) -> Tensor:
-        return torch.stack([compressor.decompress(p) for p in payloads]).sum(0)
-
-    return handle.then(total)
+    return reduce(comm, tensor.detach(), compressor, reduction="sum")
 
 
 def require_optimizers(ctx: AlgorithmContext, name: str) -> torch.optim.Optimizer:

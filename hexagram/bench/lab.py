@@ -39,7 +39,7 @@ from hexagram.config import check_int
 from hexagram.errors import ConfigError, HexagramError
 
 __all__ = ["LabConfig", "LabError", "LabUnavailableError", "NetworkLab", "RankResult",
-           "check_available", "cleanup_stale", "die_with_parent", "format_rate", "parse_rate"]
+           "check_available", "cleanup_stale", "die_with_parent", "parse_rate"]
 
 IFNAME = "eth0"
 SUBNET = "10.213.0"
@@ -66,16 +66,6 @@ def parse_rate(text: str) -> float | None:
         raise ConfigError(f"bandwidth {text!r} must look like 100mbit, 1gbit, 10gbit, 500kbit "
                           "or 'unshaped'")
     return float(match.group(1)) * _UNITS[match.group(2)]
-
-
-def format_rate(bits_per_s: float | None) -> str:
-    """1e8 -> ``"100mbit"``; None -> ``"unshaped"``."""
-    if bits_per_s is None:
-        return "unshaped"
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bits_per_s >= scale:
-            return f"{bits_per_s / scale:g}{unit}"
-    return f"{bits_per_s:g}bit"
 
 
 @dataclass(frozen=True, kw_only=True)

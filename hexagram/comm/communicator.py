@@ -103,6 +103,16 @@ class Handle(Generic[T]):
         (in the waiting thread, so ``fn`` may do tensor work without blocking the issuer)."""
         return Handle._derived([self], lambda results: fn(results[0]), self._op)
 
+    def then_wait(self, fn: Callable[[T], Handle[U]]) -> Handle[U]:
+        """A handle whose result is that of the handle ``fn(self.wait())`` starts: the next
+        stage of a multi-stage operation (PowerSGD: allreduce P, orthogonalize, allreduce
+        Q), chained as PyTorch chains ``Future.then``. ``fn`` runs on the first wait, in the
+        waiting thread, so the issuing thread never blocks on the stage's compute and
+        operations submitted after this one (later buckets) are not queued behind it; the
+        engine waits handles in bucket order, so every rank issues the next stage's
+        collectives in the same order."""
+        return Handle._derived([self], lambda results: fn(results[0]).wait(), self._op)
+
     @classmethod
     def gather(cls, handles: Sequence[Handle[Any]], op: str = "gather") -> Handle[list[Any]]:
         """One handle over several: its result is the list of their results, in order."""

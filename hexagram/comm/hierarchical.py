@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import Tensor
 
-from hexagram.comm.communicator import Communicator, Handle
+from hexagram.comm.communicator import Communicator, Deferred, Handle
 from hexagram.runtime import Runtime
 
-__all__ = ["HostGroups", "hierarchical_allreduce"]
+__all__ = ["HostGroups", "broadcast_from_leader", "hierarchical_allreduce", "reduce_to_leader"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +75,34 @@ def hierarchical_allreduce(comm: Communicator, groups: HostGroups, tensor: Tenso
         return tensor
 
     return comm.submit("hierarchical_allreduce", job, sent)
+
+
+def reduce_to_leader(intra: Communicator, tensor: Tensor) -> Handle[Tensor]:
+    """Sum ``tensor`` over a host's communicator ``intra`` into its leader (group rank 0),
+    in place; on other ranks ``tensor`` is left undefined. This rank sends ``n`` bytes
+    (the leader none)."""
+    if intra.size == 1:
+        return Handle.completed(tensor, "intra_reduce")
+    n = tensor.numel() * tensor.element_size()
+
+    def job() -> Deferred:
+        work = dist.reduce(tensor, dst=intra.global_rank(0), group=intra.group, async_op=True)
+        return Deferred(work, lambda: tensor)
+
+    return intra.submit("intra_reduce", job, 0 if intra.rank == 0 else n, inline=True)
+
+
+def broadcast_from_leader(intra: Communicator, tensor: Tensor) -> Handle[Tensor]:
+    """The leader's ``tensor`` into every rank of ``intra``, in place. The leader sends
+    ``(host_size - 1) n`` bytes (a flat count, as :func:`hierarchical_allreduce`)."""
+    if intra.size == 1:
+        return Handle.completed(tensor, "intra_broadcast")
+    n = tensor.numel() * tensor.element_size()
+
+    def job() -> Deferred:
+        work = dist.broadcast(tensor, src=intra.global_rank(0), group=intra.group,
+                              async_op=True)
+        return Deferred(work, lambda: tensor)
+
+    return intra.submit("intra_broadcast", job, (intra.size - 1) * n if intra.rank == 0 else 0,
+                        inline=True)

@@ -4,7 +4,7 @@ BAGUA's four synchronous primitives, over a :class:`Communicator`, all asynchron
 returns a :class:`Handle`) and all counting the bytes this rank sends:
 
 - C_FP_S :func:`allreduce` (full precision, centralized)
-- C_LP_S :func:`allreduce_compressed` for compressors whose payloads can be summed,
+- C_LP_S :func:`allreduce_payloads` for compressors whose payloads can be summed,
   :func:`scatter_gather` (compress -> all-to-all -> decompress, reduce -> compress ->
   allgather) for those that cannot, :func:`allgather_payloads` for gather-only formats
 - D_FP_S :func:`neighbor_exchange` (send my tensor to peers, receive theirs)
@@ -14,6 +14,8 @@ returns a :class:`Handle`) and all counting the bytes this rank sends:
 compressed on its own (layer-wise), and send them in one message per leg.
 
 Nothing here knows about algorithms; low-precision variants take a compressor object.
+Algorithms do not pick among these themselves: :func:`hexagram.comm.reduce.reduce` does,
+from the compressor's aggregation, with one rule.
 
 Example:
     >>> h = allreduce(comm, torch.ones(4), average=True)   # doctest: +SKIP
@@ -32,14 +34,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Deferred, Handle
-from hexagram.compress.base import Aggregation, Compressor, Payload
+from hexagram.compress.base import Compressor, Payload
+from hexagram.compress.combine import decode_sum
 
 __all__ = [
-    "allgather",
     "allgather_payloads",
     "allgather_payloads_many",
     "allreduce",
-    "allreduce_compressed",
+    "allreduce_payloads",
     "broadcast",
     "neighbor_exchange",
     "neighbor_exchange_payloads",
@@ -102,20 +104,6 @@ def broadcast(comm: Communicator, tensors: Sequence[Tensor], src: int = 0) -> Ha
     return comm.submit("broadcast", job, nbytes * (comm.size - 1) if comm.rank == src else 0)
 
 
-def allgather(comm: Communicator, tensor: Tensor) -> Handle[list[Tensor]]:
-    """Every rank's ``tensor`` (same shape everywhere), in group-rank order."""
-    if comm.size == 1:
-        return Handle.completed([tensor], "allgather")
-    out = [torch.empty_like(tensor) for _ in range(comm.size)]
-
-    def job() -> Deferred:
-        work = dist.all_gather(out, tensor.contiguous(), group=comm.group, async_op=True)
-        return Deferred(work, lambda: out)
-
-    return comm.submit("allgather", job, comm.allgather_bytes(tensor.numel()
-                                                              * tensor.element_size()))
-
-
 def allgather_payloads(comm: Communicator, payload: Payload) -> Handle[list[Payload]]:
     """Every rank's payload (same layout everywhere), for formats that cannot be summed."""
     return allgather_payloads_many(comm, [payload]).then(lambda per_tensor: per_tensor[0])
@@ -145,36 +133,22 @@ def allgather_payloads_many(comm: Communicator, payloads: Sequence[Payload]
                        inline=True)
 
 
-def allreduce_compressed(comm: Communicator, tensor: Tensor, compressor: Compressor,
-                         average: bool = True, payload: Payload | None = None
-                         ) -> Handle[Tensor]:
-    """Sum compressed payloads with allreduce (compressors with ``Aggregation.SUM``).
-
-    The tensor is divided by the world size *before* compression (so fp16 sums do not
-    overflow), payload tensors are summed in compressed form, then decompressed. A caller
-    that needs its own payload too (error feedback) passes it as ``payload``: the
-    compression of ``tensor`` (divided by the world size if ``average``), whose tensors are
-    then summed in place; ``tensor`` is not read again.
-    """
-    if compressor.aggregation is not Aggregation.SUM:
-        raise ValueError(f"{compressor!r} payloads cannot be summed "
-                         f"({compressor.aggregation.value}); use scatter_gather or "
-                         "allgather_payloads")
-    if not compressor.payload_sums_elementwise:
-        raise ValueError(f"{compressor!r} payloads must be reduced by their own protocol "
-                         "(e.g. the 'powersgd' algorithm's two allreduces), not summed "
-                         "tensor by tensor")
-    if payload is None:
-        payload = compressor.compress(tensor / comm.size if average else tensor)
+def allreduce_payloads(comm: Communicator, payloads: Sequence[Payload]
+                       ) -> Handle[list[Payload]]:
+    """Sum every payload's tensors over the ranks, in place, in compressed form (formats
+    whose payloads sum tensor by tensor: ``Aggregation.SUM`` with
+    ``payload_sums_elementwise``); the result is ``payloads``, now holding the sums.
+    :func:`hexagram.comm.reduce.reduce` encodes (divided by P for a mean) and decodes."""
     if comm.size == 1:
-        return Handle.completed(compressor.decompress(payload), "allreduce_compressed")
-    nbytes = sum(comm.ring_allreduce_bytes(t) for t in payload.tensors)
+        return Handle.completed(list(payloads), "allreduce_compressed")
+    wire = [t for p in payloads for t in p.tensors]
+    nbytes = sum(comm.ring_allreduce_bytes(t) for t in wire)
 
     def job() -> Deferred:
-        works = [dist.all_reduce(t, group=comm.group, async_op=True) for t in payload.tensors]
-        return Deferred(_AllWorks(works), lambda: compressor.decompress(payload))
+        works = [dist.all_reduce(t, group=comm.group, async_op=True) for t in wire]
+        return Deferred(_AllWorks(works), lambda: list(payloads))
 
-    return comm.submit("allreduce_compressed", job, nbytes)
+    return comm.submit("allreduce_compressed", job, nbytes, inline=True)
 
 
 def _chunks(tensor: Tensor, parts: int) -> tuple[Tensor, int]:
@@ -258,10 +232,9 @@ def _sum_copies(compressor: Compressor, copies: Sequence[Payload], like: Tensor,
                 average: bool) -> Tensor:
     """The P received copies of my chunk, decoded into one buffer shaped like ``like``,
     summed in rank order (divided by P with ``average``)."""
-    mine = torch.empty_like(like)
-    for i, p in enumerate(copies):
-        compressor.decompress_into(p, mine, add=i > 0)
-    return mine.div_(len(copies)) if average else mine
+    size = len(copies)
+    return decode_sum(compressor, copies, torch.empty_like(like),
+                      (lambda t: t.div_(size)) if average else None)
 
 
 def _decode_rows(compressor: Compressor, payloads: list[Payload], flat: Tensor,

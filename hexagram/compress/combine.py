@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -27,7 +27,33 @@ from torch import Tensor
 from hexagram.compress.base import Compressor, Payload
 from hexagram.compress.packing import block_size, blocks, byte_codes, packed_nbytes
 
-__all__ = ["sum_payloads"]
+__all__ = ["decode_sum", "sum_payloads"]
+
+
+def decode_sum(compressor: Compressor, payloads: Sequence[Payload], out: Tensor,
+               finish: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """``out`` (1-D) := ``finish(sum of the decoded payloads, in rank order)``; returns ``out``.
+
+    The one decode-and-sum of the library (every collective that ends with several ranks'
+    payloads calls it): in code space when :func:`sum_payloads` allows it, else each payload
+    decoded and added straight into ``out`` (no dense temporary per rank). Both give the same
+    bits, and the same bits on every rank that holds the same payloads in the same order.
+
+    Example:
+        >>> import torch, hexagram.compress as hc
+        >>> c = hc.get("fp16")
+        >>> decode_sum(c, [c.compress(torch.ones(2))] * 3, torch.empty(2)).tolist()
+        [3.0, 3.0]
+    """
+    if sum_payloads(compressor, list(payloads), out, finish or _keep) is not None:
+        return out
+    for i, p in enumerate(payloads):
+        compressor.decompress_into(p, out, add=i > 0)
+    return out if finish is None else finish(out)
+
+
+def _keep(t: Tensor) -> Tensor:
+    return t
 
 
 def sum_payloads(compressor: Compressor, payloads: list[Payload], out: Tensor,

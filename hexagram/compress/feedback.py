@@ -6,14 +6,16 @@ residual is stored under a key (a parameter or bucket name). The invariant, for 
 
     sent + new residual == gradient + old residual
 
-Two ways to use it:
+The few operations algorithms need:
 
 - ``payload = ef.compress(key, grad)``: compress ``grad + residual`` and keep what the
-  payload does not carry (``decompress(payload)``) as the new residual.
-- ``corrected = ef.correct(key, grad)`` ... ``ef.update(key, corrected, sent)``: when what
-  finally counts differs from the local compression (gTop-k: local entries that lost in the
-  global selection go back into the residual; PowerSGD: the averaged P Q^T), the algorithm
-  passes the dense tensor that was actually counted as ``sent``.
+  payload does not carry (``compressor.decompress(payload)``) as the new residual.
+- ``ef.correct_(key, buf)`` (``buf += residual``, in the caller's buffer), then one of
+  ``ef.update_from(key, buf, payload)`` (what the payload carries was sent),
+  ``ef.update_selected(key, buf, indices)`` (those entries were sent) or
+  ``ef.update(key, buf, sent)`` (the dense tensor actually counted: gTop-k's global
+  selection, PowerSGD's averaged P Q^T); ``ef.residual_buffer(key, like)`` for a caller
+  that writes the residual itself.
 
 Residuals keep the gradient's dtype and shape; :meth:`ErrorFeedback.state_dict` holds them
 (and the inner compressor's state) for checkpoints.
@@ -22,9 +24,9 @@ Example:
     >>> import torch, hexagram.compress as hc
     >>> ef = hc.ErrorFeedback(hc.get("topk", k=1))
     >>> g = torch.tensor([3.0, 1.0, -2.0])
-    >>> ef.decompress(ef.compress("w", g)).tolist(), ef.residual("w").tolist()
+    >>> ef.compressor.decompress(ef.compress("w", g)).tolist(), ef.residual("w").tolist()
     ([3.0, 0.0, 0.0], [0.0, 1.0, -2.0])
-    >>> ef.decompress(ef.compress("w", g)).tolist()   # corrected: [3, 2, -4]
+    >>> ef.compressor.decompress(ef.compress("w", g)).tolist()   # corrected: [3, 2, -4]
     [0.0, 0.0, -4.0]
 """
 
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hexagram.compress.base import Aggregation, Compressor, Payload
+from hexagram.compress.base import Compressor, Payload
 
 __all__ = ["ErrorFeedback"]
 
@@ -50,43 +52,20 @@ class ErrorFeedback:
         self.compressor = compressor
         self._residuals: dict[Hashable, Tensor] = {}
 
-    @property
-    def aggregation(self) -> Aggregation:
-        """The inner compressor's aggregation (error feedback does not change the format)."""
-        return self.compressor.aggregation
-
     def residual(self, key: Hashable) -> Tensor | None:
         """The residual of ``key`` (None before its first update)."""
         return self._residuals.get(key)
 
-    def correct(self, key: Hashable, grad: Tensor) -> Tensor:
-        """``grad + residual[key]`` as a new tensor (``grad`` itself is not modified)."""
-        residual = self._residuals.get(key)
-        if residual is None:
-            return grad.detach().clone()
-        self._check(key, residual, grad)
-        return grad.detach() + residual
-
     def correct_(self, key: Hashable, grad: Tensor) -> Tensor:
         """``grad += residual[key]`` in place (for a caller that owns ``grad``); returns it.
 
-        Same values as :meth:`correct` without allocating a tensor as large as ``grad``.
+        ``grad`` is the caller's buffer (a bucket view): no tensor as large as it is made.
         """
         residual = self._residuals.get(key)
         if residual is None:
             return grad
         self._check(key, residual, grad)
         return grad.add_(residual)
-
-    def update_(self, key: Hashable, corrected: Tensor, sent: Tensor) -> None:
-        """:meth:`update` written into the old residual's memory (a new tensor the first
-        time or when the shape changed). ``corrected`` and ``sent`` must not be it."""
-        residual = self._residuals.get(key)
-        if residual is None or residual.shape != corrected.shape \
-                or residual.dtype != corrected.dtype or sent.shape != corrected.shape:
-            self.update(key, corrected, sent)
-            return
-        torch.sub(corrected.detach(), sent.detach().to(corrected.dtype), out=residual)
 
     def residual_buffer(self, key: Hashable, like: Tensor) -> Tensor:
         """Memory for ``key``'s next residual, shaped like ``like``, for a caller that
@@ -135,24 +114,26 @@ class ErrorFeedback:
             )
 
     def update(self, key: Hashable, corrected: Tensor, sent: Tensor) -> None:
-        """Residual of ``key`` := ``corrected - sent`` (``sent``: the dense tensor counted)."""
+        """Residual of ``key`` := ``corrected - sent`` (``sent``: the dense tensor counted),
+        written into the old residual's memory when it fits (neither argument may be it)."""
         if sent.shape != corrected.shape:
             raise ValueError(f"error feedback key {key!r}: sent has shape {tuple(sent.shape)}, "
                              f"corrected {tuple(corrected.shape)}")
-        self._residuals[key] = corrected.detach() - sent.detach().to(corrected.dtype)
+        residual = self._residuals.get(key)
+        if residual is None or residual.shape != corrected.shape \
+                or residual.dtype != corrected.dtype:
+            self._residuals[key] = corrected.detach() - sent.detach().to(corrected.dtype)
+            return
+        torch.sub(corrected.detach(), sent.detach().to(corrected.dtype), out=residual)
 
     def compress(self, key: Hashable, grad: Tensor,
                  generator: torch.Generator | None = None) -> Payload:
-        """Compress ``grad + residual[key]``; the part the payload does not carry stays."""
-        corrected = self.correct(key, grad)
+        """Compress ``grad + residual[key]``; the part the payload does not carry stays
+        (``grad`` is not modified). Decode with the inner ``compressor``."""
+        corrected = self.correct_(key, grad.detach().clone())
         payload = self.compressor.compress(corrected, generator)
-        sent = self.compressor.decompress(payload)
-        self._residuals[key] = corrected.sub_(sent)  # corrected is ours: reuse its memory
+        self.update_from(key, corrected, payload)
         return payload
-
-    def decompress(self, payload: Payload) -> Tensor:
-        """The inner compressor's :meth:`~Compressor.decompress`."""
-        return self.compressor.decompress(payload)
 
     def reset(self, key: Hashable | None = None) -> None:
         """Drop the residual of ``key`` (all residuals when None)."""

@@ -11,7 +11,7 @@ Q. An algorithm runs, per tensor ``key`` (e.g. a parameter or bucket name)::
 
     c = hexagram.compress.get("powersgd", rank=2)
     ef = hexagram.compress.ErrorFeedback(c)      # PowerSGD needs error feedback
-    corrected = ef.correct(key, grad)            # grad + residual
+    corrected = ef.correct_(key, grad.clone())   # grad + residual
     m = c.matrix(corrected)                      # (rows, cols), work dtype
     p = c.compute_p(key, m)                      # (rows, r) = M Q_warm       -> allreduce, / world
     c.orthogonalize(p)                           # in place, same result on every rank

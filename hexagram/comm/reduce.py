@@ -1,0 +1,185 @@
+"""Reduce tensors over ranks, with or without a compressor: the one path every algorithm uses.
+
+:func:`reduce_many` (and :func:`reduce` for one tensor) picks the collective from the
+compressor's :attr:`~hexagram.compress.base.Compressor.aggregation` with one rule
+(:func:`route`), encodes, communicates, decodes straight into the output buffers and counts
+the bytes through the communicator. Gradients and weights, exact and compressed, go through it.
+
+The rule (:func:`route`):
+
+=====================================================  =======================================
+compressor                                              collective
+=====================================================  =======================================
+``None``                                                allreduce in full precision
+``SUM`` whose payloads sum tensor by tensor (fp16)      allreduce of the payload tensors
+``SCATTER_GATHER`` (8-bit min-max, QSGD), when the      scatter-gather: compress, all-to-all,
+caller needs no exact local payload and the             decode + reduce, recompress, allgather
+reduction is not a vote
+anything else (``GATHER``, PowerSGD factors, a          allgather of payloads, then the
+``SCATTER_GATHER`` format under error feedback)         decode-and-sum of every rank's payload
+=====================================================  =======================================
+
+A caller that must know exactly what it sent (error feedback: ``residual = corrected -
+decode(payload)``) passes ``encode``; then the route never re-compresses (scatter-gather's
+second leg would send a payload nobody's residual accounts for), so ``SCATTER_GATHER`` formats
+are allgathered. ``encode(i, tensor, divisor)`` returns the payload of ``tensor / divisor``:
+the ``SUM`` route divides by the world size *before* encoding for a mean (a 16-bit sum cannot
+overflow), so an error-feedback encoder counts ``divisor * decode(payload)`` as sent.
+
+Multi-stage work is chained on the returned :class:`~hexagram.comm.communicator.Handle`
+(``handle.then(next_stage)``), as PyTorch's comm hooks chain ``Future.then``.
+
+Example:
+    >>> h = reduce(comm, grad, hexagram.compress.get("minmax8"))   # doctest: +SKIP
+    >>> mean = h.wait()                                             # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from hexagram.comm import primitives
+from hexagram.comm.communicator import Communicator, Handle
+from hexagram.compress.base import Aggregation, Compressor, Payload
+from hexagram.compress.combine import decode_sum
+
+__all__ = ["REDUCTIONS", "Encoder", "Reduction", "Route", "reduce", "reduce_many", "route"]
+
+Reduction = Literal["mean", "sum", "majority"]
+#: ``mean`` (the data-parallel average), ``sum``, ``majority`` (sign of the sum: signSGD's vote)
+REDUCTIONS: tuple[str, ...] = ("mean", "sum", "majority")
+
+#: ``encode(index, tensor, divisor) -> payload of tensor / divisor`` (see the module doc)
+Encoder = Callable[[int, Tensor, int], Payload]
+
+
+class Route(enum.Enum):
+    """Which collective carries a reduction (see :func:`route`)."""
+
+    ALLREDUCE = "allreduce"
+    SUM = "sum"
+    SCATTER_GATHER = "scatter_gather"
+    GATHER = "gather"
+
+
+def route(compressor: Compressor | None, *, exact_local: bool = False,
+          reduction: str = "mean") -> Route:
+    """The collective for ``compressor`` (the one rule of the module doc).
+
+    ``exact_local``: the caller needs the payload it sent to be the one every rank decodes
+    (error feedback), which rules out scatter-gather's re-compression.
+
+    >>> import hexagram.compress as hc
+    >>> route(None).value, route(hc.get("fp16")).value, route(hc.get("minmax8")).value
+    ('allreduce', 'sum', 'scatter_gather')
+    >>> route(hc.get("minmax8"), exact_local=True).value, route(hc.get("topk")).value
+    ('gather', 'gather')
+    """
+    if compressor is None:
+        return Route.ALLREDUCE
+    if compressor.aggregation is Aggregation.SUM and compressor.payload_sums_elementwise:
+        return Route.SUM
+    if compressor.aggregation is Aggregation.SCATTER_GATHER and not exact_local \
+            and reduction != "majority":
+        return Route.SCATTER_GATHER
+    return Route.GATHER
+
+
+def reduce(comm: Communicator, tensor: Tensor, compressor: Compressor | None = None, *,
+           reduction: str = "mean", out: Tensor | None = None, encode: Encoder | None = None,
+           generator: torch.Generator | None = None,
+           reduce_generator: torch.Generator | None = None) -> Handle[Tensor]:
+    """:func:`reduce_many` of one tensor; the handle's result is the reduced tensor."""
+    return reduce_many(comm, [tensor], compressor, reduction=reduction,
+                       outs=None if out is None else [out], encode=encode,
+                       generator=generator, reduce_generator=reduce_generator
+                       ).then(lambda results: results[0])
+
+
+def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
+                compressor: Compressor | None = None, *, reduction: str = "mean",
+                outs: Sequence[Tensor] | None = None, encode: Encoder | None = None,
+                generator: torch.Generator | None = None,
+                reduce_generator: torch.Generator | None = None) -> Handle[list[Tensor]]:
+    """Reduce each of ``tensors`` over the ranks of ``comm``; one message per leg for all.
+
+    Args:
+        tensors: contiguous tensors, the same shapes on every rank; each is compressed on its
+            own (layer-wise scales, norms and top-k).
+        compressor: ``None`` for full precision; otherwise its aggregation picks the route.
+        reduction: ``"mean"``, ``"sum"`` or ``"majority"`` (element-wise sign of the sum).
+        outs: where the results go (same shapes and dtypes; may be ``tensors`` themselves:
+            every input is encoded before this returns, and may then be overwritten);
+            default: new tensors, inputs untouched.
+        encode: the caller's encoder (error feedback); see the module doc.
+        generator, reduce_generator: draws of the first and (scatter-gather) second
+            compression, for stochastic compressors.
+
+    Returns:
+        A handle whose result is the list of outputs, every rank's bit for bit the same.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
+    results = list(outs) if outs is not None else [torch.empty_like(t) for t in tensors]
+    if len(results) != len(tensors):
+        raise ValueError(f"outs has {len(results)} tensors for {len(tensors)} inputs")
+    way = route(compressor, exact_local=encode is not None, reduction=reduction)
+    if way is Route.ALLREDUCE or compressor is None:
+        return _allreduce(comm, tensors, results, reduction)
+    if way is Route.SCATTER_GATHER:
+        return primitives.scatter_gather_many(comm, tensors, compressor, reduction == "mean",
+                                              generator, reduce_generator, results)
+    comp = compressor
+    owned = [r.data_ptr() == t.data_ptr() for t, r in zip(tensors, results)]
+
+    def default_encode(i: int, t: Tensor, divisor: int) -> Payload:
+        if divisor > 1:  # the caller's buffer is ours to scale; else a scaled copy
+            t = t.div_(divisor) if owned[i] else t / divisor
+        return comp.compress(t, generator)
+
+    enc = encode or default_encode
+    if way is Route.SUM:
+        divisor = comm.size if reduction == "mean" else 1
+        payloads = [enc(i, t, divisor) for i, t in enumerate(tensors)]
+        vote = _finish("majority", comm.size) if reduction == "majority" else None
+        return primitives.allreduce_payloads(comm, payloads).then(
+            lambda summed: _decode(comp, [[p] for p in summed], results, vote))
+    payloads = [enc(i, t, 1) for i, t in enumerate(tensors)]
+    finish = _finish(reduction, comm.size)
+    return primitives.allgather_payloads_many(comm, payloads).then(
+        lambda per_tensor: _decode(comp, per_tensor, results, finish))
+
+
+def _finish(reduction: str, size: int) -> Callable[[Tensor], Tensor] | None:
+    """What turns a sum over ranks into the reduction, in place."""
+    if reduction == "mean":
+        return lambda t: t.div_(size)
+    if reduction == "majority":
+        return lambda t: t.sign_()
+    return None
+
+
+def _decode(comp: Compressor, per_tensor: Sequence[Sequence[Payload]], results: list[Tensor],
+            finish: Callable[[Tensor], Tensor] | None) -> list[Tensor]:
+    """Every rank's payloads of tensor i decoded and summed (rank order) into result i."""
+    for payloads, res in zip(per_tensor, results):
+        decode_sum(comp, payloads, res.view(-1), finish)
+    return results
+
+
+def _allreduce(comm: Communicator, tensors: Sequence[Tensor], results: list[Tensor],
+               reduction: str) -> Handle[list[Tensor]]:
+    """Full precision: one in-place allreduce per result (a copy of its input first)."""
+    handles = []
+    for t, res in zip(tensors, results):
+        if res.data_ptr() != t.data_ptr():
+            res.copy_(t)
+        handles.append(primitives.allreduce(comm, res, average=reduction == "mean"))
+    vote = reduction == "majority"
+    return Handle.gather(handles, "allreduce").then(
+        lambda _: [r.sign_() for r in results] if vote else results)
