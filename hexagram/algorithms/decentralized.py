@@ -95,7 +95,9 @@ class DecentralizedAlgorithm(RoundAlgorithm):
             self._pending = self._start(active=True)
 
     def _before_step(self, *_: Any) -> None:
-        self._finish_pending()
+        if self._pending is not None:  # the round started in before_forward ends here
+            self._finish_pending()
+            self._sync_buffers()  # after the forward pass updated the statistics
 
     def _start(self, active: bool) -> _Exchange:
         comm = self.ctx.comm
@@ -120,9 +122,7 @@ class DecentralizedAlgorithm(RoundAlgorithm):
             else:  # uniform weights 1/(k+1) over me and my k peers (k = 0: unchanged)
                 mixed.append(torch.stack([own, *got]).sum(0) / (ex.npeers + 1))
         write_weights(self.ctx.buckets, mixed)
-        active = int(ex.control.wait().active)
-        self._sync_buffers()
-        return active
+        return int(ex.control.wait().active)
 
     def _finish_pending(self) -> None:
         if self._pending is not None:
@@ -130,7 +130,9 @@ class DecentralizedAlgorithm(RoundAlgorithm):
             self._finish(pending)
 
     def _round(self, active: bool) -> int:
-        return self._finish(self._start(active))
+        n_active = self._finish(self._start(active))
+        self._sync_buffers()
+        return n_active
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:
