@@ -89,14 +89,15 @@ def _ring(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
 
 
-_PAYLOADS: dict[tuple[int, tuple[int, ...]], Payload] = {}
+_PAYLOADS: dict[tuple[str, str, tuple[int, ...]], Payload] = {}
 
 
 def payload_of(compressor: Compressor, shape: Sequence[int]) -> Payload:
     """The payload ``compressor`` makes of a tensor of ``shape`` (a copy compresses random
     data, so the live compressor's state is untouched; sizes depend only on shape and
     config)."""
-    key = (id(compressor), tuple(shape))
+    key = (type(compressor).__qualname__, repr(getattr(compressor, "config", None)),
+           tuple(shape))
     if key not in _PAYLOADS:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(*shape, generator=gen) if len(shape) else torch.randn(1)
@@ -216,13 +217,13 @@ def _at_step(algorithm: Algorithm, comp: Compressor, step: int) -> Compressor:
     density = float(density_at(step))
     if density == cfg.density:
         return comp
-    key = (id(comp), density)
+    key = (type(comp).__qualname__, repr(cfg), density)
     if key not in _AT_STEP:
         _AT_STEP[key] = type(comp)(dataclasses.replace(cfg, density=density))  # type: ignore[call-arg]
     return _AT_STEP[key]
 
 
-_AT_STEP: dict[tuple[int, float], Compressor] = {}
+_AT_STEP: dict[tuple[str, str, float], Compressor] = {}
 
 
 def bucket_schedule(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
