@@ -17,7 +17,9 @@ import hexagram as hx
 from hexagram.algorithms import registry
 from hexagram.launch import run_local
 
-STEPS = 12  # PowerSGD's default start_iter is 10: steps on both sides of it
+STEPS = 3  # the first (reverse-order buckets), the re-bucketed second, a steady third
+# steps on both sides of a warm-up: PowerSGD's default start_iter is 10, QAdam's is ours (3)
+WARMUP_STEPS = {"powersgd": 12, "qadam": 5}
 
 
 def gradient_algorithms() -> list[str]:
@@ -52,7 +54,7 @@ def _worker(names: list[str]) -> dict[str, list[tuple[int, int]]]:
                                            bucket_size_mb=0.01, first_bucket_mb=0.005)
         gen = torch.Generator().manual_seed(rank)
         rows = []
-        for step in range(STEPS):
+        for step in range(WARMUP_STEPS.get(name, STEPS)):
             x = torch.randn(16, 37, generator=gen)
             before = model.bytes_sent()
             model(x).square().mean().backward()
