@@ -9,7 +9,7 @@ import hexagram as hx
 from hexagram.buckets import build_buckets
 from hexagram.cost.model import MB, amortized, bucket_layout, predict
 from hexagram.cost.probe import COLLECTIVES, Fit, NetworkProfile, fit_line
-from hexagram.cost.profile import ComputeProfile, CompressorCost
+from hexagram.cost.profile import CompressorCost, ComputeProfile
 from hexagram.cost.schedule import TensorSpec, payload_of
 
 

@@ -50,11 +50,16 @@ from hexagram.comm.communicator import Communicator, Handle
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.config import check_float, check_int
 from hexagram.cost import choose
-from hexagram.cost.model import MB, Prediction
+from hexagram.cost.model import MB, Prediction, bucket_layout
 from hexagram.cost.probe import NetworkProfile, probe
-from hexagram.cost.profile import CompressorCost, ComputeProfile, measure_compressor
+from hexagram.cost.profile import (
+    CompressorCost,
+    ComputeProfile,
+    cost_from_times,
+    measure_compressor,
+)
 from hexagram.cost.recorder import StepRecorder
-from hexagram.cost.schedule import _compressor
+from hexagram.cost.schedule import _compressor, sizing_times, step_schedule
 
 __all__ = ["AutoAlgorithm", "AutoConfig"]
 
@@ -164,17 +169,20 @@ class AutoAlgorithm(Algorithm):
             self._say(f"auto: {note}")
 
     def _compressor_costs(self) -> dict[str, CompressorCost]:
-        """Each candidate's compressor timed once (same configs share a measurement)."""
+        """Each candidate's compressor timed on this model's own tensor shapes: sizing
+        every candidate's payloads (needed for the wire bytes anyway) times them."""
+        profile = self._static_profile()
         out: dict[str, CompressorCost] = {}
-        seen: dict[str, CompressorCost] = {}
         for label, algorithm in self.candidates:
             comp = _compressor(algorithm)
             if comp is None:
                 continue
-            key = f"{type(comp).__qualname__}{getattr(comp, 'config', '')!r}"
-            if key not in seen:
-                seen[key] = measure_compressor(comp, self.ctx.runtime.device)
-            out[label] = seen[key]
+            if algorithm.kind == "grad":
+                layout = [specs for specs, _ in bucket_layout(profile, 25 * MB, MB)]
+                step_schedule(algorithm, layout, self.ctx.comm.size)
+            cost = cost_from_times(sizing_times(comp)) or \
+                measure_compressor(comp, self.ctx.runtime.device)
+            out[label] = cost
         return self._agree_costs(out)
 
     def _agree_costs(self, costs: dict[str, CompressorCost]) -> dict[str, CompressorCost]:

@@ -30,7 +30,8 @@ from torch import nn
 from hexagram.compress.base import Compressor
 from hexagram.cost.schedule import TensorSpec
 
-__all__ = ["CompressorCost", "ComputeProfile", "measure_compressor", "profile_module"]
+__all__ = ["CompressorCost", "ComputeProfile", "cost_from_times", "measure_compressor",
+           "profile_module"]
 
 
 @dataclass
@@ -127,6 +128,28 @@ def measure_compressor(compressor: Compressor, device: torch.device | str = "cpu
         points.append((x.numel(), enc, dec))
     (n0, e0, d0), (n1, e1, d1) = points
     return CompressorCost(_line((n0, e0), (n1, e1)), _line((n0, d0), (n1, d1)))
+
+
+def cost_from_times(points: Sequence[tuple[int, float, float]]) -> CompressorCost | None:
+    """Least-squares ``a + b n`` of compress and decompress times from ``(n, compress s,
+    decompress s)`` points (e.g. :func:`hexagram.cost.schedule.sizing_times`: the job's own
+    tensor shapes); None without points."""
+    if not points:
+        return None
+    if len({p[0] for p in points}) == 1:  # one size: all per element
+        n = points[0][0]
+        return CompressorCost((0.0, min(p[1] for p in points) / n),
+                              (0.0, min(p[2] for p in points) / n))
+    return CompressorCost(_fit([(p[0], p[1]) for p in points]),
+                          _fit([(p[0], p[2]) for p in points]))
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    mx = statistics.fmean(p[0] for p in points)
+    my = statistics.fmean(p[1] for p in points)
+    var = sum((p[0] - mx) ** 2 for p in points)
+    slope = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in points) / var)
+    return max(0.0, my - slope * mx), slope
 
 
 def profile_module(model: nn.Module, batch: Callable[[], tuple[Any, Any]],

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from hexagram.algorithms.base import Algorithm
 from hexagram.compress.base import Aggregation, Compressor, Payload
 
 __all__ = ["CUSTOM", "Message", "TensorSpec", "bucket_schedule", "is_lossy", "layout_of",
-           "payload_of", "step_schedule", "wire_bytes"]
+           "payload_of", "sizing_times", "step_schedule", "wire_bytes"]
 
 
 @dataclass(frozen=True)
@@ -96,15 +97,31 @@ def payload_of(compressor: Compressor, shape: Sequence[int]) -> Payload:
     """The payload ``compressor`` makes of a tensor of ``shape`` (a copy compresses random
     data, so the live compressor's state is untouched; sizes depend only on shape and
     config)."""
-    key = (type(compressor).__qualname__, repr(getattr(compressor, "config", None)),
-           tuple(shape))
+    name = (type(compressor).__qualname__, repr(getattr(compressor, "config", None)))
+    key = (*name, tuple(shape))
     if key not in _PAYLOADS:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(*shape, generator=gen) if len(shape) else torch.randn(1)
-        _PAYLOADS[key] = copy.deepcopy(compressor).compress(x, gen)
-        _PAYLOADS[key] = Payload(tuple(t.detach() for t in _PAYLOADS[key].tensors),
+        comp = copy.deepcopy(compressor)
+        t0 = time.perf_counter()
+        payload = comp.compress(x, gen)
+        t1 = time.perf_counter()
+        comp.decompress(payload)
+        # the sizing pass doubles as a timing of this compressor on the job's own shapes
+        _TIMES.setdefault(name, []).append((x.numel(), t1 - t0, time.perf_counter() - t1))
+        _PAYLOADS[key] = Payload(tuple(t.detach() for t in payload.tensors),
                                  torch.Size(shape), torch.float32)
     return _PAYLOADS[key]
+
+
+_TIMES: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
+
+
+def sizing_times(compressor: Compressor) -> list[tuple[int, float, float]]:
+    """``(numel, compress s, decompress s)`` of every shape :func:`payload_of` sized with
+    ``compressor``'s configuration so far (on this process, at the time it ran)."""
+    return list(_TIMES.get((type(compressor).__qualname__,
+                            repr(getattr(compressor, "config", None))), []))
 
 
 def _segments(algorithm: Algorithm, bucket: Sequence[TensorSpec]) -> list[tuple[int, ...]]:
@@ -188,8 +205,8 @@ def _randomk(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
 
 def _qadam(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
            rank: int) -> list[Message]:
-    opt = getattr(algorithm, "optimizer", None)
-    if opt is None or not opt.frozen:  # warm-up: plain allreduce
+    opt = getattr(algorithm, "optimizer", None)  # None: not set up, predict steady state
+    if opt is not None and not opt.frozen:  # warm-up: plain allreduce
         return _allreduce(algorithm, bucket, world, rank)
     comp = _compressor(algorithm)
     assert comp is not None
