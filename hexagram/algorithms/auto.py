@@ -49,17 +49,11 @@ from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.config import check_float, check_int
-from hexagram.cost import choose
-from hexagram.cost.model import MB, Prediction, bucket_layout
+from hexagram.cost import choose, measure
+from hexagram.cost.model import MB, Prediction
 from hexagram.cost.probe import NetworkProfile, probe
-from hexagram.cost.profile import (
-    CompressorCost,
-    ComputeProfile,
-    cost_from_times,
-    measure_compressor,
-)
+from hexagram.cost.profile import CompressorCost, ComputeProfile
 from hexagram.cost.recorder import StepRecorder
-from hexagram.cost.schedule import _compressor, sizing_times, step_schedule
 
 __all__ = ["AutoAlgorithm", "AutoConfig"]
 
@@ -144,6 +138,7 @@ class AutoAlgorithm(Algorithm):
         self._drifting = 0
         self._recorder: StepRecorder | None = None
         self._control: Communicator | None = None
+        self._retired_bytes = 0  # bytes of retired delegates' own communicators
 
     # -- set-up: probe, compressor costs, provisional choice ---------------------------
     def setup(self, ctx: AlgorithmContext) -> None:
@@ -154,9 +149,10 @@ class AutoAlgorithm(Algorithm):
         self._recorder = StepRecorder(ctx.module, ctx.named_params)
         if self.decision is None:
             self._measure_network()
-            self.costs = self._compressor_costs()
-            start = self._decide(self._static_profile(), provisional=True)
-            self._adopt(start.label, None)
+            static = measure.static_profile(ctx.buckets, self._recorder.specs)
+            self.costs = measure.compressor_costs(self.candidates, static, ctx.comm.size,
+                                                  self._control.group, ctx.runtime.device)
+            self._adopt(self._decide(static, provisional=True).label, None)
         self.delegate.setup(ctx)
         self._pending = self._rebuild = False
 
@@ -167,43 +163,6 @@ class AutoAlgorithm(Algorithm):
                              budget_s=self.config.probe_budget_s)
         for note in self.network.notes:
             self._say(f"auto: {note}")
-
-    def _compressor_costs(self) -> dict[str, CompressorCost]:
-        """Each candidate's compressor timed on this model's own tensor shapes: sizing
-        every candidate's payloads (needed for the wire bytes anyway) times them."""
-        profile = self._static_profile()
-        out: dict[str, CompressorCost] = {}
-        for label, algorithm in self.candidates:
-            comp = _compressor(algorithm)
-            if comp is None:
-                continue
-            if algorithm.kind == "grad":
-                layout = [specs for specs, _ in bucket_layout(profile, 25 * MB, MB)]
-                step_schedule(algorithm, layout, self.ctx.comm.size)
-            cost = cost_from_times(sizing_times(comp)) or \
-                measure_compressor(comp, self.ctx.runtime.device)
-            out[label] = cost
-        return self._agree_costs(out)
-
-    def _agree_costs(self, costs: dict[str, CompressorCost]) -> dict[str, CompressorCost]:
-        """The slowest rank's costs, so every rank predicts the same numbers."""
-        assert self._control is not None
-        labels = sorted(costs)
-        vec = torch.tensor([v for lb in labels for v in (*costs[lb].compress,
-                                                         *costs[lb].decompress)],
-                           dtype=torch.float64)
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self._control.group)
-        rows = vec.view(-1, 4).tolist() if labels else []
-        return {lb: CompressorCost((r[0], r[1]), (r[2], r[3])) for lb, r in zip(labels, rows)}
-
-    def _static_profile(self) -> ComputeProfile:
-        """No compute yet: every gradient ready at once (communication and CPU only)."""
-        from hexagram.cost.schedule import layout_of
-
-        assert self._recorder is not None
-        specs = [s for bucket in layout_of(self.ctx.buckets) for s in bucket] \
-            or list(reversed(self._recorder.specs))
-        return ComputeProfile(0.0, 0.0, 0.0, specs, [0.0] * len(specs))
 
     # -- deciding ------------------------------------------------------------------------
     def _decide(self, compute: ComputeProfile, provisional: bool = False) -> Prediction:
@@ -268,6 +227,7 @@ class AutoAlgorithm(Algorithm):
         self._flush = feedback if isinstance(feedback, ErrorFeedback) else None
         if old.kind == "weight":
             old.synchronize()
+        self._retired_bytes += old.bytes_sent() - self.ctx.comm.counter.total
         old.close()
         kept = "residuals flushed into the next gradient" if self._flush else "no residuals"
         event = {"step": self._steps, "from": self.label, "to": new, "state": kept}
@@ -345,7 +305,9 @@ class AutoAlgorithm(Algorithm):
 
     def _finish_profile(self) -> None:
         assert self._recorder is not None
-        self.compute = self._slowest(self._recorder.profile(self.config.profile_steps - 1))
+        assert self._control is not None
+        self.compute = measure.slowest(self._recorder.profile(self.config.profile_steps - 1),
+                                       self._control.group)
         pick = self._decide(self.compute)
         self._adopt(pick.label, self._tune[0])
         self._mark = self._steps
@@ -373,20 +335,6 @@ class AutoAlgorithm(Algorithm):
         self._say(f"auto: buckets timed {self.decision['tuned']} s/step -> "
                   f"{self._tune[best] / MB:g} MB")
         self._phase, self._mark = "watch", self._steps
-
-    def _slowest(self, profile: ComputeProfile) -> ComputeProfile:
-        """The profile with every time replaced by its maximum over ranks."""
-        assert self._control is not None
-        names = [s.name for s in profile.tensors]
-        ready = dict(zip(names, profile.ready_s))
-        spec = sorted(names)
-        vec = torch.tensor([profile.forward_s, profile.backward_s, profile.update_s,
-                            *[ready[n] for n in spec]], dtype=torch.float64)
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self._control.group)
-        merged = dict(zip(spec, vec[3:].tolist()))
-        order = sorted(profile.tensors, key=lambda s: merged[s.name])
-        return ComputeProfile(float(vec[0]), float(vec[1]), float(vec[2]), order,
-                              [merged[s.name] for s in order])
 
     def _watch(self) -> None:
         """Count drifting steps; every 10 steps the ranks agree whether to re-probe."""
@@ -422,7 +370,9 @@ class AutoAlgorithm(Algorithm):
 
     # -- accounting, checkpoints ---------------------------------------------------------
     def bytes_sent(self) -> int:
-        return self.ctx.comm.counter.total
+        """Every delegate's bytes since setup (the current one's count covers the shared
+        communicator; retired delegates' own communicators are added)."""
+        return self.delegate.bytes_sent() + self._retired_bytes
 
     def state_dict(self) -> dict[str, Any]:
         return {"decision": self.decision, "label": self.label, "bucket_bytes": self._bucket,
