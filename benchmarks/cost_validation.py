@@ -71,11 +71,32 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def _spec(args: argparse.Namespace, model: str, name: str, config: dict[str, Any],
-          warmup: int) -> dict[str, Any]:
+          warmup: int, bucket_mb: float | None = None) -> dict[str, Any]:
     return {"task": "step", "algorithm": name, "label": name, "config": config,
             "model": {"name": model, **MODELS[model]}, "steps": args.steps, "min_steps": 3,
             "warmup": warmup, "time_limit": args.time_limit, "batch": args.batch,
-            "lr": 0.01, "seed": 0, "bucket_mb": None, "stall_timeout": 90}
+            "lr": 0.01, "seed": 0, "bucket_mb": bucket_mb, "stall_timeout": 90}
+
+
+def bucket_study(args: argparse.Namespace, lab: Any, cfg: LabConfig, model: str
+                 ) -> dict[str, Any]:
+    """allreduce and powersgd at 1, 4, 25 and 100 MB fixed buckets, and auto restricted to
+    the same algorithm (it tunes the bucket size)."""
+    out: dict[str, Any] = {}
+    for name in ("allreduce", "powersgd"):
+        row: dict[str, Any] = {}
+        for mb in (1.0, 4.0, 25.0, 100.0):
+            print(f"buckets {model} {name} {mb:g} MB", file=sys.stderr, flush=True)
+            o = run_task(lab, _spec(args, model, name, CONFIG.get(name, {}), args.warmup, mb),
+                         timeout=args.timeout)
+            r = summarize_outcome(o, cfg.rate, args.batch, cfg.world_size)
+            row[f"{mb:g}"] = r.get("step_s")
+        o = run_task(lab, _spec(args, model, "auto", {"candidates": [name], "verbose": False},
+                                12), timeout=args.timeout)
+        r = summarize_outcome(o, cfg.rate, args.batch, cfg.world_size)
+        row["auto"] = r.get("step_s")
+        out[name] = row
+    return out
 
 
 def _compute(ranks: list[dict[str, Any]], shapes: list[tuple[int, ...]]) -> ComputeProfile:
@@ -130,6 +151,8 @@ def run_setting(args: argparse.Namespace, bandwidth: str) -> dict[str, Any]:
                 auto = {"error": row["error"]} if "error" in row else \
                     {"measured_s": row["step_s"]}
             out["models"][model] = {"cells": cells, "auto": auto}
+            if args.buckets:
+                out["models"][model]["buckets"] = bucket_study(args, lab, cfg, model)
     return out
 
 
@@ -166,6 +189,7 @@ def markdown(report: dict[str, Any]) -> str:
                              f"{c['wire_predicted'] / 1e6:.2f} | "
                              f"{c['wire_reported'] / 1e6:.2f} | {parts} |")
             lines.append(_auto_line(res))
+            lines.append(_bucket_lines(res.get("buckets")))
     return "\n".join(lines)
 
 
@@ -182,6 +206,20 @@ def _auto_line(res: dict[str, Any]) -> str:
             f"(auto/fastest = {auto['measured_s'] / best['measured_s']:.2f})\n")
 
 
+def _bucket_lines(study: dict[str, Any] | None) -> str:
+    if not study:
+        return ""
+    lines = ["\n| algorithm | 1 MB | 4 MB | 25 MB | 100 MB | auto | auto / best fixed |",
+             "|---|---|---|---|---|---|---|"]
+    for name, row in study.items():
+        fixed = [row[k] for k in ("1", "4", "25", "100") if row.get(k)]
+        cells = " | ".join("-" if row.get(k) is None else f"{row[k]:.3f}"
+                           for k in ("1", "4", "25", "100", "auto"))
+        ratio = f"{row['auto'] / min(fixed):.2f}" if row.get("auto") and fixed else "-"
+        lines.append(f"| {name} | {cells} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--bandwidth", default="10mbit,100mbit,1gbit,unshaped")
@@ -194,6 +232,8 @@ def main() -> int:
     a.add_argument("--time-limit", type=float, default=30.0)
     a.add_argument("--timeout", type=float, default=600.0)
     a.add_argument("--auto", action="store_true", help="also run algorithm='auto'")
+    a.add_argument("--buckets", action="store_true",
+                   help="also the bucket study (allreduce, powersgd: fixed sizes vs auto)")
     a.add_argument("--loopback", action="store_true")
     a.add_argument("--out", required=True)
     args = a.parse_args()

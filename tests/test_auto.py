@@ -7,6 +7,7 @@ decision kept on resume), never a speed.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -109,6 +110,18 @@ def _decide_switch_resume() -> dict[str, Any]:
     _train(model2, opt2, range(3), rank)
     out["resumed"] = (algo2.label, algo2.decision == state["decision"], len(algo2.switches))
     model2.close()
+    # drift: steps become much slower than measured after the decision -> a new probe
+    net3 = Probe()
+    opt3 = torch.optim.SGD(net3.parameters(), lr=0.1)
+    algo3 = hx.algorithms.get("auto", **{**FAST, "drift_steps": 3})
+    model3 = hx.DistributedDataParallel(net3, optimizers=[opt3], algorithm=algo3)
+    _train(model3, opt3, range(14), rank)
+    quiet = algo3.reprobes
+    for step in range(14, 26):
+        _train(model3, opt3, range(step, step + 1), rank)
+        time.sleep(0.3)  # the job's step time drifts (as when a link slows down)
+    out["reprobes"] = (quiet, algo3.reprobes)
+    model3.close()
     hx.shutdown()
     return out
 
@@ -141,3 +154,9 @@ def test_resume_keeps_decision(three_ranks: list[dict[str, Any]]) -> None:
     for result in three_ranks:
         label, same, _ = result["resumed"]
         assert label == "allreduce" and same
+
+
+def test_drift_triggers_a_new_probe(three_ranks: list[dict[str, Any]]) -> None:
+    for result in three_ranks:
+        quiet, after = result["reprobes"]
+        assert after > quiet

@@ -121,6 +121,7 @@ class AutoAlgorithm(Algorithm):
         self.decision: dict[str, Any] | None = None
         self.table = ""
         self.switches: list[dict[str, Any]] = []
+        self.reprobes = 0  # network probes after the decision (drift)
         self.network: NetworkProfile | None = None
         self.compute: ComputeProfile | None = None
         self.costs: dict[str, CompressorCost] = {}
@@ -359,6 +360,7 @@ class AutoAlgorithm(Algorithm):
         self._say(f"auto: step {self._steps}: step time {measured:.3f} s drifted from "
                   f"{self._expected:.3f} s for {self._drifting} steps: probing again")
         self._measure_network()
+        self.reprobes += 1
         before = self.label
         pick = self._decide(self.compute)
         self._drifting = 0
