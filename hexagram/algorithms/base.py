@@ -100,6 +100,12 @@ class Algorithm:
         """True to make the engine rebuild buckets/hooks before the next forward."""
         return False
 
+    def bucket_size_bytes(self) -> int | None:
+        """Bucket capacity (bytes) this algorithm wants, read whenever the engine (re)builds
+        buckets (at wrap time, after the first backward, after :meth:`need_reset`); ``None``
+        (the default) keeps the wrapper's ``bucket_size_mb``. ``auto`` tunes it."""
+        return None
+
     def reset(self, ctx: AlgorithmContext) -> None:
         """Called after the engine rebuilt buckets because :meth:`need_reset` said so."""
         self._ctx = ctx

@@ -117,7 +117,9 @@ class DistributedDataParallel(nn.Module):
             self._reducer.remove()
             self._reducer = None
         named = list(order) if order is not None else self.algorithm.tensors(self._named)
-        buckets = build_buckets(named, self._bucket_bytes, self._first_bucket_bytes) \
+        wanted = self.algorithm.bucket_size_bytes()  # None: the wrapper's bucket_size_mb
+        cap = self._bucket_bytes if wanted is None else int(wanted)
+        buckets = build_buckets(named, cap, min(self._first_bucket_bytes, cap)) \
             if named else []
         self._ctx.buckets = buckets
         if self.algorithm.kind == "grad" and buckets:

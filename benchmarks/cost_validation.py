@@ -1,0 +1,255 @@
+"""Validate the step-time model in the network lab, and run ``auto`` next to fixed choices.
+
+For each bandwidth (a fresh lab of ``--hosts`` emulated hosts) the probe job runs first
+(``hexagram.cost.task``: network fits and compressor costs, all ranks at once); then, per
+workload, every synchronous gradient algorithm runs the lab's step benchmark (the worker
+records each rank's local compute: when every gradient is ready, backward, update) and
+the model predicts its step from those measurements. Reported per setting: predicted vs
+measured step time, wire bytes predicted vs reported, median absolute error, worst cell
+and Spearman rank correlation; with ``--auto`` also ``auto``'s measured step time against
+the fastest fixed algorithm of the same run.
+
+Usage (root, iproute2; ``--loopback`` runs unshaped on 127.0.0.1 without root):
+
+    .venv/bin/python benchmarks/cost_validation.py --bandwidth 10mbit,100mbit,1gbit,unshaped \\
+        --models mlp,gpt,cnn --auto --out /tmp/cost-validation
+
+Output: ``OUT/validation.json`` and ``OUT/validation.md`` (tables as in
+docs/benchmarks/auto.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hexagram.algorithms import registry
+from hexagram.bench.harness import LoopbackLab, machine_info, run_task
+from hexagram.bench.lab import LabConfig, NetworkLab
+from hexagram.bench.report import summarize_outcome
+from hexagram.bench.workload import ModelSpec, build_workload
+from hexagram.cost.model import predict
+from hexagram.cost.probe import NetworkProfile
+from hexagram.cost.profile import CompressorCost, ComputeProfile
+from hexagram.cost.task import run_in_lab
+
+#: the bench's settings for the short window: PowerSGD compresses from step 0
+CONFIG = {"powersgd": {"start_iter": 0}}
+MODELS = {"mlp": {"params": 6_300_000, "layers": 3}, "gpt": {"layers": 4, "width": 256},
+          "cnn": {"width": 256}}
+
+
+def sync_algorithms() -> list[str]:
+    """Every registered gradient algorithm except auto."""
+    return [n for n in registry.names() if n != "auto" and registry.get(n).kind == "grad"]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else 1.0
+
+
+def _spec(args: argparse.Namespace, model: str, name: str, config: dict[str, Any],
+          warmup: int, bucket_mb: float | None = None) -> dict[str, Any]:
+    return {"task": "step", "algorithm": name, "label": name, "config": config,
+            "model": {"name": model, **MODELS[model]}, "steps": args.steps, "min_steps": 3,
+            "warmup": warmup, "time_limit": args.time_limit, "batch": args.batch,
+            "lr": 0.01, "seed": 0, "bucket_mb": bucket_mb, "stall_timeout": 90}
+
+
+def bucket_study(args: argparse.Namespace, lab: Any, cfg: LabConfig, model: str
+                 ) -> dict[str, Any]:
+    """allreduce and powersgd at 1, 4, 25 and 100 MB fixed buckets, and auto restricted to
+    the same algorithm (it tunes the bucket size)."""
+    out: dict[str, Any] = {}
+    for name in ("allreduce", "powersgd"):
+        row: dict[str, Any] = {}
+        for mb in (1.0, 4.0, 25.0, 100.0):
+            print(f"buckets {model} {name} {mb:g} MB", file=sys.stderr, flush=True)
+            o = run_task(lab, _spec(args, model, name, CONFIG.get(name, {}), args.warmup, mb),
+                         timeout=args.timeout)
+            r = summarize_outcome(o, cfg.rate, args.batch, cfg.world_size)
+            row[f"{mb:g}"] = r.get("step_s")
+        o = run_task(lab, _spec(args, model, "auto", {"candidates": [name], "verbose": False},
+                                12), timeout=args.timeout)
+        r = summarize_outcome(o, cfg.rate, args.batch, cfg.world_size)
+        row["auto"] = r.get("step_s")
+        out[name] = row
+    return out
+
+
+def _compute(ranks: list[dict[str, Any]], shapes: list[tuple[int, ...]]) -> ComputeProfile:
+    """The slowest rank's local step (per-parameter maxima over ranks)."""
+    slow = {"compute_s": max(r["compute_s"] for r in ranks),
+            "backward_s": max(r["backward_s"] for r in ranks),
+            "ready_s": [max(col) for col in zip(*(r["ready_s"] for r in ranks))],
+            "ready_numel": ranks[0]["ready_numel"]}
+    return ComputeProfile.from_worker(slow, shapes)
+
+
+def _cell(name: str, outcome: Any, args: argparse.Namespace, lab_cfg: LabConfig,
+          shapes: list[tuple[int, ...]], network: NetworkProfile,
+          costs: dict[str, CompressorCost]) -> dict[str, Any]:
+    row = summarize_outcome(outcome, lab_cfg.rate, args.batch, lab_cfg.world_size)
+    if "error" in row:
+        return {"algorithm": name, "error": row["error"]}
+    algorithm = registry.get(name, **CONFIG.get(name, {}))
+    pred = predict(algorithm, _compute(outcome.ranks, shapes), network, costs.get(name))
+    return {"algorithm": name, "measured_s": row["step_s"], "predicted_s": pred.step_s,
+            "error": None, "rel_error": pred.step_s / row["step_s"] - 1.0,
+            "wire_predicted": pred.wire_bytes, "wire_reported": row["reported_bytes_per_step"],
+            "parts": [pred.compute_s, pred.compress_s, pred.exposed_s],
+            "schedule": pred.describe_schedule()}
+
+
+def run_setting(args: argparse.Namespace, bandwidth: str) -> dict[str, Any]:
+    """Probe, then every model x algorithm (and auto) on one fresh lab."""
+    cfg = LabConfig(hosts=args.hosts, bandwidth="unshaped" if args.loopback else bandwidth)
+    lab_cls: Any = LoopbackLab if args.loopback else NetworkLab
+    out: dict[str, Any] = {"bandwidth": bandwidth, "models": {}}
+    with lab_cls(cfg) as lab:
+        probe_dir = Path(args.out) / f"probe-{bandwidth}"
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        network, costs = run_in_lab(lab, probe_dir)
+        out["network"] = network.to_json()
+        for model in args.models.split(","):
+            work = build_workload(ModelSpec(name=model, **MODELS[model]))
+            shapes = [tuple(p.shape) for p in work.model.parameters() if p.requires_grad]
+            cells = []
+            for name in args.algorithms.split(",") if args.algorithms else sync_algorithms():
+                print(f"{bandwidth} {model} {name}", file=sys.stderr, flush=True)
+                outcome = run_task(lab, _spec(args, model, name, CONFIG.get(name, {}),
+                                              args.warmup), timeout=args.timeout)
+                cells.append(_cell(name, outcome, args, cfg, shapes, network, costs))
+            auto = None
+            if args.auto:
+                print(f"{bandwidth} {model} auto", file=sys.stderr, flush=True)
+                outcome = run_task(lab, _spec(args, model, "auto", {"verbose": False}, 12),
+                                   timeout=args.timeout)
+                row = summarize_outcome(outcome, cfg.rate, args.batch, cfg.world_size)
+                auto = {"error": row["error"]} if "error" in row else \
+                    {"measured_s": row["step_s"]}
+            out["models"][model] = {"cells": cells, "auto": auto}
+            if args.buckets:
+                out["models"][model]["buckets"] = bucket_study(args, lab, cfg, model)
+    return out
+
+
+def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [c for c in cells if c.get("error") is None]
+    if not ok:
+        return {}
+    errs = [abs(c["rel_error"]) for c in ok]
+    worst = max(ok, key=lambda c: abs(c["rel_error"]))
+    return {"median_abs_error": statistics.median(errs), "worst": worst["algorithm"],
+            "worst_error": worst["rel_error"],
+            "spearman": spearman([c["predicted_s"] for c in ok], [c["measured_s"] for c in ok])}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = []
+    for setting in report["settings"]:
+        for model, res in setting["models"].items():
+            s = summary(res["cells"])
+            lines.append(f"\n#### {setting['bandwidth']}, {model}: median |error| "
+                         f"{100 * s.get('median_abs_error', float('nan')):.0f} %, worst "
+                         f"{s.get('worst')} {100 * s.get('worst_error', float('nan')):+.0f} %, "
+                         f"Spearman {s.get('spearman', float('nan')):.2f}\n")
+            lines.append("| algorithm | predicted s | measured s | error | wire MB predicted "
+                         "| wire MB reported | compute / compression / exposed (s) |")
+            lines.append("|---|---|---|---|---|---|---|")
+            for c in res["cells"]:
+                if c.get("error"):
+                    lines.append(f"| {c['algorithm']} | failed: {c['error'][:80]} | | | | | |")
+                    continue
+                parts = " / ".join(f"{x:.3f}" for x in c["parts"])
+                lines.append(f"| {c['algorithm']} | {c['predicted_s']:.3f} | "
+                             f"{c['measured_s']:.3f} | {100 * c['rel_error']:+.0f} % | "
+                             f"{c['wire_predicted'] / 1e6:.2f} | "
+                             f"{c['wire_reported'] / 1e6:.2f} | {parts} |")
+            lines.append(_auto_line(res))
+            lines.append(_bucket_lines(res.get("buckets")))
+    return "\n".join(lines)
+
+
+def _auto_line(res: dict[str, Any]) -> str:
+    auto = res.get("auto")
+    ok = [c for c in res["cells"] if c.get("error") is None]
+    if not auto or not ok:
+        return ""
+    if "error" in auto:
+        return f"\nauto: failed: {auto['error'][:200]}\n"
+    best = min(ok, key=lambda c: c["measured_s"])
+    return (f"\nauto: {auto['measured_s']:.3f} s/step measured; fastest fixed: "
+            f"{best['algorithm']} {best['measured_s']:.3f} s "
+            f"(auto/fastest = {auto['measured_s'] / best['measured_s']:.2f})\n")
+
+
+def _bucket_lines(study: dict[str, Any] | None) -> str:
+    if not study:
+        return ""
+    lines = ["\n| algorithm | 1 MB | 4 MB | 25 MB | 100 MB | auto | auto / best fixed |",
+             "|---|---|---|---|---|---|---|"]
+    for name, row in study.items():
+        fixed = [row[k] for k in ("1", "4", "25", "100") if row.get(k)]
+        cells = " | ".join("-" if row.get(k) is None else f"{row[k]:.3f}"
+                           for k in ("1", "4", "25", "100", "auto"))
+        ratio = f"{row['auto'] / min(fixed):.2f}" if row.get("auto") and fixed else "-"
+        lines.append(f"| {name} | {cells} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a.add_argument("--bandwidth", default="10mbit,100mbit,1gbit,unshaped")
+    a.add_argument("--models", default="mlp,gpt,cnn")
+    a.add_argument("--algorithms", default="", help="comma-separated (default: all sync)")
+    a.add_argument("--hosts", type=int, default=4)
+    a.add_argument("--batch", type=int, default=32)
+    a.add_argument("--steps", type=int, default=6)
+    a.add_argument("--warmup", type=int, default=2)
+    a.add_argument("--time-limit", type=float, default=30.0)
+    a.add_argument("--timeout", type=float, default=600.0)
+    a.add_argument("--auto", action="store_true", help="also run algorithm='auto'")
+    a.add_argument("--buckets", action="store_true",
+                   help="also the bucket study (allreduce, powersgd: fixed sizes vs auto)")
+    a.add_argument("--loopback", action="store_true")
+    a.add_argument("--out", required=True)
+    args = a.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"machine": machine_info(), "args": vars(args), "settings": [],
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    for bw in args.bandwidth.split(","):
+        report["settings"].append(run_setting(args, bw))
+        (Path(args.out) / "validation.json").write_text(json.dumps(report, indent=1))
+    report["machine"]["load_average_end"] = machine_info()["load_average"]
+    text = markdown(report)
+    (Path(args.out) / "validation.json").write_text(json.dumps(report, indent=1))
+    (Path(args.out) / "validation.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

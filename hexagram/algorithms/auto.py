@@ -1,0 +1,403 @@
+"""``algorithm="auto"``: measure the job, predict every candidate, run the fastest.
+
+Timeline (every step below happens on every rank at the same step, so collectives match):
+
+- wrap time (``setup``): a network probe (:func:`hexagram.cost.probe.probe`, about 3 s)
+  and each candidate compressor's CPU cost on this device; a *provisional* choice from
+  them alone (communication and compression, no compute yet) runs the first steps;
+- steps ``0 .. profile_steps-1``: the job's own forward, backward (when each gradient is
+  ready, compression time taken out) and update are recorded;
+- then every candidate at every bucket size is predicted (:mod:`hexagram.cost.model`,
+  slowest rank's profile); rank 0's choice is broadcast; one table is printed on rank 0
+  (candidates, predicted step time, wire bytes, the choice and why);
+- bucket autotune: the best ``tune_buckets`` bucket sizes predicted for the chosen
+  algorithm run ``2`` steps each, and the fastest measured one is kept (slowest rank);
+- watch: when ``drift_steps`` consecutive steps differ from the expected step time (the
+  tuned measurement: the prediction calibrated on this machine) by more than ``drift``, the
+  network is probed again and the choice redone; a switch is logged.
+
+Switching algorithms keeps training correct: error-feedback residuals of the old algorithm
+are added into the next step's gradients (flushed, so nothing accumulated is lost); other
+per-algorithm state (DGC's momenta, PowerSGD's warm-start factors, QAdam's optimizer-side
+state) is dropped, which the log says; leaving a weight algorithm first synchronizes the
+replicas. ``state_dict`` holds the decision: a resumed run keeps it (``redecide=True``
+decides again).
+
+Example:
+    >>> import hexagram as hx
+    >>> algo = hx.algorithms.get("auto", candidates=["allreduce", "powersgd"])
+    >>> algo.config.candidates
+    ('allreduce', 'powersgd')
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.buckets import Bucket
+from hexagram.comm import primitives
+from hexagram.comm.communicator import Communicator, Handle
+from hexagram.compress.feedback import ErrorFeedback
+from hexagram.config import check_float, check_int
+from hexagram.cost import choose, measure
+from hexagram.cost.model import MB, Prediction
+from hexagram.cost.probe import NetworkProfile, probe
+from hexagram.cost.profile import CompressorCost, ComputeProfile
+from hexagram.cost.recorder import StepRecorder
+
+__all__ = ["AutoAlgorithm", "AutoConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoConfig:
+    """Config of :class:`AutoAlgorithm`.
+
+    Attributes:
+        candidates: algorithm labels (``"fp16:wire=bf16"``); None => the synchronous
+            gradient algorithms (:data:`hexagram.cost.choose.DEFAULT`).
+        allow_delay: also consider local SGD, DiLoCo, decentralized and async (they change
+            the optimization: one-step-stale or periodic averaging).
+        lossy: False keeps only exact-sum algorithms (allreduce, flat or hierarchical).
+        bucket_mb: bucket sizes the model compares; more => a finer search.
+        tune_buckets: best predicted bucket sizes timed in the first steps (2 steps each).
+        profile_steps: steps recorded before deciding (the first is not used).
+        probe_budget_s: seconds the network probe aims at.
+        drift: relative deviation of step time that counts as drifting; lower => re-probes
+            sooner.
+        drift_steps: consecutive drifting steps that trigger a re-probe.
+        redecide: on ``load_state_dict``, decide again instead of keeping the decision.
+        verbose: print the decision table on rank 0 (it is always logged at INFO).
+    """
+
+    candidates: tuple[str, ...] | None = None
+    allow_delay: bool = False
+    lossy: bool = True
+    bucket_mb: tuple[float, ...] = choose.BUCKET_MB
+    tune_buckets: int = 3
+    profile_steps: int = 3
+    probe_budget_s: float = 3.0
+    drift: float = 0.25
+    drift_steps: int = 20
+    redecide: bool = False
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        if self.candidates is not None and not isinstance(self.candidates, str):
+            object.__setattr__(self, "candidates", tuple(self.candidates))
+        object.__setattr__(self, "bucket_mb", tuple(float(b) for b in self.bucket_mb))
+        check_int(self, "tune_buckets", low=1, high=len(self.bucket_mb))
+        check_int(self, "profile_steps", low=2)
+        check_int(self, "drift_steps", low=1)
+        check_float(self, "probe_budget_s", low=0.1, high=5.0)
+        check_float(self, "drift", low=0.0, low_open=True)
+        choose.resolve(self.candidates, self.allow_delay, self.lossy)  # clear errors now
+
+
+class AutoAlgorithm(Algorithm):
+    """Measures, predicts and delegates every hook to the chosen algorithm (module doc)."""
+
+    name = "auto"
+    kind = "grad"
+
+    def __init__(self, config: AutoConfig | None = None) -> None:
+        super().__init__(config or AutoConfig())
+        self.config: AutoConfig
+        self.candidates = choose.resolve(self.config.candidates, self.config.allow_delay,
+                                         self.config.lossy)
+        self.delegate: Algorithm = choose.make("allreduce")
+        self.label = "allreduce"
+        self.decision: dict[str, Any] | None = None
+        self.table = ""
+        self.switches: list[dict[str, Any]] = []
+        self.reprobes = 0  # network probes after the decision (drift)
+        self.network: NetworkProfile | None = None
+        self.compute: ComputeProfile | None = None
+        self.costs: dict[str, CompressorCost] = {}
+        self._bucket: int | None = None
+        self._pending = False  # the delegate waits for the engine's rebuild to set up
+        self._rebuild = False  # buckets must be rebuilt (new delegate or bucket size)
+        self._advanced = -1  # the step count at which the phases last advanced
+        self._mark = 0  # step count where the current phase started
+        self._flush: ErrorFeedback | None = None
+        self._steps = 0
+        self._phase = "profile"
+        self._tune: list[int] = []
+        self._tuned: list[float] = []
+        self._expected: float | None = None
+        self._drifting = 0
+        self._recorder: StepRecorder | None = None
+        self._control: Communicator | None = None
+        self._retired_bytes = 0  # bytes of retired delegates' own communicators
+
+    # -- set-up: probe, compressor costs, provisional choice ---------------------------
+    def setup(self, ctx: AlgorithmContext) -> None:
+        super().setup(ctx)
+        rt = ctx.runtime
+        group = dist.new_group(list(range(rt.world_size)), timeout=rt.timeout)
+        self._control = Communicator(group, rt.timeout, name="auto.control")
+        self._recorder = StepRecorder(ctx.module, ctx.named_params)
+        if self.decision is None:
+            self._measure_network()
+            static = measure.static_profile(ctx.buckets, self._recorder.specs)
+            self.costs = measure.compressor_costs(self.candidates, static, ctx.comm.size,
+                                                  self._control.group, ctx.runtime.device)
+            self._adopt(self._decide(static, provisional=True).label, None)
+        self.delegate.setup(ctx)
+        self._pending = self._rebuild = False
+
+    def _measure_network(self) -> None:
+        assert self._control is not None
+        rt = self.ctx.runtime
+        self.network = probe(self._control, hosts=len(rt.hosts),
+                             budget_s=self.config.probe_budget_s)
+        for note in self.network.notes:
+            self._say(f"auto: {note}")
+
+    # -- deciding ------------------------------------------------------------------------
+    def _decide(self, compute: ComputeProfile, provisional: bool = False) -> Prediction:
+        """Predict every candidate; rank 0's choice (label, bucket order) is broadcast."""
+        assert self.network is not None and self._control is not None
+        # the engine built its buckets for a gradient algorithm: the provisional choice is one
+        pool = [(label, a) for label, a in self.candidates
+                if not provisional or a.kind == "grad"]
+        preds = choose.predict_all(pool, compute, self.network, self.costs,
+                                   self.config.bucket_mb)
+        labels = [label for label, _ in self.candidates]
+        best = preds[0]
+        sizes = [p.bucket_bytes for p in preds if p.label == best.label]
+        sizes = sizes[:self.config.tune_buckets]
+        pad = len(self.config.bucket_mb) - len(sizes)
+        msg = torch.tensor([labels.index(best.label), *sizes, *[0] * pad], dtype=torch.int64)
+        primitives.broadcast(self._control, [msg], src=0).wait()
+        chosen = labels[int(msg[0])]
+        self._tune = [int(b) for b in msg[1:].tolist() if b > 0]
+        pick = next(p for p in preds if p.label == chosen)
+        if not provisional:
+            why = self._reason(pick, preds)
+            self.table = choose.format_table(preds, chosen, why)
+            self.decision = {"label": chosen, "predicted_s": pick.step_s, "reason": why,
+                             "wire_bytes": pick.wire_bytes, "bucket_bytes": pick.bucket_bytes}
+            self._say("auto: decision\n" + self.table)
+        return pick
+
+    def _reason(self, pick: Prediction, preds: Sequence[Prediction]) -> str:
+        others = [p for p in choose.best_per_label(preds) if p.label != pick.label]
+        why = f"fastest predicted: {pick.step_s:.3f} s/step, {pick.describe_schedule()}"
+        if others:
+            why += f"; next {others[0].label} {others[0].step_s:.3f} s"
+        assert self.network is not None
+        if self.network.notes:
+            why += "; " + "; ".join(self.network.notes)
+        return why
+
+    def switch(self, label: str, bucket_bytes: int | None = None) -> None:
+        """Run ``label`` (a candidate) from the next forward, with ``bucket_bytes`` buckets
+        (None: the wrapper's). Collective: call it on every rank at the same step. The
+        old algorithm's residuals are flushed into the next gradients (module doc)."""
+        if label not in {lb for lb, _ in self.candidates}:
+            raise ValueError(f"auto: {label!r} is not a candidate; candidates: "
+                             f"{', '.join(lb for lb, _ in self.candidates)}")
+        self._adopt(label, bucket_bytes)
+
+    def _adopt(self, label: str, bucket: int | None) -> None:
+        """Make ``label`` the delegate (set up at the engine's next rebuild)."""
+        if label != self.label:
+            if self._steps > 0:
+                self._leave(self.delegate, label)
+            self.delegate, self.label = choose.make(label), label  # fresh state
+            self._pending = True
+        vars(self)["kind"] = self.delegate.kind  # the engine reads kind when it rebuilds
+        self._bucket = bucket
+        self._rebuild = True
+
+    def _leave(self, old: Algorithm, new: str) -> None:
+        """Flush or drop ``old``'s state before ``new`` takes over; log the switch."""
+        feedback = getattr(old, "error_feedback", None) or getattr(old, "feedback", None)
+        self._flush = feedback if isinstance(feedback, ErrorFeedback) else None
+        if old.kind == "weight":
+            old.synchronize()
+        self._retired_bytes += old.bytes_sent() - self.ctx.comm.counter.total
+        old.close()
+        kept = "residuals flushed into the next gradient" if self._flush else "no residuals"
+        event = {"step": self._steps, "from": self.label, "to": new, "state": kept}
+        self.switches.append(event)
+        self._say(f"auto: step {self._steps}: switching {self.label} -> {new} ({kept}; other "
+                  "per-algorithm state such as momenta or warm-start factors is dropped)")
+
+    def _say(self, text: str) -> None:
+        log.info(text)
+        if self.config.verbose and self.ctx.comm.rank == 0:
+            print(text, file=sys.stderr, flush=True)
+
+    # -- engine hooks --------------------------------------------------------------------
+    def tensors(self, named_params: Sequence[tuple[str, nn.Parameter]]
+                ) -> list[tuple[str, nn.Parameter]]:
+        return self.delegate.tensors(named_params)
+
+    def bucket_size_bytes(self) -> int | None:
+        return self._bucket
+
+    def need_reset(self) -> bool:
+        """The first hook of every forward: closes the last step's timing row, advances
+        the phases (profile -> tune -> watch) once per step, and asks for a rebuild when
+        the delegate or the bucket size changed."""
+        if self._advanced != self._steps and self._recorder is not None:
+            self._advanced = self._steps
+            self._recorder.forward_start()
+            self._advance()
+        return self._rebuild or self.delegate.need_reset()
+
+    def reset(self, ctx: AlgorithmContext) -> None:
+        self._ctx = ctx
+        if self._pending:
+            self.delegate.setup(ctx)
+        else:
+            self.delegate.reset(ctx)
+        self._pending = self._rebuild = False
+
+    def before_forward(self) -> None:
+        self.delegate.before_forward()
+
+    def bucket_ready(self, bucket: Bucket) -> Handle[torch.Tensor] | None:
+        if self._flush is not None:
+            for e in bucket.entries:  # the old algorithm's unsent residual joins the step
+                flat = bucket.flat[e.offset:e.offset + e.numel]
+                residual = self._flush.residual(e.name)
+                if residual is not None:
+                    flat.add_(residual.reshape(-1))
+        assert self._recorder is not None
+        with self._recorder.communicating():
+            return self.delegate.bucket_ready(bucket)
+
+    def after_backward(self) -> None:
+        self.delegate.after_backward()
+        self._flush = None
+        self._steps += 1
+        if self._recorder is not None:
+            self._recorder.backward_done()
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.delegate.after_step(optimizer)
+
+    def synchronize(self) -> None:
+        self.delegate.synchronize()
+
+    # -- the phases (profile -> tune -> watch), at the start of a step -----------------
+    def _advance(self) -> None:
+        if self._phase == "profile" and self._steps >= self.config.profile_steps:
+            self._finish_profile()
+        elif self._phase == "tune" and self._steps > self._mark \
+                and (self._steps - self._mark) % 2 == 0:
+            self._tune_step()
+        elif self._phase == "watch":
+            self._watch()
+
+    def _finish_profile(self) -> None:
+        assert self._recorder is not None
+        assert self._control is not None
+        self.compute = measure.slowest(self._recorder.profile(self.config.profile_steps - 1),
+                                       self._control.group)
+        pick = self._decide(self.compute)
+        self._adopt(pick.label, self._tune[0])
+        self._mark = self._steps
+        if self.delegate.kind == "weight" or len(self._tune) == 1:
+            self._phase, self._expected = "watch", None
+            return
+        self._phase, self._tuned = "tune", []
+
+    def _tune_step(self) -> None:
+        """Two steps per bucket size: the second one's time counts (the first rebuilds)."""
+        assert self._recorder is not None and self._control is not None
+        self._tuned.append(self._recorder.rows[-1].step_s)
+        if len(self._tuned) < len(self._tune):
+            self._adopt(self.label, self._tune[len(self._tuned)])
+            return
+        times = torch.tensor(self._tuned, dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self._control.group)
+        best = int(torch.argmin(times))
+        if self._tune[best] != self._bucket:
+            self._adopt(self.label, self._tune[best])
+        assert self.decision is not None
+        self.decision.update(bucket_bytes=self._tune[best], tuned={
+            f"{b / MB:g} MB": round(float(t), 4) for b, t in zip(self._tune, times)})
+        self._expected = float(times[best])
+        self._say(f"auto: buckets timed {self.decision['tuned']} s/step -> "
+                  f"{self._tune[best] / MB:g} MB")
+        self._phase, self._mark = "watch", self._steps
+
+    def _watch(self) -> None:
+        """Count drifting steps; every 10 steps the ranks agree whether to re-probe."""
+        assert self._recorder is not None and self._control is not None
+        rows = self._recorder.rows
+        if self._expected is None:  # not tuned: 3 steps after the decision set it
+            if self._steps - self._mark >= 4:
+                self._expected = statistics.median(r.step_s for r in rows[-3:])
+            return
+        off = abs(rows[-1].step_s / self._expected - 1.0) > self.config.drift
+        self._drifting = self._drifting + 1 if off else 0
+        if self._steps % 10:
+            return
+        flag = torch.tensor([float(self._drifting)], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control.group)
+        if flag.item() >= self.config.drift_steps:
+            self._reprobe()
+
+    def _reprobe(self) -> None:
+        assert self.compute is not None and self._recorder is not None
+        measured = statistics.median(r.step_s for r in self._recorder.rows[-5:])
+        self._say(f"auto: step {self._steps}: step time {measured:.3f} s drifted from "
+                  f"{self._expected:.3f} s for {self._drifting} steps: probing again")
+        self._measure_network()
+        self.reprobes += 1
+        before = self.label
+        pick = self._decide(self.compute)
+        self._drifting = 0
+        if pick.label == before:
+            self._expected = measured  # same choice: the new normal
+            return
+        self._adopt(pick.label, pick.bucket_bytes)
+        self._expected, self._mark = None, self._steps
+
+    # -- accounting, checkpoints ---------------------------------------------------------
+    def bytes_sent(self) -> int:
+        """Every delegate's bytes since setup (the current one's count covers the shared
+        communicator; retired delegates' own communicators are added)."""
+        return self.delegate.bytes_sent() + self._retired_bytes
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decision": self.decision, "label": self.label, "bucket_bytes": self._bucket,
+                "delegate": self.delegate.state_dict(), "switches": list(self.switches)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Keep the saved decision (``redecide=True``: decide again after profiling)."""
+        if self.config.redecide or state.get("decision") is None:
+            return
+        self.decision = dict(state["decision"])
+        self.switches = list(state.get("switches", []))
+        if state["label"] != self.label:
+            self.delegate.close()
+            self.delegate, self.label = choose.make(state["label"]), state["label"]
+            self.delegate.setup(self.ctx)
+        vars(self)["kind"] = self.delegate.kind
+        self.delegate.load_state_dict(state["delegate"])
+        self._bucket, self._pending, self._rebuild = state["bucket_bytes"], False, True
+        self._phase, self._expected, self._mark = "watch", None, self._steps
+
+    def close(self) -> None:
+        self.delegate.close()
+        if self._recorder is not None:
+            self._recorder.close()
+        if self._control is not None:
+            self._control.close()

@@ -1,0 +1,16 @@
+"""Step-time model of every algorithm from measured compute, compressor and network profiles.
+
+- :mod:`hexagram.cost.schedule`: the messages and wire bytes of one step, read off the
+  algorithm's own objects (its compressor and config);
+- :mod:`hexagram.cost.probe`: a short network probe with the real collectives, fitted per
+  collective to latency + bytes / rate;
+- :mod:`hexagram.cost.profile`: compute (forward, backward, when each gradient is ready)
+  and compressor CPU cost, measured on the job;
+- :mod:`hexagram.cost.model`: predicted step time with its parts, per algorithm.
+
+``algorithm="auto"`` (:mod:`hexagram.algorithms.auto`) and ``hexagram advise`` read it.
+"""
+
+from hexagram.cost.schedule import Message, TensorSpec, layout_of, step_schedule, wire_bytes
+
+__all__ = ["Message", "TensorSpec", "layout_of", "step_schedule", "wire_bytes"]

@@ -1,0 +1,151 @@
+"""Candidates for ``auto`` and ``advise``: which algorithms, checked, predicted, ranked.
+
+A candidate is a label ``NAME[:FIELD=VALUE...]`` (``"fp16:wire=bf16"``) naming a registered
+algorithm and its configuration. :func:`resolve` checks a user's list (unknown names, an
+empty set, lossless requested of lossy candidates, delayed ones without ``allow_delay``)
+with errors that say what to change; :func:`predict_all` predicts each at each bucket size
+and :func:`format_table` prints the ranking with the choice and why.
+
+Example:
+    >>> [label for label, _ in resolve(["allreduce", "fp16:wire=bf16"])]
+    ['allreduce', 'fp16:wire=bf16']
+    >>> resolve(["allreduce", "fp16"], lossy=False)[0][0]
+    'allreduce'
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hexagram.algorithms import registry
+from hexagram.algorithms.base import Algorithm
+from hexagram.cost.model import MB, Prediction, predict_any
+from hexagram.cost.probe import NetworkProfile
+from hexagram.cost.profile import CompressorCost, ComputeProfile
+from hexagram.cost.schedule import is_lossy
+from hexagram.errors import ConfigError
+
+__all__ = ["BUCKET_MB", "DEFAULT", "DELAYED", "applicable", "best_per_label", "format_table",
+           "make", "parse_label", "predict_all", "resolve"]
+
+#: the synchronous gradient algorithms auto considers by default (registry defaults)
+DEFAULT = ("allreduce", "allreduce:hierarchical=true", "fp16", "fp16:wire=bf16", "bytegrad",
+           "qsgd", "terngrad", "onebit", "efsign", "topk", "gtopk", "dgc", "powersgd")
+#: added by ``allow_delay=True``
+DELAYED = ("local_sgd", "diloco", "decentralized", "low_precision_decentralized", "async")
+#: bucket capacities (MB) the model compares; the best few are then timed
+BUCKET_MB = (1.0, 4.0, 25.0, 100.0)
+
+
+def parse_label(label: str) -> tuple[str, dict[str, Any]]:
+    """``"allreduce:hierarchical=true"`` -> ``("allreduce", {"hierarchical": True})``."""
+    name, *pairs = label.split(":")
+    config: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"candidate {label!r}: expected NAME[:FIELD=VALUE...], e.g. "
+                              "'fp16:wire=bf16'")
+        try:
+            config[key] = json.loads(value)
+        except json.JSONDecodeError:
+            config[key] = value
+    return name.strip(), config
+
+
+def make(label: str) -> Algorithm:
+    """A fresh algorithm instance for a candidate label."""
+    name, config = parse_label(label)
+    return registry.get(name, **config)
+
+
+def resolve(candidates: Sequence[str] | None = None, allow_delay: bool = False,
+            lossy: bool = True) -> list[tuple[str, Algorithm]]:
+    """Checked ``(label, algorithm)`` pairs; ``None`` gives :data:`DEFAULT` (plus
+    :data:`DELAYED` with ``allow_delay``), keeping those registered.
+
+    Raises:
+        ConfigError: empty set, unknown name, ``auto`` itself, a weight (delayed)
+            algorithm without ``allow_delay=True``, or ``lossy=False`` leaving nothing.
+    """
+    if candidates is None:
+        known = set(registry.names())
+        candidates = [c for c in DEFAULT + (DELAYED if allow_delay else ())
+                      if parse_label(c)[0] in known]
+    if isinstance(candidates, str) or not list(candidates):
+        raise ConfigError("auto: candidates must be a non-empty list of algorithm names, got "
+                          f"{candidates!r}; e.g. candidates=['allreduce', 'powersgd']")
+    out = [(label, _checked(label, allow_delay)) for label in candidates]
+    if not lossy:
+        kept = [(label, a) for label, a in out if not is_lossy(a)]
+        if not kept:
+            raise ConfigError(
+                f"auto: lossy=False keeps only exact-sum algorithms, and none of {list(candidates)}"
+                " is one; add 'allreduce' to the candidates or pass lossy=True")
+        out = kept
+    return out
+
+
+def _checked(label: str, allow_delay: bool) -> Algorithm:
+    name, _ = parse_label(label)
+    if name == "auto":
+        raise ConfigError("auto: 'auto' cannot be its own candidate")
+    if name not in registry.names():
+        raise ConfigError(f"auto: unknown candidate {name!r}; registered algorithms: "
+                          f"{', '.join(n for n in registry.names() if n != 'auto')}")
+    algorithm = make(label)
+    if algorithm.kind == "weight" and not allow_delay:
+        raise ConfigError(f"auto: candidate {label!r} delays or decentralizes the update; "
+                          "pass allow_delay=True to allow it")
+    return algorithm
+
+
+def applicable(label: str, network: NetworkProfile) -> bool:
+    """Hierarchical allreduce only differs from the flat one with several ranks on each
+    of several hosts."""
+    hier = parse_label(label)[1].get("hierarchical", False)
+    return not hier or 1 < network.hosts < network.world
+
+
+def predict_all(candidates: Sequence[tuple[str, Algorithm]], compute: ComputeProfile,
+                network: NetworkProfile, costs: Mapping[str, CompressorCost],
+                bucket_mb: Sequence[float] = BUCKET_MB) -> list[Prediction]:
+    """Every applicable candidate at each bucket size (weight algorithms once), fastest
+    predicted first."""
+    preds = []
+    for label, algorithm in candidates:
+        if not applicable(label, network):
+            continue
+        sizes = [25.0] if algorithm.kind == "weight" else list(bucket_mb)
+        for mb in sizes:
+            preds.append(predict_any(algorithm, compute, network, costs, label=label,
+                                     bucket_bytes=int(mb * MB)))
+    return sorted(preds, key=lambda p: p.step_s)
+
+
+def best_per_label(preds: Sequence[Prediction]) -> list[Prediction]:
+    """The fastest bucket size of each candidate, fastest candidate first."""
+    seen: dict[str, Prediction] = {}
+    for p in sorted(preds, key=lambda p: p.step_s):
+        seen.setdefault(p.label, p)
+    return list(seen.values())
+
+
+def format_table(preds: Sequence[Prediction], chosen: str, reason: str,
+                 measured: Mapping[str, float] | None = None) -> str:
+    """A Markdown table of the best configuration per candidate and the choice."""
+    rows = ["| candidate | bucket MB | predicted s/step | compute | compression | exposed comm "
+            "| wire MB/step |" + (" measured s/step |" if measured else ""),
+            "|---|---|---|---|---|---|---|" + ("---|" if measured else "")]
+    for p in best_per_label(preds):
+        mark = " **<- chosen**" if p.label == chosen else ""
+        extra = ""
+        if measured:
+            m = measured.get(p.label)
+            extra = f" {m:.3f} |" if m is not None else " |"
+        rows.append(f"| {p.label}{mark} | {p.bucket_bytes / MB:g} | {p.step_s:.3f} | "
+                    f"{p.compute_s:.3f} | {p.compress_s:.3f} | {p.exposed_s:.3f} | "
+                    f"{p.wire_bytes / 1e6:.2f} |{extra}")
+    return "\n".join(rows) + f"\nchoice: {chosen} ({reason})"

@@ -1,0 +1,198 @@
+"""Predicted step time of an algorithm from measured compute, compressor and network costs.
+
+A gradient algorithm's step (``predict``), per bucket in launch order:
+
+- the bucket is ready when its last gradient is (:class:`ComputeProfile` ready times),
+  later by the compression already done on the training thread (compressing a bucket
+  happens inside backward's hook, so it delays everything after it);
+- its messages (:func:`hexagram.cost.schedule.bucket_schedule`) start when it is ready and
+  the previous bucket's communication is over (one issuing thread, one link), each taking
+  ``rounds * latency + sent / rate`` of its collective's fit
+  (:class:`hexagram.cost.probe.NetworkProfile`);
+- decoding (once per payload received for gathered formats) follows its messages;
+- the update starts when backward and the last bucket are both done.
+
+``step = forward + max(backward end, last bucket done) + update``; the parts reported are
+compute (forward + backward + update, measured), compression CPU (encode + decode) and the
+exposed communication (what is left). Weight algorithms (local SGD, DiLoCo, decentralized,
+async) are amortized per step (:func:`amortized`).
+
+Example (hand-checkable: one 1 MB bucket ready at 10 ms, a 1 ms + 10 MB/s allreduce)::
+
+    >>> from hexagram.cost.probe import Fit, NetworkProfile
+    >>> import hexagram as hx
+    >>> net = NetworkProfile(2, 2, {k: Fit(0.001, 1e7) for k in
+    ...                             ("allreduce", "allgather", "alltoall", "p2p")})
+    >>> comp = ComputeProfile(0.005, 0.010, 0.002, [TensorSpec("w", (250_000,))], [0.010])
+    >>> p = predict(hx.algorithms.get("allreduce"), comp, net)
+    >>> round(p.step_s, 4)      # 5 ms + 10 ms + (1 ms + 1e6 B / 1e7 B/s) + 2 ms
+    0.118
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hexagram.algorithms.base import Algorithm
+from hexagram.compress.base import Aggregation
+from hexagram.cost.probe import NetworkProfile
+from hexagram.cost.profile import CompressorCost, ComputeProfile
+from hexagram.cost.schedule import (
+    Message,
+    TensorSpec,
+    _compressor,
+    bucket_schedule,
+    payload_of,
+)
+
+__all__ = ["MB", "Prediction", "amortized", "bucket_layout", "predict", "predict_any"]
+
+MB = 1024 * 1024
+
+
+@dataclass
+class Prediction:
+    """Predicted step of one algorithm configuration (seconds, bytes)."""
+
+    label: str
+    step_s: float
+    compute_s: float
+    compress_s: float
+    exposed_s: float
+    wire_bytes: int
+    bucket_bytes: int
+    schedule: list[list[Message]] = field(default_factory=list)
+    note: str = ""
+
+    def describe_schedule(self) -> str:
+        """``"3 buckets: allreduce 12.0 MB, ..."``: the messages assumed, summed by kind."""
+        kinds: dict[str, int] = {}
+        for msgs in self.schedule:
+            for m in msgs:
+                kinds[m.op] = kinds.get(m.op, 0) + m.sent
+        body = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in kinds.items())
+        return f"{len(self.schedule)} bucket(s): {body or 'no messages'}"
+
+
+def bucket_layout(profile: ComputeProfile, bucket_bytes: int, first_bucket_bytes: int
+                  ) -> list[tuple[list[TensorSpec], float]]:
+    """The engine's bucketing rule (``hexagram.buckets.build_buckets``: close a bucket once
+    it holds its cap; first bucket capped at ``first_bucket_bytes``) over the ready order,
+    with each bucket's ready time (its last gradient's)."""
+    out: list[tuple[list[TensorSpec], float]] = []
+    current: list[TensorSpec] = []
+    size, ready = 0, 0.0
+    first_cap = min(first_bucket_bytes, bucket_bytes)
+    for spec, t in zip(profile.tensors, profile.ready_s):
+        current.append(spec)
+        size += spec.numel * spec.itemsize
+        ready = max(ready, t)
+        if size >= (first_cap if not out else bucket_bytes):
+            out.append((current, ready))
+            current, size, ready = [], 0, 0.0
+    if current:
+        out.append((current, ready))
+    return out
+
+
+def _cpu(algorithm: Algorithm, specs: Sequence[TensorSpec], world: int,
+         cost: CompressorCost | None) -> tuple[float, float]:
+    """(encode, decode) seconds of one bucket: every segment compressed once; decoded
+    once per rank's payload for gathered formats, twice (both legs) for scatter-gather."""
+    comp = _compressor(algorithm)
+    if comp is None or cost is None or world <= 1:
+        return 0.0, 0.0
+    sizes = [s.numel for s in specs]
+    if getattr(algorithm.config, "granularity", "layer") == "bucket":
+        sizes = [sum(sizes)]
+    enc = sum(cost.encode(n) for n in sizes)
+    if comp.aggregation is Aggregation.GATHER:
+        dec = sum(world * cost.decode(n) for n in sizes)
+    elif comp.aggregation is Aggregation.SCATTER_GATHER:
+        enc += sum(cost.encode(max(1, n // world)) for n in sizes)
+        dec = sum(2 * cost.decode(n) for n in sizes)
+    else:
+        dec = sum(cost.decode(n) for n in sizes)
+    return enc, dec
+
+
+def predict(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfile,
+            cost: CompressorCost | None = None, *, bucket_bytes: int = 25 * MB,
+            first_bucket_bytes: int = MB, label: str | None = None, step: int = 10**9,
+            rank: int = 0) -> Prediction:
+    """Predicted step of a gradient algorithm (see the module doc); ``cost`` is its
+    compressor's measured cost (None: no compression CPU counted)."""
+    world, free, shift, enc_total, dec_total = network.world, 0.0, 0.0, 0.0, 0.0
+    schedule: list[list[Message]] = []
+    for specs, ready in bucket_layout(compute, bucket_bytes, first_bucket_bytes):
+        msgs = bucket_schedule(algorithm, specs, world, step, network.hosts, rank)
+        enc, dec = _cpu(algorithm, specs, world, cost) if msgs else (0.0, 0.0)
+        shift += enc
+        start = max(ready + shift, free)
+        wire = sum(_message_time(network, m) for m in msgs)
+        free = start + wire + dec
+        enc_total, dec_total = enc_total + enc, dec_total + dec
+        schedule.append(msgs)
+    end = max(compute.backward_s + shift, free)
+    step_s = compute.forward_s + end + compute.update_s
+    compress = enc_total + dec_total
+    return Prediction(label or algorithm.name, step_s, compute.step_s, compress,
+                      max(0.0, step_s - compute.step_s - compress),
+                      sum(m.sent for msgs in schedule for m in msgs), bucket_bytes, schedule)
+
+
+def _message_time(network: NetworkProfile, m: Message) -> float:
+    if m.op == "hierarchical" and network.intra is not None:
+        return network.intra.time(m.sent) + network.fit("allreduce").time(m.sent)
+    return network.fit(m.op).time(m.sent, m.rounds)
+
+
+def _ring(nbytes: int, world: int) -> int:
+    return 2 * (world - 1) * nbytes // world if world > 1 else 0
+
+
+def amortized(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfile,
+              label: str | None = None) -> Prediction:
+    """A weight algorithm's step, its periodic exchange spread over its period.
+
+    local SGD / DiLoCo: an allreduce of the weights every ``period`` steps, after the
+    optimizer (DiLoCo's ``overlap_steps`` > 0 hides it behind the next steps);
+    decentralized: the weights to its peers (an allreduce for ``peers="all"``) every
+    ``interval`` steps, overlapped with the forward pass; low-precision decentralized:
+    compressed weights to both ring neighbours every step; async: a background thread,
+    nothing exposed (its bytes depend on wall time, not steps: reported as one average
+    per step, an estimate).
+    """
+    c, world = algorithm.config, network.world
+    weights = sum(t.numel * t.itemsize for t in compute.tensors)
+    period = max(1, int(getattr(c, "period", getattr(c, "interval", 1))))
+    name, hidden, note = algorithm.name, 0.0, ""
+    msg = Message("allreduce", _ring(weights, world))
+    comp = _compressor(algorithm)
+    peers = getattr(c, "peers", "all")
+    if comp is not None:  # compressed weights (differences) to both ring neighbours
+        sent = sum(payload_of(comp, t.shape).nbytes for t in compute.tensors)
+        msg = Message("p2p", min(2, world - 1) * sent)
+    elif peers != "all":
+        msg = Message("p2p", (2 if peers == "ring" else 1) * weights)
+    t = network.fit(msg.op).time(msg.sent) / period
+    if name == "decentralized":
+        hidden = compute.forward_s
+    if name == "async" or getattr(c, "overlap_steps", 0) > 0:
+        hidden, note = t, "background exchange: bytes per step estimated"
+    exposed = max(0.0, t - hidden)
+    return Prediction(label or name, compute.step_s + exposed, compute.step_s, 0.0, exposed,
+                      msg.sent // period if world > 1 else 0, 0,
+                      [[msg]] if world > 1 else [], note)
+
+
+def predict_any(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfile,
+                costs: Mapping[str, CompressorCost] | None = None, **kw: Any) -> Prediction:
+    """:func:`predict` for gradient algorithms, :func:`amortized` for weight ones;
+    ``costs`` maps a label (``kw["label"]`` or the name) to its compressor cost."""
+    label = kw.get("label") or algorithm.name
+    if algorithm.kind == "weight":
+        return amortized(algorithm, compute, network, label)
+    return predict(algorithm, compute, network, (costs or {}).get(label), **kw)

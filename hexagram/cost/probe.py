@@ -1,0 +1,225 @@
+"""Network probe: the real collectives at a few sizes, fitted to latency + bytes / rate.
+
+Each collective (``allreduce``, ``allgather``, ``alltoall``, ``p2p`` = both ring neighbours
+at once, as the decentralized exchange) runs at three message sizes on every rank at once;
+the third size is chosen from the first two so that it lasts about ``budget_s / 16``
+(whatever the link: 10 Mbit/s or loopback). Each collective gets its own fit of the time
+against the bytes *this rank sends* in it, so what the lab found, that several flows per
+port (all-to-all, two-neighbour exchange) move fewer bytes per second than one ring flow,
+is measured rather than assumed. With several ranks per host and several hosts, the
+allreduce inside a host is fitted too (``intra``), for hierarchical allreduce.
+
+Ranks disagree when links differ: every rank fits its own timings, then the slowest rate
+and largest latency of each collective are taken (allreduce MIN/MAX) and
+:attr:`NetworkProfile.asymmetry` says by how much the fastest rank saw more.
+
+Example:
+    >>> fit = Fit(latency_s=0.001, rate_bps=12.5e6)   # 100 Mbit/s, 1 ms
+    >>> round(fit.time(1_250_000), 4)
+    0.101
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hexagram.comm import primitives
+from hexagram.comm.communicator import Communicator
+from hexagram.errors import HexagramError
+
+__all__ = ["COLLECTIVES", "Fit", "NetworkProfile", "ProbeError", "fit_line", "probe"]
+
+COLLECTIVES = ("allreduce", "allgather", "alltoall", "p2p")
+
+
+class ProbeError(HexagramError):
+    """The probe could not run its collectives (a peer unreachable, a timeout)."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``time = rounds * latency_s + sent_bytes / rate_bps`` for one collective."""
+
+    latency_s: float
+    rate_bps: float  # bytes this rank sends per second
+
+    def time(self, sent: int, rounds: int = 1) -> float:
+        return rounds * self.latency_s + sent / self.rate_bps
+
+
+@dataclass
+class NetworkProfile:
+    """Fits per collective for ``world`` ranks on ``hosts`` hosts (see module doc)."""
+
+    world: int
+    hosts: int
+    fits: dict[str, Fit]
+    intra: Fit | None = None
+    asymmetry: float = 1.0  # fastest rank's allreduce rate / slowest rank's
+    seconds: float = 0.0  # how long the probe took
+    notes: list[str] = field(default_factory=list)
+
+    def fit(self, op: str) -> Fit:
+        """The fit for a message kind; ``hierarchical`` and trees use allreduce / p2p."""
+        key = {"hierarchical": "allreduce", "tree": "p2p"}.get(op, op)
+        return self.fits[key]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "fits": {k: asdict(v) for k, v in self.fits.items()},
+                "intra": None if self.intra is None else asdict(self.intra)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NetworkProfile:
+        return cls(data["world"], data["hosts"],
+                   {k: Fit(**v) for k, v in data["fits"].items()},
+                   None if data.get("intra") is None else Fit(**data["intra"]),
+                   data.get("asymmetry", 1.0), data.get("seconds", 0.0),
+                   list(data.get("notes", [])))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> NetworkProfile:
+        """Read a probe file written by :meth:`save` (``hexagram advise --probe FILE``)."""
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def fit_line(points: list[tuple[float, float]]) -> Fit:
+    """Least-squares ``t = a + x / r`` through (bytes, seconds) points; a slope that noise
+    made <= 0 gives an (effectively) infinite rate, a negative intercept 0 latency."""
+    xs, ts = [p[0] for p in points], [p[1] for p in points]
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var if var > 0 else 0.0
+    if slope <= 0:
+        return Fit(max(0.0, min(ts)), 1e12)
+    return Fit(max(0.0, mt - slope * mx), 1.0 / slope)
+
+
+def _op(comm: Communicator, name: str, numel: int) -> tuple[Callable[[], object], int]:
+    """A runnable collective of ``numel`` float32 per rank and the bytes this rank sends."""
+    p, x = comm.size, torch.ones(numel, device=comm_device(comm))
+    if name == "allreduce":
+        return (lambda: primitives.allreduce(comm, x, average=False).wait()), \
+            2 * (p - 1) * numel * 4 // p
+    if name == "allgather":
+        return (lambda: _raw_allgather(comm, x)), (p - 1) * numel * 4
+    if name == "alltoall":
+        n = numel - numel % p or p
+        y, out = torch.ones(n, device=x.device), torch.empty(n, device=x.device)
+        return (lambda: _wait(dist.all_to_all_single(out, y, group=comm.group,
+                                                     async_op=True), comm)), (p - 1) * n * 4 // p
+    peers = sorted({(comm.rank + 1) % p, (comm.rank - 1) % p} - {comm.rank})
+    return (lambda: primitives.neighbor_exchange(comm, x, peers, peers).wait()), \
+        len(peers) * numel * 4
+
+
+def comm_device(comm: Communicator) -> torch.device:
+    """Where tensors crossing ``comm`` live (CUDA for NCCL, else CPU)."""
+    backend = dist.get_backend(comm.group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+        else torch.device("cpu")
+
+
+def _wait(work: Any, comm: Communicator) -> None:
+    work.wait(comm.timeout)
+
+
+def _raw_allgather(comm: Communicator, x: torch.Tensor) -> None:
+    out = [torch.empty_like(x) for _ in range(comm.size)]
+    _wait(dist.all_gather(out, x, group=comm.group, async_op=True), comm)
+
+
+def _timed(comm: Communicator, run: Callable[[], object], reps: int) -> float:
+    """Fastest of ``reps`` runs, each started together (a tiny allreduce first)."""
+    best = float("inf")
+    for _ in range(reps):
+        _sync(comm)
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _sync(comm: Communicator) -> None:
+    dist.all_reduce(torch.zeros(1, device=comm_device(comm)), group=comm.group)
+
+
+def _agree(comm: Communicator, value: float, op: Any) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=comm_device(comm))
+    dist.all_reduce(t, op=op, group=comm.group)
+    return float(t.item())
+
+
+def _probe_one(comm: Communicator, name: str, slot_s: float) -> Fit:
+    """Three sizes: 4 Ki and 64 Ki floats, then one sized to last about ``slot_s``."""
+    points = []
+    for numel in (4096, 65536):
+        run, sent = _op(comm, name, numel)
+        points.append((float(sent), _timed(comm, run, 2)))
+    rough = fit_line(points)
+    big = rough.rate_bps * slot_s / max(points[1][0] / 65536, 1.0)
+    numel = int(_agree(comm, min(max(big, 65536 * 4), 8 * 2**20), dist.ReduceOp.MIN))
+    run, sent = _op(comm, name, numel)
+    points.append((float(sent), _timed(comm, run, 1)))
+    return fit_line(points)
+
+
+def probe(comm: Communicator, hosts: int = 1, budget_s: float = 4.0,
+          intra: Communicator | None = None) -> NetworkProfile:
+    """Measure and fit every collective on ``comm`` (collective: every rank calls it).
+
+    Args:
+        comm: the ranks to probe (a dedicated communicator keeps the bytes out of an
+            algorithm's count).
+        hosts: hosts the ranks are spread over (for the schedule of hierarchical allreduce).
+        budget_s: the probe aims at this many seconds in all (about 3 at loopback speed,
+            more on very slow links: the two small sizes are fixed).
+        intra: communicator of this rank's host, to fit intra-host allreduce separately.
+
+    Raises:
+        ProbeError: a collective failed or timed out (names the collective and the fix).
+    """
+    t0 = time.perf_counter()
+    fits: dict[str, Fit] = {}
+    slot = budget_s / 16
+    try:
+        _sync(comm)
+        for name in COLLECTIVES:
+            fits[name] = _probe_one(comm, name, slot)
+        intra_fit = _probe_one(intra, "allreduce", slot) if intra is not None else None
+        worst, asym = _worst_case(comm, fits)
+    except (RuntimeError, HexagramError) as exc:
+        raise ProbeError(
+            f"network probe failed on rank {comm.rank} of {comm.size} ({len(fits)} of "
+            f"{len(COLLECTIVES)} collectives done): {exc}. A peer is unreachable or stopped: "
+            "check that every rank runs and can open connections to the others "
+            "(MASTER_ADDR, GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, firewalls)") from exc
+    notes = []
+    if asym > 1.3:
+        notes.append(f"links differ across ranks (fastest allreduce rate {asym:.1f}x the "
+                     "slowest): deciding on the slowest link")
+    return NetworkProfile(comm.size, hosts, worst, intra_fit, asym,
+                          time.perf_counter() - t0, notes)
+
+
+def _worst_case(comm: Communicator, fits: dict[str, Fit]) -> tuple[dict[str, Fit], float]:
+    """Every rank's fits reduced to the slowest rate and largest latency per collective;
+    also the allreduce rate spread (max / min over ranks)."""
+    out = {}
+    for name, f in fits.items():
+        rate = _agree(comm, f.rate_bps, dist.ReduceOp.MIN)
+        latency = _agree(comm, f.latency_s, dist.ReduceOp.MAX)
+        out[name] = Fit(latency, rate)
+    fastest = _agree(comm, fits["allreduce"].rate_bps, dist.ReduceOp.MAX)
+    return out, fastest / max(out["allreduce"].rate_bps, 1e-9)

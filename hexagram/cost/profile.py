@@ -1,0 +1,194 @@
+"""Measured compute and compressor costs: what the step-time model reads besides the network.
+
+- :class:`ComputeProfile`: forward time, when each gradient is ready in backward (seconds
+  after backward started, in ready order), backward time, and the rest of the step
+  (optimizer, data loading: everything from the end of backward to the next forward).
+  :func:`profile_module` measures it locally (``hexagram advise --model``); ``auto``
+  measures it in the job's own first steps; the lab's workers record the same figures.
+- :class:`CompressorCost`: seconds to compress and to decompress, ``a + b * n`` for ``n``
+  elements, fitted from two sizes on the job's device (:func:`measure_compressor`).
+
+Example:
+    >>> cost = CompressorCost(compress=(1e-4, 2e-9), decompress=(5e-5, 1e-9))
+    >>> round(cost.encode(1_000_000), 6), round(cost.decode(1_000_000), 6)
+    (0.0021, 0.00105)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hexagram.compress.base import Compressor
+from hexagram.cost.schedule import TensorSpec
+
+__all__ = ["CompressorCost", "ComputeProfile", "cost_from_times", "measure_compressor",
+           "profile_module"]
+
+
+@dataclass
+class ComputeProfile:
+    """One training step's compute, without communication.
+
+    Attributes:
+        forward_s: forward pass (and loss) time.
+        backward_s: from the start of backward to its end.
+        update_s: from the end of backward to the next forward (optimizer step, data).
+        tensors: the gradients in the order they become ready.
+        ready_s: for each of ``tensors``, seconds after backward started.
+    """
+
+    forward_s: float
+    backward_s: float
+    update_s: float
+    tensors: list[TensorSpec]
+    ready_s: list[float]
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.backward_s + self.update_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {"forward_s": self.forward_s, "backward_s": self.backward_s,
+                "update_s": self.update_s, "ready_s": self.ready_s,
+                "tensors": [asdict(t) for t in self.tensors]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ComputeProfile:
+        specs = [TensorSpec(t["name"], tuple(t["shape"]), t.get("itemsize", 4))
+                 for t in data["tensors"]]
+        return cls(data["forward_s"], data["backward_s"], data["update_s"], specs,
+                   list(data["ready_s"]))
+
+    @classmethod
+    def from_worker(cls, figures: dict[str, Any], shapes: Sequence[tuple[int, ...]] | None
+                    = None) -> ComputeProfile:
+        """From a lab worker's local-step figures (``compute_s``, ``backward_s``,
+        ``ready_s`` and ``ready_numel`` per parameter in registration order): ready order
+        is the sort by ready time; the forward is not separated there, so it counts in
+        the time before the first gradient (``forward_s = 0``)."""
+        ready, numel = figures["ready_s"], figures["ready_numel"]
+        shapes = shapes or [(n,) for n in numel]
+        order = sorted(range(len(ready)), key=lambda i: (ready[i], -i))
+        specs = [TensorSpec(f"p{i}", tuple(shapes[i])) for i in order]
+        return cls(0.0, figures["backward_s"], figures["compute_s"] - figures["backward_s"],
+                   specs, [ready[i] for i in order])
+
+
+@dataclass(frozen=True)
+class CompressorCost:
+    """``(a, b)`` pairs: ``a + b * n`` seconds for ``n`` elements."""
+
+    compress: tuple[float, float]
+    decompress: tuple[float, float]
+
+    def encode(self, n: int) -> float:
+        return self.compress[0] + self.compress[1] * n
+
+    def decode(self, n: int) -> float:
+        return self.decompress[0] + self.decompress[1] * n
+
+
+def _best(fn: Callable[[], Any], reps: int) -> float:
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _line(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, float]:
+    slope = max(0.0, (large[1] - small[1]) / (large[0] - small[0]))
+    return max(0.0, small[1] - slope * small[0]), slope
+
+
+def measure_compressor(compressor: Compressor, device: torch.device | str = "cpu",
+                       sizes: tuple[tuple[int, ...], tuple[int, ...]] = ((32, 32),
+                                                                        (512, 512)),
+                       reps: int = 2) -> CompressorCost:
+    """Time ``compressor`` (a copy: its state stays as it is) on random float32 tensors
+    of two shapes on ``device``; the best of ``reps`` runs per shape."""
+    comp = copy.deepcopy(compressor)
+    gen = torch.Generator(device=device).manual_seed(0)
+    points: list[tuple[int, float, float]] = []
+    for shape in sizes:
+        x = torch.randn(*shape, generator=gen, device=device)
+        payload = comp.compress(x, gen)
+        enc = _best(lambda x=x: comp.compress(x, gen), reps)  # type: ignore[misc]
+        dec = _best(lambda p=payload: comp.decompress(p), reps)  # type: ignore[misc]
+        points.append((x.numel(), enc, dec))
+    (n0, e0, d0), (n1, e1, d1) = points
+    return CompressorCost(_line((n0, e0), (n1, e1)), _line((n0, d0), (n1, d1)))
+
+
+def cost_from_times(points: Sequence[tuple[int, float, float]]) -> CompressorCost | None:
+    """Least-squares ``a + b n`` of compress and decompress times from ``(n, compress s,
+    decompress s)`` points (e.g. :func:`hexagram.cost.schedule.sizing_times`: the job's own
+    tensor shapes); None without points."""
+    if not points:
+        return None
+    if len({p[0] for p in points}) == 1:  # one size: all per element
+        n = points[0][0]
+        return CompressorCost((0.0, min(p[1] for p in points) / n),
+                              (0.0, min(p[2] for p in points) / n))
+    return CompressorCost(_fit([(p[0], p[1]) for p in points]),
+                          _fit([(p[0], p[2]) for p in points]))
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    mx = statistics.fmean(p[0] for p in points)
+    my = statistics.fmean(p[1] for p in points)
+    var = sum((p[0] - mx) ** 2 for p in points)
+    slope = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in points) / var)
+    return max(0.0, my - slope * mx), slope
+
+
+def profile_module(model: nn.Module, batch: Callable[[], tuple[Any, Any]],
+                   loss: Callable[[Any, Any], torch.Tensor], steps: int = 3,
+                   lr: float = 0.01) -> ComputeProfile:
+    """Measure a local step of ``model`` (a copy, SGD with momentum), medians over
+    ``steps`` after one warm-up step. ``batch()`` gives ``(x, y)``."""
+    net = copy.deepcopy(model)
+    named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    opt = torch.optim.SGD([p for _, p in named], lr=lr, momentum=0.9)
+    marks: dict[str, float] = {}
+    hooks = [p.register_post_accumulate_grad_hook(_mark(marks, n)) for n, p in named]
+    rows: list[tuple[float, float, float, dict[str, float]]] = []
+    try:
+        for _ in range(steps + 1):
+            x, y = batch()
+            marks.clear()
+            t0 = time.perf_counter()
+            out = loss(net(x), y)
+            t1 = time.perf_counter()
+            out.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            t3 = time.perf_counter()
+            rows.append((t1 - t0, t2 - t1, t3 - t2, {n: m - t1 for n, m in marks.items()}))
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = rows[1:]
+    med = [statistics.median([r[0] for r in rows]), statistics.median([r[1] for r in rows]),
+           statistics.median([r[2] for r in rows])]
+    ready = {n: statistics.median(r[3].get(n, r[1]) for r in rows) for n, _ in named}
+    order = sorted(named, key=lambda np_: ready[np_[0]])
+    specs = [TensorSpec(n, tuple(p.shape), p.element_size()) for n, p in order]
+    return ComputeProfile(med[0], med[1], med[2], specs, [ready[n] for n, _ in order])
+
+
+def _mark(marks: dict[str, float], name: str) -> Callable[[torch.Tensor], None]:
+    def hook(_: torch.Tensor) -> None:
+        marks[name] = time.perf_counter()
+    return hook

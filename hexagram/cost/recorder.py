@@ -1,0 +1,110 @@
+"""Timestamps of a job's own training steps, for ``auto``'s compute profile and watch.
+
+A :class:`StepRecorder` hooks the wrapped module (forward end) and every trainable
+parameter (gradient ready); the algorithm calls :meth:`StepRecorder.forward_start` from
+``before_forward``, :meth:`StepRecorder.backward_done` from ``after_backward`` and wraps its
+delegate's ``bucket_ready`` in :meth:`StepRecorder.communicating`, so time spent starting
+communication (compression on the training thread) is taken out of the ready times: what
+remains is the model's own backward. A step's row is complete at the next forward.
+
+Example::
+
+    rec = StepRecorder(module, named_params)
+    rec.forward_start(); ...; rec.backward_done(); rec.forward_start()
+    rec.rows[-1].step_s, rec.profile(last=2)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hexagram.cost.profile import ComputeProfile
+from hexagram.cost.schedule import TensorSpec
+
+__all__ = ["StepRecorder", "StepRow"]
+
+
+@dataclass
+class StepRow:
+    """One finished step (seconds): forward, when each gradient was ready after the
+    forward ended, the end of backward's communication, and the whole step."""
+
+    forward_s: float
+    ready: dict[str, float]
+    after_backward_s: float  # since the forward started
+    step_s: float  # forward start to next forward start
+    update_s: float = field(default=0.0)
+
+
+class StepRecorder:
+    """Records forward/backward/ready times of the job's steps (see module doc)."""
+
+    def __init__(self, module: nn.Module, named: Sequence[tuple[str, nn.Parameter]]) -> None:
+        self.specs = [TensorSpec(n, tuple(p.shape), p.element_size()) for n, p in named]
+        self.rows: list[StepRow] = []
+        self._inside = 0.0
+        self._start: float | None = None
+        self._fwd_end: float | None = None
+        self._after: float | None = None
+        self._marks: dict[str, float] = {}
+        self._hooks: list[Any] = [module.register_forward_hook(self._forward_end)]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._marker(n)) for n, p in named]
+
+    def close(self) -> None:
+        """Remove every hook."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _forward_end(self, *_: Any) -> None:
+        self._fwd_end = time.perf_counter()
+
+    def _marker(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            self._marks[name] = time.perf_counter() - self._inside
+        return hook
+
+    @contextmanager
+    def communicating(self) -> Iterator[None]:
+        """Time inside this block is not backward compute (a delegate's bucket_ready)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._inside += time.perf_counter() - t0
+
+    def forward_start(self) -> None:
+        """Called before every forward: closes the previous step's row."""
+        now = time.perf_counter()
+        if self._start is not None and self._after is not None and self._fwd_end is not None:
+            fwd = self._fwd_end - self._start
+            ready = {n: t - (self._fwd_end - 0.0) for n, t in self._marks.items()}
+            self.rows.append(StepRow(fwd, ready, self._after - self._start, now - self._start,
+                                     now - self._after))
+        self._start, self._fwd_end, self._after = now, None, None
+        self._marks, self._inside = {}, 0.0
+
+    def backward_done(self) -> None:
+        """Called after backward's communication finished."""
+        self._after = time.perf_counter()
+
+    def profile(self, last: int) -> ComputeProfile:
+        """Medians over the last ``last`` rows (at least one row needed)."""
+        rows = self.rows[-last:]
+        if not rows:
+            raise RuntimeError("no complete step recorded yet")
+        fwd = statistics.median(r.forward_s for r in rows)
+        upd = statistics.median(r.update_s for r in rows)
+        ready = {s.name: statistics.median(max(0.0, r.ready.get(s.name, 0.0)) for r in rows)
+                 for s in self.specs}
+        order = sorted(self.specs, key=lambda s: ready[s.name])
+        backward = max(ready.values(), default=0.0)
+        return ComputeProfile(fwd, backward, upd, order, [ready[s.name] for s in order])

@@ -1,0 +1,283 @@
+"""The messages an algorithm sends per step, and their wire bytes, derived from its objects.
+
+A *schedule* lists, per bucket, the collectives one step issues and the bytes this rank
+sends in each (the same formulas the primitives count with, so the sum equals the
+algorithm's ``bytes_sent()`` per step; ``tests/test_cost_wire.py`` checks it for every
+registered gradient algorithm). Payload sizes are not guessed: each segment is compressed
+once with a copy of the algorithm's own compressor, so the bytes follow its configuration
+(density, levels, chunking, rank) whatever class implements it.
+
+How a compressed algorithm communicates is read from its compressor's ``aggregation``:
+``SUM`` (element-wise summable) -> an allreduce of each payload tensor; ``SUM`` not
+element-wise (low-rank factors) -> two allreduces, all first factors then all second
+factors of a bucket; ``SCATTER_GATHER`` without error feedback -> all-to-all of P chunk
+payloads then allgather of the reduced chunk; ``GATHER`` (or scatter-gather with error
+feedback) -> allgather of the payloads. The few algorithms whose protocol is their own
+(gTop-k's tree, random-k's shared positions, QAdam's momentum) have a rule keyed by name
+in :data:`CUSTOM`.
+
+Example:
+    >>> import hexagram as hx
+    >>> layout = [[TensorSpec("w", (1000, 100))]]
+    >>> msgs = bucket_schedule(hx.algorithms.get("allreduce"), layout[0], world=4)
+    >>> [(m.op, m.sent) for m in msgs]
+    [('allreduce', 600000)]
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hexagram.algorithms.base import Algorithm
+from hexagram.compress.base import Aggregation, Compressor, Payload
+
+__all__ = ["CUSTOM", "Message", "TensorSpec", "bucket_schedule", "is_lossy", "layout_of",
+           "payload_of", "sizing_times", "step_schedule", "wire_bytes"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A communicated tensor: its name, shape and element size in bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int = 4
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One collective of a step: ``op`` is the collective's kind (``allreduce``,
+    ``allgather``, ``alltoall``, ``p2p``, ``hierarchical``), ``sent`` the bytes this rank
+    sends in it, ``rounds`` the sequential latency-bound rounds it takes (trees)."""
+
+    op: str
+    sent: int
+    rounds: int = 1
+
+
+Layout = Sequence[Sequence[TensorSpec]]
+
+
+def layout_of(buckets: Sequence[Any]) -> list[list[TensorSpec]]:
+    """The engine's buckets (``DistributedDataParallel.buckets``) as specs, launch order."""
+    return [[TensorSpec(e.name, tuple(e.shape), e.param.element_size()) for e in b.entries]
+            for b in buckets]
+
+
+def is_lossy(algorithm: Algorithm) -> bool:
+    """True if ``algorithm`` changes the gradient's sum (it carries a compressor)."""
+    return _compressor(algorithm) is not None
+
+
+def _compressor(algorithm: Algorithm) -> Compressor | None:
+    comp = getattr(algorithm, "compressor", None)  # the compressed algorithms' public field
+    return comp if isinstance(comp, Compressor) else None
+
+
+def _ring(nbytes: int, world: int) -> int:
+    return 2 * (world - 1) * nbytes // world if world > 1 else 0
+
+
+_PAYLOADS: dict[tuple[str, str, tuple[int, ...]], Payload] = {}
+
+
+def payload_of(compressor: Compressor, shape: Sequence[int]) -> Payload:
+    """The payload ``compressor`` makes of a tensor of ``shape`` (a copy compresses random
+    data, so the live compressor's state is untouched; sizes depend only on shape and
+    config)."""
+    name = (type(compressor).__qualname__, repr(getattr(compressor, "config", None)))
+    key = (*name, tuple(shape))
+    if key not in _PAYLOADS:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(*shape, generator=gen) if len(shape) else torch.randn(1)
+        comp = copy.deepcopy(compressor)
+        t0 = time.perf_counter()
+        payload = comp.compress(x, gen)
+        t1 = time.perf_counter()
+        comp.decompress(payload)
+        # the sizing pass doubles as a timing of this compressor on the job's own shapes
+        _TIMES.setdefault(name, []).append((x.numel(), t1 - t0, time.perf_counter() - t1))
+        _PAYLOADS[key] = Payload(tuple(t.detach() for t in payload.tensors),
+                                 torch.Size(shape), torch.float32)
+    return _PAYLOADS[key]
+
+
+_TIMES: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
+
+
+def sizing_times(compressor: Compressor) -> list[tuple[int, float, float]]:
+    """``(numel, compress s, decompress s)`` of every shape :func:`payload_of` sized with
+    ``compressor``'s configuration so far (on this process, at the time it ran)."""
+    return list(_TIMES.get((type(compressor).__qualname__,
+                            repr(getattr(compressor, "config", None))), []))
+
+
+def _segments(algorithm: Algorithm, bucket: Sequence[TensorSpec]) -> list[tuple[int, ...]]:
+    """Shapes of the bucket's segments as the algorithm cuts them (layer or whole bucket)."""
+    if getattr(algorithm.config, "granularity", "layer") == "bucket":
+        return [(sum(t.numel for t in bucket),)]
+    return [t.shape for t in bucket]
+
+
+def _generic(algorithm: Algorithm, comp: Compressor, bucket: Sequence[TensorSpec],
+             world: int) -> list[Message]:
+    """Messages of a compressed algorithm from its compressor's aggregation."""
+    shapes = _segments(algorithm, bucket)
+    feedback = getattr(algorithm, "error_feedback", None) is not None
+    if comp.aggregation is Aggregation.SUM and comp.payload_sums_elementwise:
+        return [Message("allreduce", _ring(t.numel() * t.element_size(), world))
+                for s in shapes for t in payload_of(comp, s).tensors]
+    if comp.aggregation is Aggregation.SUM:
+        return _factor_allreduces(algorithm, comp, shapes, world)
+    if comp.aggregation is Aggregation.SCATTER_GATHER and not feedback:
+        chunk = [payload_of(comp, (-(-math.prod(s) // world),)).nbytes for s in shapes]
+        first = (world - 1) * (world * sum(chunk)) // world
+        return [Message("alltoall", first), Message("allgather", (world - 1) * sum(chunk))]
+    total = sum(payload_of(comp, s).nbytes for s in shapes)
+    return [Message("allgather", (world - 1) * total)]
+
+
+def _factor_allreduces(algorithm: Algorithm, comp: Compressor, shapes: list[tuple[int, ...]],
+                       world: int) -> list[Message]:
+    """Low-rank: one allreduce of every first factor (+ the segments not worth
+    compressing, dense), then one of every second factor."""
+    worthwhile = getattr(comp, "worthwhile", None)
+    layer = getattr(algorithm.config, "granularity", "layer") == "layer"
+    first = second = 0
+    for s in shapes:
+        ok = not (layer and len(s) < 2) and (worthwhile is None or worthwhile(torch.Size(s)))
+        if not ok:
+            first += math.prod(s) * 4
+            continue
+        p, q = payload_of(comp, s).tensors[:2]
+        first += p.numel() * p.element_size()
+        second += q.numel() * q.element_size()
+    return [Message("allreduce", _ring(first, world)), Message("allreduce", _ring(second, world))]
+
+
+def _allreduce(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
+               rank: int = 0, hosts: int = 1) -> list[Message]:
+    """Flat ring allreduce, or (``hierarchical``, several ranks per host) reduce to the host
+    leader, allreduce among leaders, broadcast back: a leader sends
+    ``(ranks per host - 1) n + ring(n, hosts)``, the others ``n``."""
+    nbytes = sum(t.numel * t.itemsize for t in bucket)
+    per_host = world // max(hosts, 1)
+    if getattr(algorithm.config, "hierarchical", False) and per_host > 1:
+        leader = rank % per_host == 0
+        sent = (per_host - 1) * nbytes + _ring(nbytes, hosts) if leader else nbytes
+        return [Message("hierarchical", sent, rounds=3)]
+    return [Message("allreduce", _ring(nbytes, world))]
+
+
+def _gtopk(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
+           rank: int) -> list[Message]:
+    from hexagram.comm.gtopk import gtopk_bytes
+
+    comp = _compressor(algorithm)
+    assert comp is not None
+    out = []
+    for s in _segments(algorithm, bucket):
+        values = payload_of(comp, s).tensors[0]
+        up, down = gtopk_bytes(rank, world, values.numel(), values.element_size())
+        out.append(Message("p2p", up + down, rounds=2 * max(1, math.ceil(math.log2(world)))))
+    return out
+
+
+def _randomk(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
+             rank: int) -> list[Message]:
+    comp = _compressor(algorithm)
+    assert comp is not None
+    values = [payload_of(comp, s).tensors[0] for s in _segments(algorithm, bucket)]
+    return [Message("allreduce", _ring(v.numel() * v.element_size(), world)) for v in values]
+
+
+def _qadam(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
+           rank: int) -> list[Message]:
+    opt = getattr(algorithm, "optimizer", None)  # None: not set up, predict steady state
+    if opt is not None and not opt.frozen:  # warm-up: plain allreduce
+        return _allreduce(algorithm, bucket, world, rank)
+    comp = _compressor(algorithm)
+    assert comp is not None
+    shape = (sum(t.numel for t in bucket),)
+    payload = payload_of(comp, shape)
+    if comp.aggregation is Aggregation.SUM and comp.payload_sums_elementwise:
+        return [Message("allreduce", _ring(t.numel() * t.element_size(), world))
+                for t in payload.tensors]
+    return [Message("allgather", (world - 1) * payload.nbytes)]
+
+
+#: algorithms whose protocol is their own rather than their compressor's aggregation
+CUSTOM: dict[str, Callable[[Algorithm, Sequence[TensorSpec], int, int], list[Message]]] = {
+    "gtopk": _gtopk, "randomk": _randomk, "qadam": _qadam,
+}
+
+
+def _at_step(algorithm: Algorithm, comp: Compressor, step: int) -> Compressor:
+    """The compressor in use at ``step`` when the density ramps up (DGC's warm-up: the
+    algorithm's public ``density_at(step)``), else ``comp``."""
+    density_at = getattr(algorithm, "density_at", None)
+    cfg = getattr(comp, "config", None)
+    if not callable(density_at) or cfg is None or not hasattr(cfg, "density"):
+        return comp
+    density = float(density_at(step))
+    if density == cfg.density:
+        return comp
+    key = (type(comp).__qualname__, repr(cfg), density)
+    if key not in _AT_STEP:
+        _AT_STEP[key] = type(comp)(dataclasses.replace(cfg, density=density))  # type: ignore[call-arg]
+    return _AT_STEP[key]
+
+
+_AT_STEP: dict[tuple[str, str, float], Compressor] = {}
+
+
+def bucket_schedule(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
+                    step: int = 10**9, hosts: int = 1, rank: int = 0) -> list[Message]:
+    """The messages of one bucket at training step ``step`` (default: after any warm-up),
+    sent by ``rank`` (ranks differ only in trees and hierarchical allreduce) of ``world``
+    ranks on ``hosts`` hosts.
+
+    Raises:
+        ValueError: a weight algorithm (see :func:`hexagram.cost.model.amortized`).
+    """
+    if algorithm.kind != "grad":
+        raise ValueError(f"{algorithm.name!r} communicates weights, not per-bucket gradients;"
+                         " use hexagram.cost.model.amortized for it")
+    if world <= 1:
+        return []
+    start = getattr(algorithm.config, "start_iter", 0)  # full-precision warm-up steps
+    comp = _compressor(algorithm)
+    if comp is None or step < start:
+        return _allreduce(algorithm, bucket, world, rank, hosts)
+    if algorithm.name in CUSTOM:
+        return CUSTOM[algorithm.name](algorithm, bucket, world, rank)
+    comp = _at_step(algorithm, comp, step)
+    messages = _generic(algorithm, comp, bucket, world)
+    if getattr(algorithm.config, "on_nonfinite", "raise") == "skip":
+        messages.insert(0, Message("allreduce", _ring(4, world)))
+    return messages
+
+
+def step_schedule(algorithm: Algorithm, layout: Layout, world: int, step: int = 10**9,
+                  hosts: int = 1, rank: int = 0) -> list[list[Message]]:
+    """:func:`bucket_schedule` of every bucket, in launch order."""
+    return [bucket_schedule(algorithm, b, world, step, hosts, rank) for b in layout]
+
+
+def wire_bytes(algorithm: Algorithm, layout: Layout, world: int, step: int = 10**9,
+               hosts: int = 1, rank: int = 0) -> int:
+    """Bytes ``rank`` sends in one step (what its ``bytes_sent()`` grows by)."""
+    return sum(m.sent for msgs in step_schedule(algorithm, layout, world, step, hosts, rank)
+               for m in msgs)

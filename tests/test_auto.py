@@ -1,0 +1,162 @@
+"""``algorithm="auto"``: bad input, one decision on every rank, switching, resuming.
+
+Multi-process checks run 3 ranks on loopback with a short probe; they assert behaviour
+(same decision and weights on every rank, residuals flushed exactly on a switch, the
+decision kept on resume), never a speed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hexagram as hx
+from hexagram.cost import choose
+from hexagram.errors import ConfigError
+from hexagram.launch import run_local
+
+FAST = {"candidates": ["allreduce", "fp16", "topk", "powersgd"], "probe_budget_s": 0.5,
+        "verbose": False}
+
+
+# -- bad input ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, words", [
+    ({"candidates": ["allreduce", "nope"]}, "unknown candidate 'nope'"),
+    ({"candidates": []}, "non-empty"),
+    ({"candidates": ["topk", "powersgd"], "lossy": False}, "lossy=False"),
+    ({"candidates": ["local_sgd"]}, "allow_delay=True"),
+    ({"candidates": ["auto"]}, "cannot be its own candidate"),
+    ({"candidates": ["fp16:wire"]}, "NAME[:FIELD=VALUE"),
+    ({"candidates": ["qsgd:levels=0"]}, "levels"),
+])
+def test_bad_candidates(kwargs: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        hx.algorithms.get("auto", **kwargs)
+    assert words in str(info.value)
+
+
+def test_candidate_sets() -> None:
+    lossless = [label for label, _ in choose.resolve(None, lossy=False)]
+    assert lossless == ["allreduce", "allreduce:hierarchical=true"]
+    delayed = [label for label, _ in choose.resolve(None, allow_delay=True)]
+    assert set(choose.DELAYED) <= set(delayed)
+    assert not set(choose.DELAYED) & {label for label, _ in choose.resolve(None)}
+    algo = hx.algorithms.get("auto", candidates=["fp16:wire=bf16"])
+    assert algo.candidates[0][1].config.wire == "bf16"
+
+
+# -- multi-process -----------------------------------------------------------------------
+class Probe(nn.Module):
+    """loss = <w, x>: the gradient is x exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(64, 32))
+        self.b = nn.Parameter(torch.zeros(300))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x[:2048].view(64, 32)).sum() + (self.b * x[2048:]).sum()
+
+
+def _grad(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(2348, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _train(model: Any, opt: torch.optim.Optimizer, steps: range, rank: int) -> None:
+    for step in steps:
+        model(_grad(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _decide_switch_resume() -> dict[str, Any]:
+    hx.init()
+    rank, world = hx.get_runtime().rank, hx.get_runtime().world_size
+    net = Probe()
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    algo = hx.algorithms.get("auto", **FAST)
+    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo)
+    _train(model, opt, range(12), rank)
+    out: dict[str, Any] = {"decision": dict(algo.decision or {}), "label": algo.label,
+                           "bucket": algo.bucket_size_bytes(), "table": algo.table,
+                           "weights": net.w.detach().clone()}
+    # switch from top-k (residuals) to allreduce: the residuals join the next gradient
+    algo.switch("topk")
+    _train(model, opt, range(12, 14), rank)
+    assert algo.label == "topk"
+    ef = algo.delegate.error_feedback  # type: ignore[attr-defined]
+    residual = torch.cat([ef.residual("w").reshape(-1), ef.residual("b").reshape(-1)])
+    before = torch.cat([net.w.detach().reshape(-1), net.b.detach().reshape(-1)]).clone()
+    algo.switch("allreduce")
+    _train(model, opt, range(14, 15), rank)
+    after = torch.cat([net.w.detach().reshape(-1), net.b.detach().reshape(-1)])
+    sent = _grad(14, rank) + residual
+    total = sent.clone()
+    torch.distributed.all_reduce(total)
+    out["flush_error"] = float((before - total / world - after).abs().max())
+    out["switches"] = algo.switches
+    state = model.algorithm_state_dict()
+    model.close()
+    # resume: a fresh auto keeps the saved decision
+    net2 = Probe()
+    opt2 = torch.optim.SGD(net2.parameters(), lr=1.0)
+    algo2 = hx.algorithms.get("auto", **FAST)
+    model2 = hx.DistributedDataParallel(net2, optimizers=[opt2], algorithm=algo2)
+    model2.load_algorithm_state_dict(state)
+    _train(model2, opt2, range(3), rank)
+    out["resumed"] = (algo2.label, algo2.decision == state["decision"], len(algo2.switches))
+    model2.close()
+    # drift: steps become much slower than measured after the decision -> a new probe
+    net3 = Probe()
+    opt3 = torch.optim.SGD(net3.parameters(), lr=0.1)
+    algo3 = hx.algorithms.get("auto", **{**FAST, "drift_steps": 3})
+    model3 = hx.DistributedDataParallel(net3, optimizers=[opt3], algorithm=algo3)
+    _train(model3, opt3, range(14), rank)
+    quiet = algo3.reprobes
+    for step in range(14, 26):
+        _train(model3, opt3, range(step, step + 1), rank)
+        time.sleep(0.3)  # the job's step time drifts (as when a link slows down)
+    out["reprobes"] = (quiet, algo3.reprobes)
+    model3.close()
+    hx.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> list[dict[str, Any]]:
+    return run_local(_decide_switch_resume, 3, timeout=240)
+
+
+def test_same_decision_on_every_rank(three_ranks: list[dict[str, Any]]) -> None:
+    first = three_ranks[0]
+    assert first["label"] in FAST["candidates"]
+    assert first["decision"]["label"] == first["label"]
+    assert "tuned" in first["decision"] or first["bucket"] is not None
+    for other in three_ranks[1:]:
+        assert other["decision"] == first["decision"]
+        assert other["bucket"] == first["bucket"]
+        assert torch.equal(other["weights"], first["weights"])
+    assert "<- chosen" in first["table"] and "choice:" in first["table"]
+
+
+def test_switch_flushes_residuals(three_ranks: list[dict[str, Any]]) -> None:
+    for result in three_ranks:
+        assert result["flush_error"] < 1e-5
+        assert [s["to"] for s in result["switches"]][-1] == "allreduce"
+        assert "flushed" in result["switches"][-1]["state"]
+
+
+def test_resume_keeps_decision(three_ranks: list[dict[str, Any]]) -> None:
+    for result in three_ranks:
+        label, same, _ = result["resumed"]
+        assert label == "allreduce" and same
+
+
+def test_drift_triggers_a_new_probe(three_ranks: list[dict[str, Any]]) -> None:
+    for result in three_ranks:
+        quiet, after = result["reprobes"]
+        assert after > quiet
