@@ -82,8 +82,8 @@ def test_setup_raises_within_init_timeout_naming_missing_rank() -> None:
 def test_call_with_deadline_raises_instead_of_hanging() -> None:
     from datetime import timedelta
 
-    from hexagram.runtime import InitTimeoutError
     from hexagram.elastic.rendezvous import call_with_deadline
+    from hexagram.runtime import InitTimeoutError
 
     start = time.monotonic()
     with pytest.raises(InitTimeoutError, match="stuck connect did not complete within 0 s"):
