@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hexagram.elastic.reshard import merge_states
 from hexagram.elastic.state import (
@@ -79,11 +80,23 @@ def _agree(what: str, fn: Callable[[], T]) -> T:
         value, error = fn(), None
     except Exception as exc:  # reported to every rank below
         value, error = None, f"{type(exc).__name__}: {exc}"
-    errors = [(r, e) for r, e in enumerate(_gather(error)) if e is not None]
+    gathered = _collective(what, lambda: _gather(error))
+    errors = [(r, e) for r, e in enumerate(gathered) if e is not None]
     if errors:
         detail = "; ".join(f"rank {r}: {e}" for r, e in errors)
         raise CheckpointError(f"{what} failed on {len(errors)} rank(s): {detail}")
     return value  # type: ignore[return-value]
+
+
+def _collective(what: str, fn: Callable[[], T]) -> T:
+    """Run a collective; a peer that died or timed out becomes a CheckpointError."""
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except (RuntimeError, TimeoutError, CheckpointException) as exc:  # gloo/NCCL, DCP errors
+        raise CheckpointError(f"{what}: a peer rank failed or stopped answering ({exc}); "
+                              "nothing was committed or loaded") from exc
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -92,7 +105,7 @@ def _step_dir(root: Path, step: int) -> Path:
 
 def _same_directory(directory: str | os.PathLike[str], what: str) -> Path:
     root = Path(directory).expanduser().resolve()
-    seen = _gather(str(root))
+    seen = _collective(what, lambda: _gather(str(root)))
     if len(set(seen)) > 1:
         listing = ", ".join(f"rank {r}: {d}" for r, d in enumerate(seen))
         raise CheckpointError(f"{what}: ranks point at different checkpoint directories "
@@ -131,7 +144,7 @@ def _discard(path: Path) -> None:
 
 def _barrier() -> None:
     if _rank_world()[1] > 1:
-        dist.barrier()
+        _collective("final barrier", dist.barrier)
 
 
 def save_checkpoint(directory: str | os.PathLike[str], model: nn.Module,
@@ -162,10 +175,12 @@ def save_checkpoint(directory: str | os.PathLike[str], model: nn.Module,
     else:
         _agree("preparing the checkpoint directory", lambda: None)
     flat = flatten(collect_rank_state(model, opts, step, extra), rank)
-    dcp.save(flat, checkpoint_id=str(path), no_dist=world == 1)
+    _collective(f"writing step {step}",
+                lambda: dcp.save(flat, checkpoint_id=str(path), no_dist=world == 1))
     manifest = {"format": FORMAT, "step": int(step), "world_size": world,
                 "token": uuid.uuid4().hex, "time": time.time(),
                 "fingerprint": fingerprint(model, opts)}
+    _agree(f"confirming step {step} on every rank", lambda: None)  # all alive: commit
     _agree("committing the checkpoint",
            lambda: _commit(path, manifest) if rank == 0 else None)
     if keep is not None and rank == 0:
@@ -220,7 +235,7 @@ def _check_fits(manifest: dict[str, Any], mine: dict[str, Any], world: int,
                                   f"this job has {mine[field]!r}; resume with the same {what}")
     ours = {k: (shape, dtype) for k, shape, dtype in mine["model"]}
     theirs = {k: (shape, dtype) for k, shape, dtype in saved.get("model", [])}
-    for key in sorted(set(ours) | set(theirs)):
+    for key in list(ours) + [k for k in theirs if k not in ours]:  # model order
         if ours.get(key) != theirs.get(key):
             raise CheckpointError(
                 f"checkpoint is of another model: entry {key!r} is {theirs.get(key)} in the "
@@ -251,7 +266,8 @@ def _my_state(path: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any]
     old_world, world = int(manifest["world_size"]), _rank_world()[1]
     ranks = [rank] if old_world == world else list(range(old_world))
     skeleton = _agree("reading the checkpoint's metadata", lambda: _read(path, ranks))
-    dcp.load(skeleton, checkpoint_id=str(path), no_dist=world == 1)
+    _collective(f"reading {path}",
+                lambda: dcp.load(skeleton, checkpoint_id=str(path), no_dist=world == 1))
     if old_world == world:
         return _agree("unpacking the checkpoint",  # type: ignore[no-any-return]
                       lambda: unflatten(skeleton, rank))
