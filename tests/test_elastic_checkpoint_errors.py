@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +124,73 @@ def test_a_checkpoint_written_while_a_rank_died_is_never_loaded(tmp_path: Path) 
     for step, params in run_local(_resume, 2, args=(str(tmp_path),), timeout=90):
         assert step == 2
         assert all(torch.equal(a, b) for a, b in zip(saved, params))
+
+
+RESHARD = ("allreduce", "powersgd", "qsgd", "local_sgd", "diloco")
+RESHARD_CONFIG: dict[str, dict[str, Any]] = {"powersgd": {"start_iter": 1},
+                                             "local_sgd": {"period": 4}, "diloco": {"period": 4}}
+
+
+def _save_on_four(root: str) -> dict[str, Any]:
+    import hexagram as hx
+
+    hx.init(timeout=30)
+    saved = {}
+    for name in RESHARD:
+        model, opt = _model(name, **RESHARD_CONFIG.get(name, {}))
+        _train(model, opt, 3)
+        hx.save_checkpoint(Path(root) / name, model, [opt], step=3)
+        saved[name] = copy.deepcopy(model.algorithm_state_dict())
+        model.close()
+    return saved
+
+
+def _load_elsewhere(root: str) -> dict[str, Any]:
+    import hexagram as hx
+    from hexagram.elastic.checkpoint import CheckpointError
+
+    hx.init(timeout=30)
+    out: dict[str, Any] = {}
+    for name in RESHARD:
+        model, opt = _model(name, seed=3, **RESHARD_CONFIG.get(name, {}))
+        refused = _expect_error(functools.partial(hx.load_checkpoint, Path(root) / name,
+                                                  model, [opt]))
+        try:
+            hx.load_checkpoint(Path(root) / name, model, [opt], allow_world_size_change=True)
+            state = copy.deepcopy(model.algorithm_state_dict())
+            _train(model, opt, 2)  # usable afterwards
+            out[name] = {"refused": refused, "state": state,
+                         "finite": all(p.isfinite().all() for p in model.parameters())}
+        except CheckpointError as exc:
+            out[name] = {"refused": refused, "error": str(exc)}
+        model.close()
+    return out
+
+
+def _leaves(obj: Any, path: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return {k: v for key, val in obj.items() for k, v in _leaves(val, f"{path}/{key}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k: v for i, val in enumerate(obj) for k, v in _leaves(val, f"{path}/{i}").items()}
+    return {path: obj}
+
+
+def test_world_size_change_folds_per_rank_state(tmp_path: Path) -> None:
+    saved = run_local(_save_on_four, 4, args=(str(tmp_path),), timeout=280)
+    shrunk = run_local(_load_elsewhere, 3, args=(str(tmp_path),), timeout=280)
+    for name in RESHARD:
+        old = [_leaves(s[name]) for s in saved]
+        for rank, result in enumerate(shrunk):
+            assert "saved by 4 ranks, this job has 3" in result[name]["refused"]
+            assert "error" not in result[name], result[name]["error"]
+            assert result[name]["finite"]
+            for path, value in _leaves(result[name]["state"]).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                values = [o[path] for o in old]
+                if all(torch.equal(v, values[0]) for v in values):
+                    assert torch.equal(value, values[0]), (name, path)
+                elif value.is_floating_point():  # residuals: folded into their mean
+                    assert torch.equal(value, torch.stack(values).mean(0)), (name, path)
+                else:  # e.g. an RNG state: the same rank's
+                    assert torch.equal(value, values[rank]), (name, path)
