@@ -16,6 +16,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -126,7 +127,7 @@ def test_a_checkpoint_written_while_a_rank_died_is_never_loaded(tmp_path: Path) 
         assert all(torch.equal(a, b) for a, b in zip(saved, params))
 
 
-RESHARD = ("allreduce", "powersgd", "qsgd", "local_sgd", "diloco")
+RESHARD = ("powersgd", "qsgd", "diloco")  # residuals + Q, per-rank RNG, outer optimizer
 RESHARD_CONFIG: dict[str, dict[str, Any]] = {"powersgd": {"start_iter": 1},
                                              "local_sgd": {"period": 4}, "diloco": {"period": 4}}
 
@@ -175,6 +176,8 @@ def _leaves(obj: Any, path: str = "") -> dict[str, Any]:
     return {path: obj}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a 4-rank and a 3-rank launch (about 1 min on an idle machine)
 def test_world_size_change_folds_per_rank_state(tmp_path: Path) -> None:
     saved = run_local(_save_on_four, 4, args=(str(tmp_path),), timeout=280)
     shrunk = run_local(_load_elsewhere, 3, args=(str(tmp_path),), timeout=280)
