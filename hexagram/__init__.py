@@ -38,3 +38,7 @@ __all__ = [
     "is_initialized",
     "shutdown",
 ]
+
+from hexagram.elastic.checkpoint import load_checkpoint, save_checkpoint
+
+__all__ += ["load_checkpoint", "save_checkpoint"]

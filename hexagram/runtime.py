@@ -5,6 +5,12 @@ LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), picks NCCL when CUDA is
 gloo otherwise, and learns which ranks share a host. Run without torchrun, it starts a
 single-process group, so the same script works with world size 1.
 
+Restarts: under ``torchrun --max-restarts N`` every attempt sets up its process group under
+its own store prefix (``TORCHELASTIC_RESTART_COUNT``), so restarted workers never read the
+addresses of the attempt that died, and the set-up has a deadline (``init_timeout``): a rank
+that never arrives makes the others raise :class:`InitTimeoutError` naming it, never hang.
+See ``hexagram.elastic.rendezvous`` and docs/elastic.md.
+
 Example:
     >>> import hexagram as hx
     >>> rt = hx.init()          # doctest: +SKIP
@@ -22,14 +28,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hexagram.elastic.rendezvous import (
+    InitTimeoutError,
+    attempt_store,
+    call_with_deadline,
+    wait_for_all,
+)
 from hexagram.errors import ConfigError, NotInitializedError
 
-__all__ = ["DEFAULT_TIMEOUT", "Runtime", "get_runtime", "init", "is_initialized", "shutdown"]
+__all__ = ["DEFAULT_TIMEOUT", "InitTimeoutError", "Runtime", "get_runtime", "init",
+           "is_initialized", "shutdown"]
 
 #: Default for every collective: far below torch's 30 minutes, so a dead peer is noticed.
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 
 _RUNTIME: Runtime | None = None
+_GENERATION = 0  # hexagram.init calls that built a group in this process (store key space)
 
 
 @dataclass
@@ -122,35 +136,56 @@ def _host_key() -> str:
     return os.environ.get("HEXAGRAM_HOST") or os.environ.get("GROUP_RANK") or socket.gethostname()
 
 
-def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT) -> Runtime:
+def _init_group(backend: str, rank: int, world: int, timeout: timedelta,
+                init_timeout: timedelta) -> None:
+    """The default process group, on this attempt's store, within ``init_timeout``."""
+    global _GENERATION
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        store: dist.Store = dist.HashStore()  # single process: no rendezvous needed
+    else:
+        store = attempt_store(rank, world, init_timeout, generation=_GENERATION)
+        wait_for_all(store, rank, world, init_timeout)
+    _GENERATION += 1
+
+    def connect() -> None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+
+    call_with_deadline(connect, init_timeout, f"init_process_group({backend!r}) of rank {rank}")
+
+
+def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT,
+         init_timeout: float | timedelta | None = None) -> Runtime:
     """Initialise torch.distributed from torchrun's environment (idempotent).
 
     Args:
         backend: ``"gloo"``, ``"nccl"`` or ``None`` (NCCL with CUDA, gloo otherwise).
         timeout: seconds (or timedelta) any collective may take before a timeout error.
+        init_timeout: deadline of the set-up (store, arrival of every rank, connections);
+            ``None`` => ``timeout``. Shorter => a failed restart attempt is noticed sooner.
 
     Returns:
         The :class:`Runtime` of this process.
+
+    Raises:
+        InitTimeoutError: set-up did not complete in time (names the ranks that never came).
     """
     global _RUNTIME
     if _RUNTIME is not None:
         return _RUNTIME
     td = _as_timedelta(timeout)
+    init_td = td if init_timeout is None else _as_timedelta(init_timeout)
     chosen = _choose_backend(backend)
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", 1)
     if not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
-    if not dist.is_initialized():
-        if world == 1 and "MASTER_ADDR" not in os.environ:
-            store = dist.HashStore()  # single process: no rendezvous needed
-            dist.init_process_group(chosen, store=store, rank=0, world_size=1, timeout=td)
-        else:
-            dist.init_process_group(chosen, rank=rank, world_size=world, timeout=td)
     device = torch.device(f"cuda:{local_rank}") if chosen == "nccl" else torch.device("cpu")
     if chosen == "nccl":
         torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        _init_group(chosen, rank, world, td, init_td)
     keys: list[str | None] = [None] * world
     dist.all_gather_object(keys, _host_key())
     host_index = {k: i for i, k in enumerate(dict.fromkeys(keys))}

@@ -21,6 +21,7 @@ from hexagram.bench.cli import algorithm_list, parse_settings, split_label
 from hexagram.bench.harness import LoopbackLab, check_algorithms, machine_info, run_task
 from hexagram.bench.lab import LabConfig, LabUnavailableError, NetworkLab
 from hexagram.bench.report import write_outputs
+from hexagram.testing.faults import parse_faults
 
 __all__ = ["add_arguments", "markdown_table", "plot_curves", "run", "run_train"]
 
@@ -53,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--threads", type=int, default=1)
     a("--timeout", type=float, default=1800.0, help="deadline per algorithm (s)")
     a("--loopback", action="store_true", help="no lab: ranks on 127.0.0.1, unshaped")
+    a("--kill", default="", metavar="RANK@STEP[:ACTION][,...]",
+      help="fault injection: RANK fails at training STEP (action sigkill by default; exit, "
+      "sigstop, raise); the report shows how the run ended (no live mode: restart with "
+      "torchrun --max-restarts and hexagram.load_checkpoint)")
     a("--json")
     a("--plot")
     a("--markdown")
@@ -68,7 +73,8 @@ def _spec(args: argparse.Namespace, label: str, settings: dict[str, Any]) -> dic
                       "layers": args.layers, "width": args.width, "block": args.block},
             "evals_per_epoch": args.evals_per_epoch, "batch": args.batch,
             "lr": args.lr if args.lr is not None else (3e-3 if text else 0.05),
-            "time_limit": args.time_limit, "seed": 0, "bucket_mb": args.bucket_mb}
+            "time_limit": args.time_limit, "seed": 0, "bucket_mb": args.bucket_mb,
+            "faults": args.kill}
 
 
 def _summary(name: str, ranks: list[dict[str, Any]], error: str | None) -> dict[str, Any]:
@@ -91,6 +97,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
         args.dataset = "fashion-mnist" if fashion_mnist_available() else "digits"
     names = algorithm_list(args.algorithms)
+    parse_faults(args.kill)  # a malformed --kill fails here, before any rank starts
     settings = parse_settings(args.set)
     config = LabConfig(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
                        bandwidth="unshaped" if args.loopback else args.bandwidth)

@@ -129,6 +129,7 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     """Train until target / epochs / time limit; return the curve of this rank."""
     from hexagram.bench.peers import make_optimizer, wrap
     from hexagram.bench.watchdog import beat
+    from hexagram.testing.faults import FaultInjector, parse_faults
 
     text = spec["dataset"] == "text"
     model, epoch_batches, evaluate = (_text_task if text else _image_task)(spec)
@@ -141,6 +142,7 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     better = None if target is None else (
         (lambda v: v <= target) if text else (lambda v: v >= target))
     run = _Run()
+    faults = FaultInjector(parse_faults(spec.get("faults") or ""), dist.get_rank())
     _evaluate(run, lambda: evaluate(model), 0.0, better)
     for epoch in range(spec["epochs"]):
         batches = epoch_batches(epoch)
@@ -148,6 +150,7 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
                  for k in range(spec["evals_per_epoch"])}
         for i, (x, y) in enumerate(batches, start=1):
             beat(f"training step {run.step + 1}")
+            faults.at_step(run.step)
             t0 = time.perf_counter()
             loss_fn(wrapped.model(x), y).backward()
             opt.step()

@@ -1,0 +1,128 @@
+"""One rank's training state as flat tensors for ``torch.distributed.checkpoint``.
+
+A rank's state is ``{"model", "optimizers", "algorithm", "rng", "extra", "step"}``: nested
+dicts/lists holding tensors and small Python values. :func:`flatten` turns it into
+``{"r<rank>/<path>": tensor}`` plus a pickled *structure* (the nesting, with each tensor
+replaced by its key) stored as a uint8 tensor under ``"r<rank>/__structure__"``: DCP then
+only ever sees flat tensors, and :func:`unflatten` rebuilds the exact original.
+
+Example:
+    >>> flat = flatten({"a": [torch.ones(2), 3]}, rank=1)
+    >>> sorted(flat)
+    ['r1/__structure__', 'r1/a/0']
+    >>> unflatten(flat, rank=1)["a"][1]
+    3
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hexagram.errors import HexagramError
+
+__all__ = ["CheckpointError", "apply_rank_state", "collect_rank_state", "fingerprint",
+           "flatten", "unflatten"]
+
+_TENSOR = "__hexagram_tensor__"
+
+
+class CheckpointError(HexagramError):
+    """A checkpoint cannot be saved or loaded here (the message names the mismatch and fix)."""
+
+
+def flatten(state: Any, rank: int) -> dict[str, torch.Tensor]:
+    """``{"r<rank>/<path>": tensor}`` plus the pickled structure (see the module doc)."""
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = f"r{rank}/{path}"
+            flat[key] = obj.detach().contiguous()
+            return {_TENSOR: key}
+        if isinstance(obj, dict):
+            return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj)]
+            return items if isinstance(obj, list) else tuple(items)
+        return obj
+
+    structure = walk(state, "")
+    blob = bytearray(pickle.dumps(structure, protocol=pickle.HIGHEST_PROTOCOL))
+    flat[f"r{rank}/__structure__"] = torch.frombuffer(blob, dtype=torch.uint8)
+    return flat
+
+
+def unflatten(flat: dict[str, torch.Tensor], rank: int) -> Any:
+    """Rebuild what :func:`flatten` took apart (tensors are the ones in ``flat``)."""
+    blob = flat[f"r{rank}/__structure__"].numpy().tobytes()
+    structure = pickle.loads(blob)  # a checkpoint is trusted input, as with torch.load
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            if set(obj) == {_TENSOR}:
+                return flat[obj[_TENSOR]]
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(walk(v) for v in obj)
+        return obj
+
+    return walk(structure)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def collect_rank_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                       step: int, extra: Any) -> dict[str, Any]:
+    """Everything this rank needs to resume exactly: module, optimizers, algorithm, RNG."""
+    algorithm_state = getattr(model, "algorithm_state_dict", None)
+    return {"step": int(step), "model": model.state_dict(),
+            "optimizers": [opt.state_dict() for opt in optimizers],
+            "algorithm": algorithm_state() if callable(algorithm_state) else {},
+            "rng": _rng_state(), "extra": extra}
+
+
+def apply_rank_state(state: dict[str, Any], model: nn.Module,
+                     optimizers: Sequence[torch.optim.Optimizer], restore_rng: bool) -> None:
+    """Load ``state`` (from :func:`collect_rank_state`) into the live objects."""
+    model.load_state_dict(state["model"])
+    for opt, opt_state in zip(optimizers, state["optimizers"], strict=True):
+        opt.load_state_dict(opt_state)
+    load_algorithm = getattr(model, "load_algorithm_state_dict", None)
+    if callable(load_algorithm):
+        load_algorithm(state["algorithm"])
+    if restore_rng and state.get("rng") is not None:
+        _set_rng_state(state["rng"])
+
+
+def fingerprint(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+                ) -> dict[str, Any]:
+    """What must match between the saving and the loading job (JSON-able)."""
+    algorithm = getattr(model, "algorithm", None)
+    return {
+        "model": [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()
+                  if isinstance(v, torch.Tensor)],
+        "optimizers": [[type(o).__name__, [len(g["params"]) for g in o.param_groups]]
+                       for o in optimizers],
+        "algorithm": None if algorithm is None else getattr(algorithm, "name", ""),
+        "algorithm_config": None if algorithm is None else repr(algorithm.config),
+    }

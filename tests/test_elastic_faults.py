@@ -1,0 +1,90 @@
+"""hexagram.testing.faults: parsing, faults at a step and inside a call, real signals."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from hexagram.errors import ConfigError
+from hexagram.testing.faults import EXIT_CODE, Fault, FaultInjector, InjectedFault, parse_faults
+
+
+def test_parse_faults() -> None:
+    assert parse_faults("1@50, 2@100:sigstop,0@3:raise") == [
+        Fault(1, 50, "sigkill"), Fault(2, 100, "sigstop"), Fault(0, 3, "raise")]
+    assert parse_faults("") == []
+    for bad in ("1", "a@3", "1@-2", "1@3:nap"):
+        with pytest.raises(ConfigError, match="RANK@STEP"):
+            parse_faults(bad)
+
+
+def test_fault_fires_only_on_its_rank_and_step() -> None:
+    FaultInjector(parse_faults("1@2:raise"), rank=0).at_step(2)  # other rank: nothing
+    injector = FaultInjector(parse_faults("1@2:raise"), rank=1)
+    injector.at_step(1)
+    with pytest.raises(InjectedFault, match="on rank 1 at step 2"):
+        injector.at_step(2)
+
+
+class _Box:
+    calls = 0
+
+    @classmethod
+    def work(cls) -> int:
+        cls.calls += 1
+        return cls.calls
+
+
+def test_inside_fails_the_chosen_call_before_or_after_it_runs() -> None:
+    injector = FaultInjector([], rank=0)
+    _Box.calls = 0
+    with injector.inside(_Box, "work", rank=0, action="raise", call=2):
+        assert _Box.work() == 1
+        with pytest.raises(InjectedFault, match="in work call 2"):
+            _Box.work()
+    assert _Box.calls == 1  # "before": the 2nd call never ran
+    with injector.inside(_Box, "work", rank=0, action="raise", when="after"):
+        with pytest.raises(InjectedFault, match="after work call 1"):
+            _Box.work()
+    assert _Box.calls == 2  # "after": it ran, then failed
+    with injector.inside(_Box, "work", rank=1, action="raise"):
+        assert _Box.work() == 3  # another rank's fault
+    assert _Box.work() == 4  # restored
+
+
+def _fail(action: str) -> None:
+    FaultInjector(parse_faults(f"0@1:{action}"), 0).at_step(1)
+    print("alive", flush=True)
+
+
+@pytest.mark.parametrize(("action", "code"), [("exit", EXIT_CODE), ("sigkill", -9)])
+def test_process_faults_are_real(action: str, code: int) -> None:
+    proc = mp.get_context("fork").Process(target=_fail, args=(action,))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == code
+
+
+def test_sigstop_freezes_the_process() -> None:
+    proc = mp.get_context("fork").Process(target=_fail, args=("sigstop",))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                if f.read().split(")")[1].split()[0] == "T":  # stopped, still alive
+                    break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the process was never stopped")
+        assert proc.is_alive()
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.join(30)
+        assert proc.exitcode == 0  # it went on after SIGCONT
+    finally:
+        if proc.is_alive():
+            proc.kill()
