@@ -80,6 +80,8 @@ _ENTRIES: tuple[Entry, ...] = (
           "AsyncModelAverageAlgorithm", "background thread averages weights every N ms"),
     Entry("qadam", "hexagram.algorithms.qadam", "QAdamConfig", "QAdamAlgorithm",
           "Adam warm-up, then compressed momentum with frozen variance and error feedback"),
+    Entry("robust", "hexagram.algorithms.robust", "RobustConfig", "RobustAlgorithm",
+          "Byzantine-robust: trimmed mean, median, (multi-)Krum, geomed, centered clip"),
 )
 
 
