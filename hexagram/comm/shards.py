@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,16 @@ from torch import Tensor
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.compress.base import Compressor, Payload
 
-__all__ = ["ShardInfo", "shard_layout", "shard_map"]
+__all__ = ["ShardInfo", "all_gather_flat", "shard_layout", "shard_map"]
+
+# torch >= 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.4 has only it
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_flat(out: Tensor, tensor: Tensor, group: dist.ProcessGroup | None = None,
+                    async_op: bool = False) -> Any:
+    """Gather every rank's ``tensor`` into ``out`` (``P * numel``, rank order)."""
+    return _ALL_GATHER_FLAT(out, tensor, group=group, async_op=async_op)
 
 
 def shard_layout(numel: int, parts: int) -> int:
@@ -114,8 +124,7 @@ def _plain(comm: Communicator, send: Tensor, fn: ShardFn, info: ShardInfo,
         mine = fn(recv, info).to(send.dtype).contiguous()
         comm.counter.add("shard_map.allgather", comm.allgather_bytes(m * send.element_size()))
         gathered = torch.empty(size * m, dtype=send.dtype, device=send.device)
-        dist.all_gather_into_tensor(gathered, mine, group=comm.group,
-                                    async_op=True).wait(comm.timeout)
+        all_gather_flat(gathered, mine, comm.group, async_op=True).wait(comm.timeout)
         result.view(-1).copy_(gathered[: info.numel])
         return result
 
@@ -142,8 +151,7 @@ def _compressed(comm: Communicator, rows: Tensor, fn: ShardFn, info: ShardInfo,
         buf = reduced.to_buffer()
         comm.counter.add("shard_map.allgather", comm.allgather_bytes(buf.numel()))
         gathered = torch.empty(size * buf.numel(), dtype=buf.dtype, device=buf.device)
-        dist.all_gather_into_tensor(gathered, buf, group=comm.group,
-                                    async_op=True).wait(comm.timeout)
+        all_gather_flat(gathered, buf, comm.group, async_op=True).wait(comm.timeout)
         _decode(compressor, reduced, gathered.split(buf.numel()), result.view(-1), m)
         return result
 

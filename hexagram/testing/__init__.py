@@ -1,0 +1,1 @@
+"""Fault and attack injection shared by tests and benchmarks."""
