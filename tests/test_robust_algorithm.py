@@ -28,6 +28,11 @@ def _vectors() -> torch.Tensor:
     return x
 
 
+def _reducer(spec: ReduceSpec) -> Any:
+    return lambda rows, info: reduce_rows(rows, spec, info.allreduce, None,
+                                          torch.Generator().manual_seed(5))
+
+
 def _shard_worker() -> dict[str, Any]:
     import hexagram as hx
     from hexagram.comm.communicator import Communicator
@@ -39,9 +44,7 @@ def _shard_worker() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for aggregator, pre in CASES:
         spec = ReduceSpec(aggregator=aggregator, f=1, pre=pre)
-        fn = (lambda spec: lambda rows, info: reduce_rows(
-            rows, spec, info.allreduce, None, torch.Generator().manual_seed(5)))(spec)
-        out[(aggregator, pre)] = shard_map(comm, x[rt.rank].clone(), fn).wait()
+        out[(aggregator, pre)] = shard_map(comm, x[rt.rank].clone(), _reducer(spec)).wait()
     bad = x.clone()
     bad[P - 1] = float("nan")
     trim = ReduceSpec(aggregator="trimmed_mean", f=1)

@@ -26,7 +26,7 @@ Example:
     tensor([2.5000, 2.5000])
     >>> trimmed_mean(x, f=1)
     tensor([2.5000, 2.5000])
-    >>> krum(x, f=1)
+    >>> krum(torch.cat([x[:3], torch.tensor([[2.5, 3.5]]), x[3:]]), f=1)
     tensor([2., 3.])
 """
 
@@ -51,7 +51,9 @@ def _check_f(n: int, f: int, need: int, what: str) -> None:
 
 def finite_rows(x: Tensor) -> Tensor:
     """Boolean ``(n,)``: rows without NaN or Inf (the others are treated as Byzantine)."""
-    return torch.isfinite(x).all(dim=1) if x.numel() else x.new_ones(x.shape[0], dtype=torch.bool)
+    if x.numel() == 0:
+        return torch.ones(x.shape[0], dtype=torch.bool)
+    return torch.isfinite(x).all(dim=1)
 
 
 # -- coordinate-wise --------------------------------------------------------------------
