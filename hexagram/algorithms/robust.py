@@ -140,12 +140,15 @@ class RobustAlgorithm(Algorithm):
         self.centers: dict[int, Tensor] = {}   # bucket index -> previous aggregate (flat)
         self.calls = 0                          # buckets reduced: seeds bucketing's draws
         self.generator = torch.Generator()
+        self.reduce_generator = torch.Generator()  # second leg, on the issuing thread
 
     def setup(self, ctx: AlgorithmContext) -> None:
         self.config.check_world_size(ctx.comm.size)
         super().setup(ctx)
         self.generator = torch.Generator(device=ctx.runtime.device)
         self.generator.manual_seed(self.config.seed * 1_000_003 + ctx.comm.rank)
+        self.reduce_generator = torch.Generator(device=ctx.runtime.device)
+        self.reduce_generator.manual_seed(self.config.seed * 1_000_003 + ctx.comm.rank + 500_009)
 
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
         flat = self._with_momentum(bucket)
@@ -159,7 +162,8 @@ class RobustAlgorithm(Algorithm):
             gen = torch.Generator().manual_seed(seed)
             return reduce_rows(rows, self.spec, info.allreduce, mine, gen)
 
-        handle = shard_map(self.ctx.comm, flat, fn, self.compressor, self.generator)
+        handle = shard_map(self.ctx.comm, flat, fn, self.compressor, self.generator,
+                           reduce_generator=self.reduce_generator)
         if self.config.aggregator != "centered_clip":
             return handle
         return handle.then(lambda out: self._remember(bucket.index, out))
@@ -182,13 +186,15 @@ class RobustAlgorithm(Algorithm):
     def state_dict(self) -> dict[str, Any]:
         return {"momenta": {k: v.clone() for k, v in self.momenta.items()},
                 "centers": {k: v.clone() for k, v in self.centers.items()},
-                "calls": self.calls, "generator": self.generator.get_state()}
+                "calls": self.calls, "generator": self.generator.get_state(),
+                "reduce_generator": self.reduce_generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.momenta = {int(k): v.clone() for k, v in state["momenta"].items()}
         self.centers = {int(k): v.clone() for k, v in state["centers"].items()}
         self.calls = int(state["calls"])
         self.generator.set_state(state["generator"])
+        self.reduce_generator.set_state(state["reduce_generator"])
 
 
 def _slice(flat: Tensor, info: ShardInfo) -> Tensor:

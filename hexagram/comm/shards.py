@@ -91,12 +91,16 @@ def _pad_rows(flat: Tensor, parts: int) -> Tensor:
 
 def shard_map(comm: Communicator, tensor: Tensor, fn: ShardFn,
               compressor: Compressor | None = None, generator: torch.Generator | None = None,
-              out: Tensor | None = None) -> Handle[Tensor]:
+              out: Tensor | None = None, reduce_generator: torch.Generator | None = None
+              ) -> Handle[Tensor]:
     """Reduce ``tensor`` across ranks shard by shard with ``fn``; see the module docstring.
 
     Returns ``out`` (or a new tensor shaped like ``tensor``) holding the concatenated
     results of every rank's ``fn``. ``tensor`` is read (and, with a compressor, fully
-    compressed) before this returns, so it may be ``out``.
+    compressed) before this returns, so it may be ``out``. A stochastic compressor draws
+    from ``generator`` on the caller's thread (first leg) and from ``reduce_generator``
+    (default: ``generator``) on the issuing thread (second leg): give two generators when
+    calls overlap, or the draws' order depends on thread timing.
     """
     result = torch.empty_like(tensor) if out is None else out
     rows = _pad_rows(tensor.detach().reshape(-1), comm.size)
@@ -107,7 +111,8 @@ def shard_map(comm: Communicator, tensor: Tensor, fn: ShardFn,
         return Handle.completed(result, "shard_map")
     if compressor is None:
         return _plain(comm, rows.contiguous().clone(), fn, info, result)
-    return _compressed(comm, rows, fn, info, result, compressor, generator)
+    second = generator if reduce_generator is None else reduce_generator
+    return _compressed(comm, rows, fn, info, result, compressor, (generator, second))
 
 
 def _roundtrip(compressor: Compressor, rows: Tensor, gen: torch.Generator | None) -> Tensor:
@@ -133,10 +138,10 @@ def _plain(comm: Communicator, send: Tensor, fn: ShardFn, info: ShardInfo,
 
 
 def _compressed(comm: Communicator, rows: Tensor, fn: ShardFn, info: ShardInfo,
-                result: Tensor, compressor: Compressor, gen: torch.Generator | None
-                ) -> Handle[Tensor]:
+                result: Tensor, compressor: Compressor,
+                gens: tuple[torch.Generator | None, torch.Generator | None]) -> Handle[Tensor]:
     size, m = rows.shape
-    first = [compressor.compress(rows[j].contiguous(), gen) for j in range(size)]
+    first = [compressor.compress(rows[j].contiguous(), gens[0]) for j in range(size)]
     nbytes = first[0].nbytes  # every shard has the same length, hence the same layout
     send = torch.cat([p.to_buffer() for p in first])
 
@@ -147,7 +152,7 @@ def _compressed(comm: Communicator, rows: Tensor, fn: ShardFn, info: ShardInfo,
         for i, buf in enumerate(recv.split(nbytes)):
             compressor.decompress_into(first[0].from_buffer(buf), copies[i])
         mine = fn(copies, info).to(rows.dtype).contiguous()
-        reduced = compressor.compress(mine, gen)
+        reduced = compressor.compress(mine, gens[1])
         buf = reduced.to_buffer()
         comm.counter.add("shard_map.allgather", comm.allgather_bytes(buf.numel()))
         gathered = torch.empty(size * buf.numel(), dtype=buf.dtype, device=buf.device)
