@@ -8,9 +8,10 @@ returns the full aggregate to everyone (:func:`hexagram.comm.shards.shard_map`):
 median, centered clipping) and pre-aggregation (NNM, bucketing) add one allreduce of the
 ``P x P`` Gram matrix summed from the shards. Rows with NaN/Inf are treated as Byzantine.
 
-The aggregate replaces the mean, so the result is on the scale of one gradient. Optional
-worker momentum (``momentum``) is applied before sending, as Karimireddy et al. (2021)
-recommend for centered clipping (its center is the previous aggregate). With ``compressor``
+The aggregate replaces the mean, so the result is on the scale of one gradient. Centered
+clipping starts from the previous aggregate (its "history", Karimireddy et al. 2021);
+optional worker momentum (``momentum``) is applied before sending, as that paper
+recommends with plain SGD. With ``compressor``
 both legs carry compressed payloads, decoded before aggregation (no error feedback).
 
 Example:
@@ -64,8 +65,11 @@ class RobustConfig:
         iters: Weiszfeld steps (geomed) / clipping steps (centered_clip).
         nu: Weiszfeld smoothing (smallest distance used as a weight's denominator).
         tau: centered clipping radius (smaller => more robust, slower to follow).
-        momentum: worker momentum applied before sending (0: none); None means 0.9 for
-            ``centered_clip`` (as its paper recommends) and 0 otherwise.
+        momentum: worker momentum applied before sending, ``m = beta m + (1 - beta) g``
+            (higher => less variance for the aggregator to confuse with attacks, more lag).
+            Karimireddy et al. (2021) pair it with plain SGD on the update; on top of an
+            optimizer that has momentum already (SGD momentum 0.9, Adam) the two filters
+            compound and training can diverge, so the default is 0 (drop-in).
         compressor: compress both legs with this registered compressor (e.g. ``"minmax8"``,
             ``"topk"``), or None for full precision.
         seed: bucketing's shared permutations and the compressor's noise.
@@ -78,7 +82,7 @@ class RobustConfig:
     iters: int = 3
     nu: float = 0.1
     tau: float = 10.0
-    momentum: float | None = None
+    momentum: float = 0.0
     compressor: str | None = None
     seed: int = 0
 
@@ -97,15 +101,7 @@ class RobustConfig:
         check_int(self, "iters", low=1)
         check_float(self, "nu", low=0.0, low_open=True)
         check_float(self, "tau", low=0.0, low_open=True)
-        if self.momentum is not None:
-            check_float(self, "momentum", low=0.0, high=1.0, high_open=True)
-
-    @property
-    def worker_momentum(self) -> float:
-        """The momentum actually applied (resolves None)."""
-        if self.momentum is not None:
-            return self.momentum
-        return 0.9 if self.aggregator == "centered_clip" else 0.0
+        check_float(self, "momentum", low=0.0, high=1.0, high_open=True)
 
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`ConfigError` when ``world_size`` ranks cannot tolerate ``f``."""
@@ -169,7 +165,7 @@ class RobustAlgorithm(Algorithm):
         return handle.then(lambda out: self._remember(bucket.index, out))
 
     def _with_momentum(self, bucket: Bucket) -> Tensor:
-        beta = self.config.worker_momentum
+        beta = self.config.momentum
         if beta == 0.0:
             return bucket.flat
         m = self.momenta.get(bucket.index)
