@@ -60,6 +60,14 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def merge_rows(rows: list[dict[str, Any]], path: str) -> list[dict[str, Any]]:
+    """``rows`` with those of the run saved at ``path`` replacing the same cells."""
+    with open(path) as f:
+        new = {(r["attack"], r["algorithm"]): r for r in json.load(f)["rows"]}
+    merged = [new.pop((r["attack"], r["algorithm"]), r) for r in rows]
+    return merged + list(new.values())
+
+
 def markdown(out: dict[str, Any]) -> str:
     """Accuracy table (rows: algorithms, columns: attacks) and a cost table."""
     rows = out["rows"]
@@ -126,10 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     a("--markdown")
     a("--plot")
     a("--report-only", action="store_true", help="re-render --json without training")
+    a("--merge", action="append", default=[], metavar="JSON",
+      help="with --report-only: rows of this earlier run replace the same attack x algorithm")
     opts = p.parse_args(argv)
     if opts.report_only:
         with open(opts.json) as f:
             out = json.load(f)
+        for path in opts.merge:
+            out["rows"] = merge_rows(out["rows"], path)
     else:
         out = run(opts)
     text = markdown(out)

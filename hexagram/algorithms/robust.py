@@ -62,9 +62,13 @@ class RobustConfig:
         pre: pre-aggregation, ``"nnm"`` or ``"bucketing"`` (helps on non-IID data), or None.
         bucket_size: ranks per bucket for ``pre="bucketing"`` (larger => more averaging,
             fewer effective rows).
-        iters: Weiszfeld steps (geomed) / clipping steps (centered_clip).
+        iters: Weiszfeld steps (geomed).
         nu: Weiszfeld smoothing (smallest distance used as a weight's denominator).
-        tau: centered clipping radius (smaller => more robust, slower to follow).
+        tau: centered clipping radius, in gradient units: about the norm of the honest
+            gradients' spread (smaller => an attacker moves the result at most
+            ``clip_iters * tau * f / P`` per step, honest changes are followed slower). At
+            10 (norms about 1) a x -10 attacker was not clipped and training diverged.
+        clip_iters: clipping steps (centered_clip; 1 as in ByzFL).
         momentum: worker momentum applied before sending, ``m = beta m + (1 - beta) g``
             (higher => less variance for the aggregator to confuse with attacks, more lag).
             Karimireddy et al. (2021) pair it with plain SGD on the update; on top of an
@@ -81,7 +85,8 @@ class RobustConfig:
     bucket_size: int = 2
     iters: int = 3
     nu: float = 0.1
-    tau: float = 10.0
+    tau: float = 1.0
+    clip_iters: int = 1
     momentum: float = 0.0
     compressor: str | None = None
     seed: int = 0
@@ -99,6 +104,7 @@ class RobustConfig:
         check_int(self, "f", low=0)
         check_int(self, "bucket_size", low=1)
         check_int(self, "iters", low=1)
+        check_int(self, "clip_iters", low=1)
         check_float(self, "nu", low=0.0, low_open=True)
         check_float(self, "tau", low=0.0, low_open=True)
         check_float(self, "momentum", low=0.0, high=1.0, high_open=True)
@@ -129,7 +135,8 @@ class RobustAlgorithm(Algorithm):
         self.config: RobustConfig
         c = self.config
         self.spec = ReduceSpec(aggregator=c.aggregator, f=c.f, pre=c.pre,
-                               bucket_size=c.bucket_size, iters=c.iters, nu=c.nu, tau=c.tau)
+                               bucket_size=c.bucket_size, iters=c.iters, nu=c.nu, tau=c.tau,
+                               clip_iters=c.clip_iters)
         self.compressor: Compressor | None = (
             None if c.compressor is None else compress.get(c.compressor))
         self.momenta: dict[int, Tensor] = {}   # bucket index -> worker momentum (flat)

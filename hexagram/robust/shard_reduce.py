@@ -46,7 +46,8 @@ class ReduceSpec:
     bucket_size: int = 2
     iters: int = 3
     nu: float = 0.1
-    tau: float = 10.0
+    tau: float = 1.0
+    clip_iters: int = 1
 
 
 def min_world_size(aggregator: str, f: int) -> int:
@@ -129,5 +130,5 @@ def _aggregate(x: Tensor, g: Tensor | None, f: int, spec: ReduceSpec, n: int) ->
     elif spec.aggregator == "geomed":
         c = agg.geomed_weights(g, spec.iters, spec.nu)
     else:
-        c = agg.centered_clip_weights(g, spec.tau, spec.iters)
+        c = agg.centered_clip_weights(g, spec.tau, spec.clip_iters)
     return (c @ x.double()).to(x.dtype)
