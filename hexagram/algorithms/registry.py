@@ -132,6 +132,8 @@ _ENTRIES: tuple[Entry, ...] = (
           "Adam warm-up, then compressed momentum with frozen variance and error feedback"),
     Entry("auto", "hexagram.algorithms.auto", "AutoConfig", "AutoAlgorithm",
           "measures compute, compressors and network, predicts every candidate, runs the best"),
+    Entry("robust", "hexagram.algorithms.robust", "RobustConfig", "RobustAlgorithm",
+          "Byzantine-robust: trimmed mean, median, (multi-)Krum, geomed, centered clip"),
 )
 
 

@@ -21,6 +21,7 @@ from hexagram.bench.cli import algorithm_list, parse_settings, split_label
 from hexagram.bench.harness import LoopbackLab, check_algorithms, machine_info, run_task
 from hexagram.bench.lab import LabConfig, LabUnavailableError, NetworkLab
 from hexagram.bench.report import write_outputs
+from hexagram.robust import harness as robust_harness
 from hexagram.testing.faults import parse_faults
 
 __all__ = ["add_arguments", "markdown_table", "plot_curves", "run", "run_train"]
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--json")
     a("--plot")
     a("--markdown")
+    robust_harness.add_arguments(parser)  # --byzantine, --attack, --partition, --alpha
 
 
 def _spec(args: argparse.Namespace, label: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +76,8 @@ def _spec(args: argparse.Namespace, label: str, settings: dict[str, Any]) -> dic
             "evals_per_epoch": args.evals_per_epoch, "batch": args.batch,
             "lr": args.lr if args.lr is not None else (3e-3 if text else 0.05),
             "time_limit": args.time_limit, "seed": 0, "bucket_mb": args.bucket_mb,
-            "faults": args.kill}
+            "faults": args.kill,
+            **robust_harness.spec_fields(args)}
 
 
 def _summary(name: str, ranks: list[dict[str, Any]], error: str | None) -> dict[str, Any]:

@@ -42,6 +42,10 @@ def _image_task(spec: dict[str, Any]) -> tuple[nn.Module, Batches, Callable[[nn.
         model = mlp(side * side, hidden, m["layers"], data.classes)
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = shard(data.x_train, data.y_train, rank, world)
+    if spec.get("byzantine") or spec.get("partition", "iid") != "iid":  # robustness runs
+        from hexagram.robust.harness import training_shard
+
+        x, y = training_shard(spec, data.x_train, data.y_train, data.classes, rank, world)
     batch = spec["batch"]
 
     def epoch_batches(epoch: int) -> list[tuple[Tensor, Tensor]]:
@@ -136,8 +140,13 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     loss_fn = _lm_loss if text else F.cross_entropy
     opt = make_optimizer(spec["algorithm"], model.parameters(), spec["lr"], adaptive=text,
                          warmup=spec.get("optimizer_warmup", 50))
-    wrapped = wrap(spec["algorithm"], model, opt, spec.get("config") or {},
-                   bucket_mb=spec.get("bucket_mb"))
+    if spec.get("byzantine"):  # the last ranks attack (hexagram.robust.harness)
+        from hexagram.robust.harness import attacked_wrap
+
+        wrapped = attacked_wrap(spec, model, opt, dist.get_world_size())
+    else:
+        wrapped = wrap(spec["algorithm"], model, opt, spec.get("config") or {},
+                       bucket_mb=spec.get("bucket_mb"))
     target = spec.get("target")
     better = None if target is None else (
         (lambda v: v <= target) if text else (lambda v: v >= target))

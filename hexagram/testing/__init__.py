@@ -1,3 +1,4 @@
-"""Fault injection shared by tests and benchmarks (see :mod:`hexagram.testing.faults`)."""
+"""Fault and attack injection shared by tests and benchmarks (:mod:`hexagram.testing.faults`,
+:mod:`hexagram.testing.attacks`)."""
 
 from hexagram.testing import faults as faults

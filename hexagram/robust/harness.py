@@ -1,0 +1,115 @@
+"""Robustness benchmark glue for ``hexagram train``: options, data split, attacked wrapping.
+
+``hexagram train --byzantine F --attack A [--partition dirichlet --alpha 0.3]`` makes the
+last ``F`` ranks Byzantine: they train on flipped labels (``label_flip``) or send
+:func:`hexagram.testing.attacks.corrupt`'s vector instead of their gradient (every other
+attack), through :class:`~hexagram.testing.attacks.AttackedAlgorithm`, so no algorithm's
+code changes. ``--partition dirichlet`` gives each rank a non-IID share of the training set:
+for every class, the fractions going to the ranks are drawn from ``Dirichlet(alpha)``
+(smaller alpha => more skewed); every rank gets the same number of samples per epoch (its
+share, cycled) so all ranks run the same number of steps.
+
+Example:
+    >>> import torch
+    >>> y = torch.arange(10).repeat(20)
+    >>> parts = [dirichlet_indices(y, r, 4, alpha=0.3, seed=0) for r in range(4)]
+    >>> sorted(torch.cat(parts).tolist()) == list(range(200))
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from hexagram.testing.attacks import (
+    ATTACKS,
+    AttackConfig,
+    AttackedAlgorithm,
+    byzantine_ranks,
+    check_attack,
+    flip_labels,
+)
+
+__all__ = ["add_arguments", "attacked_wrap", "dirichlet_indices", "spec_fields",
+           "training_shard"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The robustness options of ``hexagram train``."""
+    a = parser.add_argument
+    a("--byzantine", type=int, default=0,
+      help="number of Byzantine ranks (the last ones); 0: no attack")
+    a("--attack", default="sign_flip", help=f"what they send: {', '.join(ATTACKS)}")
+    a("--partition", choices=("iid", "dirichlet"), default="iid",
+      help="training split across ranks: interleaved (iid) or Dirichlet non-IID")
+    a("--alpha", type=float, default=0.3, help="Dirichlet concentration (smaller: more skew)")
+
+
+def spec_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The worker spec's robustness fields (checked here, before any rank starts)."""
+    check_attack(args.attack)
+    if args.byzantine < 0:
+        raise SystemExit(f"--byzantine {args.byzantine}: must be >= 0")
+    return {"byzantine": args.byzantine, "attack": args.attack, "partition": args.partition,
+            "alpha": args.alpha}
+
+
+def dirichlet_indices(y: Tensor, rank: int, world: int, alpha: float, seed: int = 0) -> Tensor:
+    """Indices of rank ``rank``'s Dirichlet share of labels ``y`` (the same draw on every
+    rank, so the shares partition the data)."""
+    if alpha <= 0:
+        raise ValueError(f"Dirichlet alpha must be > 0, got {alpha}")
+    rng = np.random.default_rng(seed)  # numpy: no global torch RNG touched
+    mine = []
+    for c in torch.unique(y).tolist():
+        idx = (y == c).nonzero().squeeze(1)
+        idx = idx[torch.from_numpy(rng.permutation(len(idx)))]
+        cuts = (np.cumsum(rng.dirichlet([alpha] * world)) * len(idx)).round().astype(int)
+        start = 0 if rank == 0 else int(cuts[rank - 1])
+        mine.append(idx[start:int(cuts[rank]) if rank < world - 1 else len(idx)])
+    return torch.cat(mine)
+
+
+def training_shard(spec: dict[str, Any], x: Tensor, y: Tensor, classes: int, rank: int,
+                   world: int) -> tuple[Tensor, Tensor]:
+    """This rank's training data: IID (interleaved) or Dirichlet, labels flipped on the
+    Byzantine ranks under ``label_flip``."""
+    if spec.get("partition", "iid") == "dirichlet":
+        own = dirichlet_indices(y, rank, world, spec.get("alpha", 0.3), spec.get("seed", 0))
+        g = torch.Generator().manual_seed(spec.get("seed", 0) + rank)
+        own = own[torch.randperm(len(own), generator=g)]
+        per_rank = len(y) // world  # same steps everywhere: cycle a small share
+        pick = own[torch.arange(per_rank) % max(1, len(own))]
+        xs, ys = x[pick], y[pick]
+    else:
+        xs, ys = x[rank::world], y[rank::world]
+    byz = byzantine_ranks(spec.get("byzantine", 0), world)
+    if spec.get("attack") == "label_flip" and rank in byz:
+        ys = flip_labels(ys, classes)
+    return xs, ys
+
+
+def attacked_wrap(spec: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer,
+                  world: int) -> Any:
+    """Like :func:`hexagram.bench.peers.wrap` for a Hexagram algorithm, with the attack."""
+    import hexagram as hx
+    from hexagram.bench.peers import Wrapped, is_peer
+
+    name = spec["algorithm"]
+    if is_peer(name):
+        raise ValueError(f"--byzantine needs a Hexagram algorithm; {name!r} is PyTorch DDP "
+                         "(use 'allreduce', its equivalent)")
+    inner = hx.algorithms.get(name, **dict(spec.get("config") or {}))
+    attack = AttackConfig(name=spec["attack"], ranks=byzantine_ranks(spec["byzantine"], world),
+                          seed=spec.get("seed", 0))
+    algorithm = AttackedAlgorithm(inner, attack)
+    mb = spec.get("bucket_mb")
+    kwargs = {} if mb is None else {"bucket_size_mb": mb, "first_bucket_mb": min(1.0, mb)}
+    ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm, **kwargs)
+    return Wrapped(ddp, lambda: None, ddp.bytes_sent, estimated=False, close=ddp.close,
+                   in_backward=True)

@@ -1,0 +1,134 @@
+"""One shard's robust reduction: the ``fn`` that :func:`hexagram.comm.shards.shard_map` calls.
+
+Each rank holds the ``(P, m)`` rows of its shard (row ``i`` from rank ``i``). Coordinate-wise
+aggregators need nothing else. Distance-based aggregators and pre-aggregation need the
+Gram matrix of the *whole* vectors: each rank computes its shard's partial Gram matrix (and
+a flag per row that holds NaN/Inf), one allreduce of ``P^2 + P`` numbers sums them, and
+every rank then derives the same coefficients and combines its own shard with them.
+
+Rows with NaN or Inf are Byzantine by definition: they are dropped and ``f`` is lowered by
+their number (a detected attacker no longer needs to be outvoted).
+
+Example:
+    >>> import torch
+    >>> spec = ReduceSpec(aggregator="median", f=1)
+    >>> reduce_rows(torch.tensor([[1.0], [2.0], [float("nan")], [9.0]]), spec)
+    tensor([2.])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hexagram.robust import aggregators as agg
+
+__all__ = ["COORDINATE_WISE", "DISTANCE_BASED", "PRE_AGGREGATORS", "ReduceSpec",
+           "min_world_size", "reduce_rows"]
+
+COORDINATE_WISE = ("median", "trimmed_mean")
+DISTANCE_BASED = ("krum", "multikrum", "geomed", "centered_clip")
+PRE_AGGREGATORS = ("nnm", "bucketing")
+
+Sync = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """What to compute on a shard (a subset of :class:`hexagram.algorithms.robust.RobustConfig`)."""
+
+    aggregator: str
+    f: int
+    pre: str | None = None
+    bucket_size: int = 2
+    iters: int = 3
+    nu: float = 0.1
+    tau: float = 1.0
+    clip_iters: int = 1
+
+
+def min_world_size(aggregator: str, f: int) -> int:
+    """Fewest vectors ``aggregator`` needs to tolerate ``f`` Byzantine ones."""
+    return 2 * f + 3 if aggregator in ("krum", "multikrum") else 2 * f + 1
+
+
+def _needs_gram(spec: ReduceSpec) -> bool:
+    return spec.aggregator in DISTANCE_BASED or spec.pre is not None
+
+
+def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
+                center: Tensor | None = None, generator: torch.Generator | None = None
+                ) -> Tensor:
+    """Robust aggregate ``(m,)`` of ``rows`` ``(P, m)``; ``sync`` sums a tensor over the ranks
+    holding the other shards (identity when the rows are whole vectors); ``center`` is this
+    shard of the previous aggregate (centered clipping; default zero); ``generator`` draws
+    bucketing's permutation and must be in the same state on every rank."""
+    n = rows.shape[0]
+    if not _needs_gram(spec):
+        ok = agg.finite_rows(rows)
+        return _aggregate(rows[ok], None, _lowered(spec.f, n, ok), spec, int(ok.sum()))
+    cc = spec.aggregator == "centered_clip"
+    x = rows
+    if cc:  # the center rides along as an extra last row
+        c0 = rows.new_zeros(rows.shape[1]) if center is None else center.to(rows.dtype)
+        x = torch.cat([rows, c0[None]])
+    g, ok = _global_gram(x, sync or (lambda t: t))
+    ok[n:] = True  # the center is ours, not a rank's: never dropped
+    keep = ok.nonzero().squeeze(1)
+    x, g = x[keep], g[keep][:, keep]
+    f = _lowered(spec.f, n, ok[:n])
+    if spec.pre is not None:
+        x, g = _pre(x, g, f, spec, cc, generator)
+    return _aggregate(x, g, f, spec, x.shape[0] - int(cc))
+
+
+def _lowered(f: int, n: int, ok: Tensor) -> int:
+    return max(0, f - (n - int(ok.sum())))
+
+
+def _global_gram(x: Tensor, sync: Sync) -> tuple[Tensor, Tensor]:
+    """Gram matrix of the whole vectors (float64) and the rows finite on every shard."""
+    n = x.shape[0]
+    bad = ~agg.finite_rows(x)
+    clean = x.double().masked_fill(bad[:, None], 0.0)
+    packed = torch.cat([(clean @ clean.T).reshape(-1), bad.double()])
+    packed = sync(packed)
+    return packed[: n * n].view(n, n), packed[n * n:] == 0
+
+
+def _pre(x: Tensor, g: Tensor, f: int, spec: ReduceSpec, has_center: bool,
+         generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Mix the rank rows (not the center) with NNM or bucketing: ``W x``, ``W G W^T``."""
+    k = x.shape[0] - int(has_center)
+    if spec.pre == "nnm":
+        w = agg.nnm_mixing(g[:k, :k], f)
+    else:
+        w = agg.bucketing_mixing(k, spec.bucket_size, generator)
+    if has_center:  # keep the center as the last row, untouched
+        w = torch.block_diag(w, torch.ones(1, 1, dtype=w.dtype))
+    return (w @ x.double()).to(x.dtype), w @ g @ w.T
+
+
+def _aggregate(x: Tensor, g: Tensor | None, f: int, spec: ReduceSpec, n: int) -> Tensor:
+    """``n``: rank rows in ``x`` (centered clipping's center is the extra last row)."""
+    if n == 0:  # every rank sent NaN/Inf: nothing to trust
+        return torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
+    f = min(f, max(0, (n - 1) // 2))
+    if spec.aggregator == "median":
+        return agg.median(x)
+    if spec.aggregator == "trimmed_mean":
+        return agg.trimmed_mean(x, f)
+    assert g is not None
+    if spec.aggregator in ("krum", "multikrum"):
+        f = min(f, max(0, (n - 3) // 2))
+        if n < 3:  # too few left after dropping NaN/Inf rows to score: their mean
+            return x[:n].mean(dim=0)
+        c = agg.krum_weights(g, f) if spec.aggregator == "krum" else agg.multikrum_weights(g, f)
+    elif spec.aggregator == "geomed":
+        c = agg.geomed_weights(g, spec.iters, spec.nu)
+    else:
+        c = agg.centered_clip_weights(g, spec.tau, spec.clip_iters)
+    return (c @ x.double()).to(x.dtype)

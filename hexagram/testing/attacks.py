@@ -1,0 +1,197 @@
+"""Byzantine attacks on the outgoing gradients of chosen ranks, for tests and benchmarks.
+
+:func:`corrupt` is the pure attack: what a Byzantine rank sends instead of its gradient
+``own``, possibly knowing the honest ranks' gradients (ALIE and IPM are *omniscient*).
+:class:`AttackedAlgorithm` applies it to any gradient algorithm without touching its code:
+it wraps the algorithm and rewrites ``bucket.flat`` on the Byzantine ranks before the inner
+algorithm's ``bucket_ready`` sends it. For the omniscient attacks the *harness* gathers every
+rank's bucket on a process group of its own (not the algorithm's communicator, so those
+bytes are not counted as the algorithm's). ``label_flip`` leaves gradients alone: the harness
+flips the training labels of the Byzantine ranks (:func:`flip_labels`).
+
+Attacks (defaults as in ByzFL):
+
+- ``sign_flip``: ``-g``; ``scale``: ``-10 g``; ``gaussian``: ``N(0, sigma^2)`` per element;
+- ``alie`` (Baruch et al. 2019): ``mean + tau * std`` of the honest gradients, tau 1.5;
+- ``ipm`` (Xie et al. 2020): ``-tau * mean`` of the honest gradients, tau 2;
+- ``label_flip``: train on labels ``classes - 1 - y``; ``nan``: every element NaN.
+
+Example:
+    >>> import torch
+    >>> corrupt("scale", torch.tensor([1.0, -2.0]))
+    tensor([-10.,  20.])
+    >>> corrupt("alie", torch.zeros(2), honest=torch.tensor([[0.0, 1.0], [2.0, 1.0]]))
+    tensor([3.1213, 1.0000])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.buckets import Bucket
+from hexagram.comm.communicator import Handle
+from hexagram.comm.shards import all_gather_flat
+
+__all__ = ["ATTACKS", "OMNISCIENT", "AttackConfig", "AttackedAlgorithm", "byzantine_ranks",
+           "check_attack", "corrupt", "flip_labels"]
+
+ATTACKS = ("sign_flip", "scale", "gaussian", "alie", "ipm", "label_flip", "nan")
+OMNISCIENT = ("alie", "ipm")
+
+
+def check_attack(name: str) -> None:
+    """Raise ``ValueError`` listing the valid attacks when ``name`` is not one."""
+    if name not in ATTACKS:
+        raise ValueError(f"unknown attack {name!r}; valid attacks: {', '.join(ATTACKS)}")
+
+
+def byzantine_ranks(f: int, world_size: int) -> tuple[int, ...]:
+    """The ``f`` Byzantine ranks: the last ones (rank 0, which logs, stays honest)."""
+    if not 0 <= f < world_size:
+        raise ValueError(f"--byzantine {f} needs 0 <= f < world size {world_size}")
+    return tuple(range(world_size - f, world_size))
+
+
+def corrupt(name: str, own: Tensor, honest: Tensor | None = None, *, scale: float = -10.0,
+            sigma: float = 1.0, tau: float | None = None,
+            generator: torch.Generator | None = None) -> Tensor:
+    """What a Byzantine rank sends instead of ``own`` (a new tensor, same shape).
+
+    ``honest`` ``(h, d)`` holds the honest ranks' gradients, needed by ``alie`` and ``ipm``;
+    ``tau`` defaults to 1.5 (ALIE) / 2.0 (IPM).
+    """
+    check_attack(name)
+    if name in ("sign_flip", "scale"):
+        return own * (-1.0 if name == "sign_flip" else scale)
+    if name == "gaussian":
+        noise = torch.randn(own.shape, generator=generator, dtype=own.dtype)
+        return noise.to(own.device) * sigma
+    if name == "nan":
+        return torch.full_like(own, float("nan"))
+    if name == "label_flip":
+        return own.clone()
+    if honest is None or honest.shape[0] == 0:
+        raise ValueError(f"attack {name!r} is omniscient: pass the honest gradients")
+    mean = honest.mean(dim=0).view_as(own)
+    if name == "ipm":
+        return mean * -(2.0 if tau is None else tau)
+    std = honest.std(dim=0, correction=1).view_as(own) if honest.shape[0] > 1 \
+        else torch.zeros_like(own)
+    return mean + (1.5 if tau is None else tau) * std
+
+
+def flip_labels(y: Tensor, classes: int) -> Tensor:
+    """Label flipping: class ``c`` becomes ``classes - 1 - c``."""
+    return classes - 1 - y
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttackConfig:
+    """Who attacks and how.
+
+    Attributes:
+        name: one of :data:`ATTACKS`.
+        ranks: the Byzantine group ranks.
+        scale: factor of ``scale``; sigma: standard deviation of ``gaussian``;
+        tau: ALIE / IPM strength (None: 1.5 / 2.0); seed: ``gaussian``'s noise.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    scale: float = -10.0
+    sigma: float = 1.0
+    tau: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_attack(self.name)
+
+
+class AttackedAlgorithm(Algorithm):
+    """Wraps a gradient algorithm; Byzantine ranks send :func:`corrupt`'s vector instead.
+
+    Every hook is the inner algorithm's; only ``bucket_ready`` rewrites the bucket first.
+    Collective at ``setup`` (the omniscient attacks create a process group).
+    """
+
+    name = "attacked"
+    kind = "grad"
+
+    def __init__(self, inner: Algorithm, attack: AttackConfig) -> None:
+        if inner.kind != "grad":
+            raise ValueError(f"attacks corrupt outgoing gradients; {inner.name!r} communicates "
+                             "weights: use a gradient algorithm")
+        super().__init__(inner.config)
+        self.inner, self.attack = inner, attack
+        self._group: Any = None
+        self._generator = torch.Generator()
+
+    def setup(self, ctx: AlgorithmContext) -> None:
+        super().setup(ctx)
+        if self.attack.name in OMNISCIENT and ctx.comm.size > 1:
+            self._group = dist.new_group(ctx.comm.global_ranks)  # the harness's own group
+        self._generator.manual_seed(self.attack.seed * 1_000_003 + ctx.comm.rank)
+        self.inner.setup(ctx)
+
+    def bucket_ready(self, bucket: Bucket) -> Handle[Tensor] | None:
+        comm = self.ctx.comm
+        honest = self._honest(bucket.flat) if self.attack.name in OMNISCIENT else None
+        if comm.rank in self.attack.ranks:
+            a = self.attack
+            bad = corrupt(a.name, bucket.flat, honest, scale=a.scale, sigma=a.sigma, tau=a.tau,
+                          generator=self._generator)
+            bucket.flat.copy_(bad)
+        return self.inner.bucket_ready(bucket)
+
+    def _honest(self, flat: Tensor) -> Tensor:
+        """Every honest rank's bucket ``(h, d)``, gathered by the harness (omniscience)."""
+        size = self.ctx.comm.size
+        if size == 1:
+            return flat.detach()[None].clone()
+        out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        all_gather_flat(out, flat.detach().contiguous(), self._group)
+        keep = [r for r in range(size) if r not in self.attack.ranks]
+        return out.view(size, -1)[keep]
+
+    # -- everything else is the inner algorithm's ------------------------------------------
+    def tensors(self, named_params: Sequence[tuple[str, nn.Parameter]]
+                ) -> list[tuple[str, nn.Parameter]]:
+        return self.inner.tensors(named_params)
+
+    def need_reset(self) -> bool:
+        return self.inner.need_reset()
+
+    def reset(self, ctx: AlgorithmContext) -> None:
+        self._ctx = ctx
+        self.inner.reset(ctx)
+
+    def before_forward(self) -> None:
+        self.inner.before_forward()
+
+    def after_backward(self) -> None:
+        self.inner.after_backward()
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner.after_step(optimizer)
+
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def close(self) -> None:
+        self.inner.close()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
