@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # spawns 2 ranks that import transformers (~10 s each)
+
 pytest.importorskip("accelerate", reason="needs the 'integrations' extra (accelerate)")
 pytest.importorskip("transformers", reason="needs the 'integrations' extra (transformers)")
 

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # spawns 2 ranks that import transformers (~10 s each)
+
 pytest.importorskip("lightning", reason="needs the 'integrations' extra (lightning)")
 pytest.importorskip("transformers", reason="needs the 'integrations' extra (transformers)")
 
