@@ -33,7 +33,7 @@ def _train(base: type, out_dir: str, accumulate: int, **kwargs: Any) -> dict[str
     from hexagram.integrations.gpt2 import TextWindows, tiny_gpt2
 
     class Recording(base):  # type: ignore[misc, valid-type]
-        losses: list[float] = []
+        losses: list[float]
 
         def compute_loss(self, model: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
             loss = super().compute_loss(model, inputs, *args, **kw)

@@ -25,8 +25,7 @@ from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
 from hexagram.engine import join as join_protocol
 from hexagram.engine.checks import check_same_model
-from hexagram.engine.optimizers import (expose_forward_signature, needs_optimizers,
-                                        unwrap_optimizers)
+from hexagram.engine.optimizers import expose_forward_signature, needs_optimizers, unwrap_optimizers
 from hexagram.engine.reducer import Reducer
 from hexagram.errors import ConfigError
 from hexagram.runtime import get_runtime

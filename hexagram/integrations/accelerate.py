@@ -68,9 +68,10 @@ def install_unwrap() -> None:
         return original(unwrap(model), *args, **kwargs)
 
     extract_model_from_parallel._hexagram = True  # type: ignore[attr-defined]
+    name = original.__name__
     for module in list(sys.modules.values()):  # every `from ... import` of the function
-        if getattr(module, "extract_model_from_parallel", None) is original:
-            setattr(module, "extract_model_from_parallel", extract_model_from_parallel)
+        if getattr(module, name, None) is original:
+            setattr(module, name, extract_model_from_parallel)
 
 
 def prepare(accelerator: Accelerator, model: nn.Module, *objects: Any,
