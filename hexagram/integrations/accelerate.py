@@ -59,7 +59,7 @@ def install_unwrap() -> None:
     """
     import accelerate.utils.other as other
 
-    original = other.extract_model_from_parallel
+    original: Any = getattr(other, "extract_model_from_parallel")  # noqa: B009
     if getattr(original, "_hexagram", False):
         return
 

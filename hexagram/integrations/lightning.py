@@ -83,6 +83,8 @@ class HexagramStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         # PyTorch DDP's comm hooks do not apply: the algorithm does the communication.
+        if self.model is None:
+            raise ConfigError("HexagramStrategy: no model to wrap (call through Trainer.fit)")
         self.model = self._setup_model(self.model)
 
     def setup(self, trainer: Any) -> None:

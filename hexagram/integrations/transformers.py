@@ -88,4 +88,4 @@ class HexagramTrainer(Trainer):  # type: ignore[misc]
         wrapped.synchronize()  # save_model then writes the consensus model
         self.hexagram_bytes_sent = wrapped.bytes_sent()
         wrapped.close()
-        self.model_wrapped = self.model
+        self.model_wrapped = wrapped.module  # the user's model (self.model)
