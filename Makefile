@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[all,dev]"
+	$(BIN)/pip install -q -e ".[all,dev,integrations]"
 	@$(MAKE) --no-print-directory data
 	touch $(STAMP)
 

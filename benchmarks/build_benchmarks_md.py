@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ("engine", "compression", "compressed-algorithms", "relaxations", "network", "planner")
+PAGES = ("engine", "compression", "compressed-algorithms", "relaxations", "network", "planner",
+         "integrations")
 HEADER = """# Benchmarks
 
 Every figure below was produced by the command shown next to it, on this project's 2-core

@@ -27,6 +27,7 @@ from hexagram.comm.device import control_tensor
 from hexagram.engine import join as join_protocol
 from hexagram.engine import lifecycle
 from hexagram.engine.checks import check_runs_on, check_same_model
+from hexagram.engine.optimizers import expose_forward_signature, needs_optimizers, unwrap_optimizers
 from hexagram.engine.reducer import Reducer
 from hexagram.errors import ConfigError
 from hexagram.runtime import get_runtime
@@ -42,7 +43,9 @@ class DistributedDataParallel(nn.Module):
     Args:
         module: the model (same architecture on every rank; checked at wrap time).
         optimizers: optimizers of ``module``'s parameters; weight-based algorithms hook
-            their ``step``.
+            their ``step``. Optional: frameworks that create optimizers later call
+            :meth:`attach_optimizers`. Framework wrappers (Accelerate's
+            ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are unwrapped.
         algorithm: a registered name (``hexagram.algorithms.names()``) or an instance from
             ``hexagram.algorithms.get(name, **config)``.
         bucket_size_mb: bucket capacity; larger => fewer, bigger messages; 0 => one tensor
@@ -63,7 +66,7 @@ class DistributedDataParallel(nn.Module):
     delayed/decentralized algorithms).
     """
 
-    def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (),
+    def __init__(self, module: nn.Module, optimizers: Any = (),
                  algorithm: str | Algorithm = "allreduce", *, bucket_size_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True) -> None:
@@ -74,10 +77,8 @@ class DistributedDataParallel(nn.Module):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{field} must be a number >= 0 (MiB), got {value!r}")
         check_runs_on(module, runtime.device)
-        if isinstance(optimizers, torch.optim.Optimizer):
-            optimizers = [optimizers]
         self.module = module
-        self.optimizers = list(optimizers)
+        self.optimizers = unwrap_optimizers(optimizers)
         self.algorithm = registry.get(algorithm)
         self.runtime = runtime
         self.find_unused_parameters = find_unused_parameters
@@ -98,10 +99,11 @@ class DistributedDataParallel(nn.Module):
         self._finalizer = lifecycle.attach(self, self._resources)
         self._ctx = AlgorithmContext(module, self.optimizers, runtime, self.comm, self._named)
         self._build()
-        self.algorithm.setup(self._ctx)
-        self._step_hooks = [opt.register_step_post_hook(lifecycle.weak_method(self._after_step))
-                            for opt in self.optimizers]
-        self._resources.hooks.extend(self._step_hooks)
+        self._step_hooks: list[Any] = []
+        self._hooked: set[int] = set()
+        self._setup_pending = True
+        self.attach_optimizers(*self.optimizers)
+        expose_forward_signature(self, module)
         self._joining = False
         self._divide_by_world = True
         self._join_steps = 0
@@ -155,6 +157,11 @@ class DistributedDataParallel(nn.Module):
                                                    or self._reducer.enabled)
             self._join_round(active=True, syncing=syncing)
             self._join_steps += 1
+        if self._setup_pending:
+            raise ConfigError(
+                f"algorithm {self.algorithm.name!r} communicates after optimizer steps: pass "
+                "optimizers=[opt] to hexagram.DistributedDataParallel or call "
+                "model.attach_optimizers(opt) before the first forward")
         self._prepare_forward()
         return self.module(*args, **kwargs)
 
@@ -178,6 +185,40 @@ class DistributedDataParallel(nn.Module):
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self.algorithm.after_step(optimizer)
+
+    def attach_optimizers(self, *optimizers: Any) -> None:
+        """Hook optimizers created (or wrapped) after wrapping; call on every rank.
+
+        Each is a torch optimizer or a known framework wrapper (unwrapped); one already
+        attached is skipped. An algorithm that needs an optimizer (local SGD, DiLoCo,
+        decentralized, QAdam) is set up with the first one attached.
+
+        Example: ``model = hx.DistributedDataParallel(net, algorithm="local_sgd")``, then
+        ``opt = torch.optim.SGD(model.parameters(), lr=0.1); model.attach_optimizers(opt)``.
+        """
+        for opt in unwrap_optimizers(optimizers):
+            if id(opt) in self._hooked:
+                continue
+            if not any(opt is o for o in self.optimizers):
+                self.optimizers.append(opt)
+            self._hooked.add(id(opt))
+            # the hook holds the wrapper weakly, so an unreferenced wrapper is collected
+            handle = opt.register_step_post_hook(lifecycle.weak_method(self._after_step))
+            self._step_hooks.append(handle)
+            self._resources.hooks.append(handle)
+        if self._setup_pending and (self.optimizers or not needs_optimizers(self.algorithm)):
+            self._setup_pending = False
+            self.algorithm.setup(self._ctx)
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        """Read by ``torch.nn.parallel.DistributedDataParallel`` at wrap time: refuse to be
+        wrapped twice (both wrappers would communicate every gradient)."""
+        raise ConfigError(
+            "this model is already wrapped by hexagram.DistributedDataParallel; do not wrap "
+            "it again in torch.nn.parallel.DistributedDataParallel (e.g. accelerator.prepare("
+            "model), Lightning's DDPStrategy): prepare everything but the model (see "
+            "hexagram.integrations.accelerate.prepare) or use HexagramStrategy")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
