@@ -111,3 +111,15 @@ def test_profile_round_trip(tmp_path: object) -> None:
     assert again == n
     c = compute([3, 4], [0.1, 0.2])
     assert ComputeProfile.from_json(c.to_json()) == c
+
+
+def test_hierarchical_bytes_by_hand() -> None:
+    # 4 ranks on 2 hosts: a leader receives its peer's reduce (sends nothing there),
+    # allreduces among 2 leaders (ring: n) and broadcasts n: (2-1) n + n; the other sends n
+    from hexagram.cost.schedule import wire_bytes
+
+    algo = hx.algorithms.get("allreduce", hierarchical=True)
+    layout = [[TensorSpec("w", (1000,))]]
+    assert wire_bytes(algo, layout, world=4, hosts=2, rank=0) == 4000 + 4000
+    assert wire_bytes(algo, layout, world=4, hosts=2, rank=1) == 4000
+    assert wire_bytes(algo, layout, world=4, hosts=4, rank=1) == 2 * 3 * 4000 // 4
