@@ -23,8 +23,11 @@ WARMUP_STEPS = {"powersgd": 12, "qadam": 5}
 
 
 def gradient_algorithms() -> list[str]:
-    """Every registered algorithm that communicates gradients per bucket."""
-    return [n for n in registry.names() if registry.get(n).kind == "grad"]
+    """Every registered algorithm that communicates gradients per bucket with a protocol
+    of its own (``auto`` delegates: its first steps add its probe and profiling traffic,
+    and its later steps are its delegate's, checked here under the delegate's name)."""
+    return [n for n in registry.names()
+            if registry.get(n).kind == "grad" and not hasattr(registry.get(n), "delegate")]
 
 
 def _model() -> nn.Module:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
+from hexagram.comm.device import control_zeros, group_device
 from hexagram.errors import HexagramError
 
 __all__ = ["COLLECTIVES", "Fit", "NetworkProfile", "ProbeError", "fit_line", "probe"]
@@ -107,28 +108,26 @@ def fit_line(points: list[tuple[float, float]]) -> Fit:
 
 
 def _op(comm: Communicator, name: str, numel: int) -> tuple[Callable[[], object], int]:
-    """A runnable collective of ``numel`` float32 per rank and the bytes this rank sends."""
-    p, x = comm.size, torch.ones(numel, device=comm_device(comm))
+    """A runnable collective of ``4 numel`` bytes per rank and the bytes this rank sends.
+
+    The buffers are raw bytes (``uint8``), as payloads are: the probe times the wire, and a
+    byte buffer is valid on every backend (sums wrap around, which no one reads).
+    """
+    p, nbytes = comm.size, 4 * numel
+    x = torch.ones(nbytes, dtype=torch.uint8, device=group_device(comm))
     if name == "allreduce":
         return (lambda: primitives.allreduce(comm, x, average=False).wait()), \
-            2 * (p - 1) * numel * 4 // p
+            2 * (p - 1) * nbytes // p
     if name == "allgather":
-        return (lambda: _raw_allgather(comm, x)), (p - 1) * numel * 4
+        return (lambda: _raw_allgather(comm, x)), (p - 1) * nbytes
     if name == "alltoall":
-        n = numel - numel % p or p
-        y, out = torch.ones(n, device=x.device), torch.empty(n, device=x.device)
+        n = nbytes - nbytes % p or p
+        y, out = torch.ones_like(x[:n]), torch.empty_like(x[:n])
         return (lambda: _wait(dist.all_to_all_single(out, y, group=comm.group,
-                                                     async_op=True), comm)), (p - 1) * n * 4 // p
+                                                     async_op=True), comm)), (p - 1) * n // p
     peers = sorted({(comm.rank + 1) % p, (comm.rank - 1) % p} - {comm.rank})
     return (lambda: primitives.neighbor_exchange(comm, x, peers, peers).wait()), \
-        len(peers) * numel * 4
-
-
-def comm_device(comm: Communicator) -> torch.device:
-    """Where tensors crossing ``comm`` live (CUDA for NCCL, else CPU)."""
-    backend = dist.get_backend(comm.group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
-        else torch.device("cpu")
+        len(peers) * nbytes
 
 
 def _wait(work: Any, comm: Communicator) -> None:
@@ -152,11 +151,11 @@ def _timed(comm: Communicator, run: Callable[[], object], reps: int) -> float:
 
 
 def _sync(comm: Communicator) -> None:
-    dist.all_reduce(torch.zeros(1, device=comm_device(comm)), group=comm.group)
+    dist.all_reduce(control_zeros(1, comm), group=comm.group)
 
 
 def _agree(comm: Communicator, value: float, op: Any) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=comm_device(comm))
+    t = torch.tensor([value], dtype=torch.float64, device=group_device(comm))
     dist.all_reduce(t, op=op, group=comm.group)
     return float(t.item())
 

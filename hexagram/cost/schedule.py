@@ -218,9 +218,30 @@ def _qadam(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
     return [Message("allgather", (world - 1) * payload.nbytes)]
 
 
+def _robust(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
+            rank: int) -> list[Message]:
+    """Shard-wise robust aggregation (:func:`hexagram.comm.shards.shard_map`): the bucket cut
+    into P shards of ``m = ceil(n / P)`` elements (payloads with a compressor), all-to-all,
+    then (distance-based aggregators, pre-aggregation) one allreduce of the float64 Gram
+    matrix and row flags (``k^2 + k`` numbers, ``k = P``, plus the center's row for centered
+    clipping), then an allgather of this rank's reduced shard."""
+    from hexagram.robust.shard_reduce import DISTANCE_BASED
+
+    spec = algorithm.spec  # type: ignore[attr-defined]
+    m = math.ceil(sum(t.numel for t in bucket) / world)
+    comp = _compressor(algorithm)
+    shard = m * bucket[0].itemsize if comp is None else payload_of(comp, (m,)).nbytes
+    out = [Message("alltoall", (world - 1) * world * shard // world)]
+    if spec.aggregator in DISTANCE_BASED or spec.pre is not None:
+        k = world + (1 if spec.aggregator == "centered_clip" else 0)
+        out.append(Message("allreduce", _ring((k * k + k) * 8, world)))
+    out.append(Message("allgather", (world - 1) * shard))
+    return out
+
+
 #: algorithms whose protocol is their own rather than their compressor's aggregation
 CUSTOM: dict[str, Callable[[Algorithm, Sequence[TensorSpec], int, int], list[Message]]] = {
-    "gtopk": _gtopk, "randomk": _randomk, "qadam": _qadam,
+    "gtopk": _gtopk, "randomk": _randomk, "qadam": _qadam, "robust": _robust,
 }
 
 
@@ -259,10 +280,12 @@ def bucket_schedule(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: i
         return []
     start = getattr(algorithm.config, "start_iter", 0)  # full-precision warm-up steps
     comp = _compressor(algorithm)
-    if comp is None or step < start:
+    if step < start:
         return _allreduce(algorithm, bucket, world, rank, hosts)
     if algorithm.name in CUSTOM:
         return CUSTOM[algorithm.name](algorithm, bucket, world, rank)
+    if comp is None:
+        return _allreduce(algorithm, bucket, world, rank, hosts)
     comp = _at_step(algorithm, comp, step)
     messages = _generic(algorithm, comp, bucket, world)
     if getattr(algorithm.config, "on_nonfinite", "raise") == "skip":
