@@ -218,7 +218,7 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         return super().bytes_sent() + extra
 
     def close(self) -> None:
-        if self._q_comm is not self.ctx.comm:
+        if self._ctx is not None and self._q_comm is not self._ctx.comm:
             self._stage2.shutdown(wait=True)
             self._q_comm.close()
 
