@@ -11,8 +11,9 @@ Both allreduces sum factors in full precision (they are linear in ``M``), each o
 per bucket through :func:`hexagram.comm.reduce.reduce`: the P stage also carries the
 bucket's vectors (biases) and small matrices, which are sent uncompressed (they would not
 shrink: ``r (n + m) >= n m``). The orthogonalization and the Q stage are chained on the P
-allreduce's handle, so later buckets' collectives never queue behind this compute; P's of
-the same shape are orthogonalized by one batched QR.
+allreduce's handle and run on a thread of their own with a process group of their own for
+the Q allreduces, so later buckets' collectives never queue behind this compute and the
+compute overlaps backward; P's of the same shape are orthogonalized by one batched QR.
 The first ``start_iter`` steps are plain allreduce, as the paper's warm-up.
 
 With ``granularity="bucket"`` the whole bucket is one ``ceil(sqrt(N))``-row matrix (zero
@@ -26,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -36,9 +38,10 @@ import torch
 from torch import Tensor
 
 from hexagram import compress
+from hexagram.algorithms.base import AlgorithmContext
 from hexagram.algorithms.compressed import CompressedAlgorithm, CompressedConfig, Segment, segments
 from hexagram.buckets import Bucket
-from hexagram.comm.communicator import Handle
+from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.reduce import reduce
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.compress.lowrank import PowerSGDCompressor
@@ -114,18 +117,33 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         if c.error_feedback:
             self.error_feedback = ErrorFeedback(self.compressor)
 
+    def setup(self, ctx: AlgorithmContext) -> None:
+        """Over all ranks, the Q allreduces get a process group of their own (collective):
+        stage 2 then runs on its own thread, overlapping backward, while P allreduces of
+        later buckets go out on the main group; each group sees its collectives in bucket
+        order on every rank. Over a subgroup (e.g. host leaders) stage 2 is chained lazily."""
+        super().setup(ctx)
+        self._q_comm = ctx.comm
+        if 1 < ctx.comm.size == ctx.runtime.world_size:
+            self._q_comm = Communicator(ctx.runtime.new_group("powersgd.q"), ctx.runtime.timeout,
+                                        "powersgd-q")
+            self._stage2 = cf.ThreadPoolExecutor(1, thread_name_prefix="hexagram-powersgd")
+
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
         """Stage 1 now: P of every matrix and the dense segments in one allreduce (mean).
-        Stage 2 chained on it (:meth:`Handle.then_wait`): orthogonalize, Q, allreduce Q,
-        write P Q^T and the residuals. The issuing thread only ever issues collectives."""
+        Stage 2 chained on it: orthogonalize, Q, allreduce Q, write P Q^T and residuals."""
         comm = self.ctx.comm
         if self.step < self.config.start_iter:
             return reduce(comm, bucket.flat, out=bucket.flat)
         mats, dense = self._prepare(bucket)
         first = torch.cat([x.p.reshape(-1) for x in mats]
                           + [bucket.flat[s.start:s.stop].float() for s in dense])
-        return reduce(comm, first, out=first).then_wait(
-            lambda mean_p: self._second_stage(bucket, mats, dense, mean_p))
+        mean_p = reduce(comm, first, out=first)
+        if self._q_comm is comm:
+            return mean_p.then_wait(lambda p: self._second_stage(bucket, mats, dense, p))
+        future = self._stage2.submit(
+            lambda: self._second_stage(bucket, mats, dense, mean_p.wait()).wait())
+        return Handle(future, "powersgd.stage2", self._q_comm)
 
     def _prepare(self, bucket: Bucket) -> tuple[list[_Matrix], list[Segment]]:
         mats: list[_Matrix] = []
@@ -151,7 +169,7 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         _orthogonalize_batched(self.compressor, ps)
         qs = [self.compressor.compute_q(x.m, p) for x, p in zip(mats, ps)]
         second = torch.cat([q.reshape(-1) for q in qs]) if qs else first.new_zeros(0)
-        return reduce(self.ctx.comm, second, out=second).then(
+        return reduce(self._q_comm, second, out=second).then(
             lambda mean_q: self._write(bucket, mats, dense, first, ps, mean_q))
 
     def _write(self, bucket: Bucket, mats: list[_Matrix], dense: list[Segment],
@@ -194,6 +212,15 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         if ef is not None:
             self.update(x.segment, x.corrected, approx)
         view.copy_(approx)
+
+    def bytes_sent(self) -> int:
+        extra = self._q_comm.counter.total if self._q_comm is not self.ctx.comm else 0
+        return super().bytes_sent() + extra
+
+    def close(self) -> None:
+        if self._ctx is not None and self._q_comm is not self._ctx.comm:
+            self._stage2.shutdown(wait=True)
+            self._q_comm.close()
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "compressor": self.compressor.state_dict()}

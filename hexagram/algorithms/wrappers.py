@@ -135,7 +135,8 @@ class Hierarchical(Algorithm):
             self.inner.load_state_dict(state["inner"])
 
     def close(self) -> None:
-        self.inner.close()
+        if self._leaders is not None:  # the inner algorithm was set up on leaders only
+            self.inner.close()
         for c in (self._intra, self._leaders):
             if c is not None:
                 c.close()
