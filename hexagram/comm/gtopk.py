@@ -168,7 +168,8 @@ def _reduce_up(comm: Communicator, values: Tensor, indices: Tensor, k: int
             _send(comm, buf, rank - d)
             break
         if rank + d < size:  # rank % 2d == 0 here: receive from the child of this round
-            buf = torch.empty(k * (values.element_size() + 4), dtype=torch.uint8)
+            buf = torch.empty(k * (values.element_size() + 4), dtype=torch.uint8,
+                              device=values.device)
             _recv(comm, buf, rank + d)
             other_v, other_i = _unpack(buf, k, values.dtype)
             values, indices = merge_topk(values, indices, other_v, other_i, k)
@@ -202,7 +203,8 @@ def _broadcast_down(comm: Communicator, values: Tensor, indices: Tensor, k: int
     if parent is None:
         buf = _pack(values, indices)
     else:
-        buf = torch.empty(k * (values.element_size() + 4), dtype=torch.uint8)
+        buf = torch.empty(k * (values.element_size() + 4), dtype=torch.uint8,
+                          device=values.device)
         _recv(comm, buf, parent)
     for child in tree_children(comm.rank, comm.size):
         _send(comm, buf, child)
