@@ -84,8 +84,9 @@ def _resumed_params(name: str, directory: Path, control: str = ""
         model.load_algorithm_state_dict(fresh)
     for s in range(start or 0, N):
         _step(model, opt, s)
+    params = _params(model)  # before close(): weight algorithms finish a round there
     model.close()
-    return start, _params(model)
+    return start, params
 
 
 def _resume_diff(name: str, directory: Path) -> dict[str, Any]:
