@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import multiprocessing as mp
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +91,21 @@ def test_sigstop_freezes_the_process() -> None:
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+def test_train_kill_fails_the_run_naming_the_dead_rank(tmp_path: Path) -> None:
+    """``hexagram train --kill 1@3``: rank 1 is SIGKILLed at step 3; the survivors' clear
+    communication error ends the run (no live mode) and the report names it."""
+    from hexagram.bench import train as train_cli
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    out = tmp_path / "train.json"
+    args = parser.parse_args(["--hosts", "2", "--dataset", "digits", "--algorithms",
+                              "allreduce", "--epochs", "1", "--params", "20000", "--loopback",
+                              "--kill", "1@3", "--timeout", "240", "--json", str(out)])
+    assert train_cli.run(args) == 1
+    (row,) = json.loads(out.read_text())["results"]
+    assert "error" in row and "rank" in row["error"], row
+    with pytest.raises(ConfigError, match="RANK@STEP"):
+        train_cli.run(parser.parse_args(["--loopback", "--kill", "one@3"]))
