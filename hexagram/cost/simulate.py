@@ -1,0 +1,252 @@
+"""Simulated step time of every algorithm on clusters one does not have (``hexagram simulate``).
+
+Nothing here times anything: a model's gradient layout (a registered model or a module built
+on the ``meta`` device, or ``params`` split into equal layers), a compute profile derived
+from a device's datasheet (:mod:`hexagram.cost.devices`) or measured on this machine
+(:func:`hexagram.cost.profile.profile_module`), and a :class:`~hexagram.cost.probe.NetworkProfile`
+built from link presets instead of a probe are handed to the step-time model
+(:func:`hexagram.cost.model.predict_any`), which runs the schedules of
+:mod:`hexagram.cost.schedule`. So ``simulate`` predicts exactly what ``advise`` would predict
+had it probed the same network.
+
+The cluster's network (``P = hosts x d`` ranks, intra link ``a``, inter link ``e`` with rate
+``B_e = links x rate / oversubscription`` per host):
+
+- ring collectives (allreduce, allgather, the two-neighbour and tree exchanges) cross each
+  host boundary once, so a rank's bytes go at ``min(B_a, B_e)``; latency: ``2 (P-1)`` hops
+  for allreduce, ``P-1`` for allgather, one per tree round;
+- all-to-all: a host's ``d`` ranks send ``d (P-d) / P`` of their data off the host at once,
+  so a rank sends ``(P-1)/P`` of it in ``d (P-d) / (P B_e)`` seconds;
+- hierarchical: reduce to the leader and broadcast back inside the host (``(d-1) n`` each at
+  ``B_a``) around a leaders' ring at ``B_e``.
+
+Example:
+    >>> rows = simulate(["allreduce", "fp16"], [8, 64], params_compute(10_000_000),
+    ...                 Cluster(devices_per_host=8, inter="25gbe"))
+    >>> [(r.label, r.world) for r in rows]
+    [('allreduce', 8), ('fp16', 8), ('allreduce', 64), ('fp16', 64)]
+    >>> rows[3].bytes < rows[2].bytes
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from hexagram.algorithms import registry
+from hexagram.cost.choose import make, parse_label
+from hexagram.cost.devices import EFFICIENCY, Device, device, link
+from hexagram.cost.model import MB, predict_any
+from hexagram.cost.probe import Fit, NetworkProfile
+from hexagram.cost.profile import CompressorCost, ComputeProfile
+from hexagram.algorithms.base import Algorithm
+from hexagram.cost.schedule import Message, TensorSpec, is_lossy
+from hexagram.errors import ConfigError
+
+__all__ = ["Cluster", "ClusterNetwork", "Row", "device_compressor_cost", "device_compute",
+           "module_tensors", "params_tensors", "reference_tensors",
+           "params_compute", "simulate", "skip_reason"]
+
+
+class ClusterNetwork(NetworkProfile):
+    """A :class:`NetworkProfile` whose ``fits`` may hold a ``"hierarchical"`` fit of its own
+    (a probe has none: it fits the intra-host allreduce instead)."""
+
+    def fit(self, op: str) -> Fit:
+        return self.fits[op] if op in self.fits else super().fit(op)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Hosts of ``devices_per_host`` devices.
+
+    Attributes:
+        devices_per_host: ranks per host (more => more traffic shares each host's uplink).
+        intra: link preset inside a host (:data:`hexagram.cost.devices.LINKS`).
+        inter: link preset between hosts (lower rate => communication matters more).
+        inter_links: uplinks per host (DGX-style hosts have one NIC per GPU).
+        oversubscription: of the inter-host fabric (2.0 => half the rate across hosts).
+    """
+
+    devices_per_host: int = 8
+    intra: str = "nvlink"
+    inter: str = "25gbe"
+    inter_links: int = 1
+    oversubscription: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("devices_per_host", "inter_links"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"cluster: {name} must be an integer >= 1, got "
+                                  f"{getattr(self, name)!r}")
+        if not self.oversubscription >= 1.0:
+            raise ConfigError(f"cluster: oversubscription must be >= 1 (1 = full bisection), "
+                              f"got {self.oversubscription!r}")
+        link(self.intra), link(self.inter)  # unknown presets fail here
+
+    def network(self, world: int) -> ClusterNetwork:
+        """The network of ``world`` ranks: full hosts (or one partial host below ``d``)."""
+        if not isinstance(world, int) or world < 1:
+            raise ConfigError(f"world size must be an integer >= 1, got {world!r}")
+        d = min(self.devices_per_host, world)
+        if world % d:
+            raise ConfigError(f"world size {world} is not a multiple of devices_per_host "
+                              f"{d}; use whole hosts")
+        hosts, a, e = world // d, link(self.intra), link(self.inter)
+        b_e = e.rate_bps * self.inter_links / self.oversubscription
+        b, lat = (a.rate_bps, a.latency_s) if hosts == 1 else (min(a.rate_bps, b_e),
+                                                               max(a.latency_s, e.latency_s))
+        off = d * (world - d) / (world * b_e) if hosts > 1 else (d - 1) / (world * a.rate_bps)
+        fits = {"allreduce": Fit(2 * (world - 1) * lat, b),
+                "allgather": Fit((world - 1) * lat, b),
+                "alltoall": Fit(lat, (world - 1) / world / max(off, 1e-300)),
+                "p2p": Fit(lat, b)}
+        if d > 1:  # bytes the leader sends per byte of bucket, and the seconds they take
+            sent = (d - 1) + 2 * (hosts - 1) / hosts
+            secs = 2 * (d - 1) / a.rate_bps + 2 * (hosts - 1) / hosts / b_e
+            fits["hierarchical"] = Fit((2 * a.latency_s + 2 * (hosts - 1) * e.latency_s) / 3,
+                                       sent / secs)
+        return ClusterNetwork(world, hosts, fits, None,
+                              notes=[f"simulated: {hosts} x {d}, {a.name} / {e.name}"])
+
+
+def module_tensors(module: nn.Module) -> list[TensorSpec]:
+    """Trainable parameters of ``module`` (any device, ``meta`` included) in backward's
+    ready order (reverse registration), as fp32 gradients."""
+    specs = [TensorSpec(n, tuple(p.shape)) for n, p in module.named_parameters()
+             if p.requires_grad]
+    if not specs:
+        raise ConfigError("the model has no trainable parameters; pass a module with "
+                          "requires_grad parameters")
+    return specs[::-1]
+
+
+def reference_tensors(name: str, params: int = 6_300_000, layers: int = 3, width: int = 256,
+                      block: int = 64) -> tuple[list[TensorSpec], int]:
+    """A registered reference model built on the meta device (nothing allocated): its
+    tensors and the tokens per sample (GPT: ``block``, others 1)."""
+    from hexagram.bench.workload import ModelSpec, build_workload
+
+    spec = ModelSpec(name=name, params=params, layers=layers, width=width, block=block)
+    with torch.device("meta"):
+        work = build_workload(spec)
+    return module_tensors(work.model), block if name == "gpt" else 1
+
+
+def params_tensors(params: int, layers: int = 24) -> list[TensorSpec]:
+    """``params`` split into ``layers`` equal square matrices (a transformer-like profile)."""
+    if params < layers or layers < 1:
+        raise ConfigError(f"params ({params}) must be >= layers ({layers}) >= 1")
+    h = max(1, round(math.sqrt(params / layers)))
+    return [TensorSpec(f"layer{i}.weight", (h, h)) for i in reversed(range(layers))]
+
+
+def device_compute(tensors: Sequence[TensorSpec], dev: Device, samples: int,
+                   tokens: int = 1, efficiency: float = EFFICIENCY) -> ComputeProfile:
+    """Compute from a datasheet: ``6 N`` FLOPs per token (2 forward, 4 backward) at
+    ``efficiency`` of peak; each gradient ready once backward has passed its share of the
+    parameters (FLOPs proportional to parameters: exact for matrix layers); the update
+    streams 16 bytes per parameter (Adam) through HBM."""
+    n = sum(t.numel for t in tensors)
+    flops = 2 * n * samples * tokens / (dev.flops * efficiency)
+    backward, ready, done = 2 * flops, [], 0
+    for t in tensors:
+        done += t.numel
+        ready.append(backward * done / n)
+    return ComputeProfile(flops, backward, 16 * n / dev.hbm_bps, list(tensors), ready)
+
+
+def params_compute(params: int, layers: int = 24, dev: str = "h100", samples: int = 32,
+                   tokens: int = 1) -> ComputeProfile:
+    """:func:`device_compute` of :func:`params_tensors` (``--params N``)."""
+    return device_compute(params_tensors(params, layers), device(dev), samples, tokens)
+
+
+def device_compressor_cost(dev: Device, passes: float = 4.0) -> CompressorCost:
+    """A memory-bound compressor on ``dev``: ``passes`` reads/writes of 4 bytes per element
+    at HBM rate (half for decoding) plus 20 us of kernel launches (an assumption)."""
+    per = 4 * passes / dev.hbm_bps
+    return CompressorCost((20e-6, per), (20e-6, per / 2))
+
+
+@dataclass
+class Row:
+    """One algorithm at one world size; ``note`` says why a time is absent."""
+
+    label: str
+    world: int
+    step_s: float | None
+    compute_s: float
+    exposed_s: float
+    compress_s: float
+    bytes: int
+    speedup: float | None
+    note: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def skip_reason(label: str) -> str | None:
+    """Why an algorithm cannot be simulated (``None``: it can)."""
+    name = parse_label(label)[0]
+    if name == "auto":
+        return "auto delegates to the algorithm it measures best; simulate the candidates"
+    if name not in registry.names():
+        raise ConfigError(f"unknown algorithm {name!r}; registered: "
+                          f"{', '.join(registry.names())}")
+    return None
+
+
+def _fits(world: int, schedule: list[list[Message]], free: float) -> bool:
+    """An allgather of P payloads must fit in the device memory left after the model."""
+    recv = max((m.sent * world // max(world - 1, 1) for b in schedule for m in b
+                if m.op == "allgather"), default=0)
+    return recv <= free
+
+
+def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfile,
+             cluster: Cluster, dev: Device | None = None, bucket_mb: float = 25.0,
+             cost: CompressorCost | None = None) -> list[Row]:
+    """Each algorithm label at each world size, world-major; speed-up is against
+    ``allreduce`` at the same size. ``dev`` (memory, default compressor cost) may be None:
+    then no memory check and no compression CPU unless ``cost`` is given.
+
+    Raises:
+        ConfigError: unknown algorithm or preset, a world size that is not whole hosts.
+    """
+    if not labels or not worlds:
+        raise ConfigError("simulate: give at least one algorithm and one world size")
+    algos = {lb: (None if skip_reason(lb) else make(lb)) for lb in [*labels, "allreduce"]}
+    cost = cost or (device_compressor_cost(dev) if dev is not None else None)
+    free = math.inf if dev is None else dev.memory - 16 * sum(t.numel for t in compute.tensors)
+    rows = []
+    for world in worlds:
+        net = cluster.network(world)
+        base = predict_any(algos["allreduce"], compute, net,  # type: ignore[arg-type]
+                           bucket_bytes=int(bucket_mb * MB))
+        for label in labels:
+            rows.append(_row(label, algos[label], compute, net, base.step_s, bucket_mb, cost,
+                             free))
+    return rows
+
+
+def _row(label: str, algorithm: Algorithm | None, compute: ComputeProfile, net: ClusterNetwork,
+         base_s: float, bucket_mb: float, cost: CompressorCost | None, free: float) -> Row:
+    if algorithm is None:
+        return Row(label, net.world, None, compute.step_s, 0.0, 0.0, 0, None,
+                   f"skipped: {skip_reason(label)}")
+    costs = {label: cost} if cost is not None and is_lossy(algorithm) else {}
+    p = predict_any(algorithm, compute, net, costs, label=label,
+                    bucket_bytes=int(bucket_mb * MB))
+    if not _fits(net.world, p.schedule, free):
+        return Row(label, net.world, None, p.compute_s, 0.0, 0.0, p.wire_bytes, None,
+                   "does not fit: the allgather of P payloads exceeds device memory")
+    return Row(label, net.world, p.step_s, p.compute_s, p.exposed_s, p.compress_s,
+               p.wire_bytes, base_s / p.step_s, p.note)
