@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from hexagram.algorithms import registry
-from hexagram.cost.choose import make, parse_label
+from hexagram.cost.choose import applicable, make, parse_label
 from hexagram.cost.devices import EFFICIENCY, Device, device, link
 from hexagram.cost.model import MB, predict_any
 from hexagram.cost.probe import Fit, NetworkProfile
@@ -167,11 +167,26 @@ def params_compute(params: int, layers: int = 24, dev: str = "h100", samples: in
     return device_compute(params_tensors(params, layers), device(dev), samples, tokens)
 
 
-def device_compressor_cost(dev: Device, passes: float = 4.0) -> CompressorCost:
-    """A memory-bound compressor on ``dev``: ``passes`` reads/writes of 4 bytes per element
-    at HBM rate (half for decoding) plus 20 us of kernel launches (an assumption)."""
+def device_compressor_cost(dev: Device, algorithm: Algorithm | None = None, world: int = 2,
+                           passes: float = 4.0) -> CompressorCost:
+    """A memory-bound compressor on ``dev`` (an assumption, stated): encoding reads and
+    writes ``passes`` times 4 bytes per element at HBM rate, decoding touches what it
+    receives twice, plus 10 us of kernel launches each (Hexagram decodes gathered
+    payloads one by one, so P of them cost P launches). :func:`hexagram.cost.model.predict`
+    decodes gathered formats once per rank's payload, so for them the decode rate follows
+    the payload's size (``ratio`` of the dense bytes), and for gTop-k, whose tree merges
+    ``2 ceil(log2 P)`` payloads rather than ``P``, it is scaled by ``2 ceil(log2 P) / P``."""
+    from hexagram.compress.base import Aggregation
+    from hexagram.cost.schedule import _compressor, payload_of
+
     per = 4 * passes / dev.hbm_bps
-    return CompressorCost((20e-6, per), (20e-6, per / 2))
+    dec = 2 * 4 / dev.hbm_bps
+    comp = None if algorithm is None else _compressor(algorithm)
+    if comp is not None and comp.aggregation is Aggregation.GATHER:
+        dec *= payload_of(comp, (1 << 16,)).nbytes / (4 << 16)
+        if algorithm is not None and algorithm.name == "gtopk" and world > 1:
+            dec *= min(1.0, 2 * math.ceil(math.log2(world)) / world)
+    return CompressorCost((10e-6, per), (10e-6, dec))
 
 
 @dataclass
@@ -224,7 +239,6 @@ def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfi
     if not labels or not worlds:
         raise ConfigError("simulate: give at least one algorithm and one world size")
     algos = {lb: (None if skip_reason(lb) else make(lb)) for lb in [*labels, "allreduce"]}
-    cost = cost or (device_compressor_cost(dev) if dev is not None else None)
     free = math.inf if dev is None else dev.memory - 16 * sum(t.numel for t in compute.tensors)
     rows = []
     for world in worlds:
@@ -232,16 +246,20 @@ def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfi
         base = predict_any(algos["allreduce"], compute, net,  # type: ignore[arg-type]
                            bucket_bytes=int(bucket_mb * MB))
         for label in labels:
-            rows.append(_row(label, algos[label], compute, net, base.step_s, bucket_mb, cost,
-                             free))
+            rows.append(_row(label, algos[label], compute, net, base.step_s, bucket_mb,
+                             cost, dev, free))
     return rows
 
 
 def _row(label: str, algorithm: Algorithm | None, compute: ComputeProfile, net: ClusterNetwork,
-         base_s: float, bucket_mb: float, cost: CompressorCost | None, free: float) -> Row:
-    if algorithm is None:
+         base_s: float, bucket_mb: float, cost: CompressorCost | None, dev: Device | None,
+         free: float) -> Row:
+    if algorithm is None or not applicable(label, net):
+        why = skip_reason(label) or "hierarchical equals flat allreduce with one host"
         return Row(label, net.world, None, compute.step_s, 0.0, 0.0, 0, None,
-                   f"skipped: {skip_reason(label)}")
+                   f"skipped: {why}")
+    if cost is None and dev is not None:
+        cost = device_compressor_cost(dev, algorithm, net.world)
     costs = {label: cost} if cost is not None and is_lossy(algorithm) else {}
     p = predict_any(algorithm, compute, net, costs, label=label,
                     bucket_bytes=int(bucket_mb * MB))

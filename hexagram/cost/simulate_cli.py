@@ -1,0 +1,159 @@
+"""``hexagram simulate``: the table, JSON and plot of :func:`hexagram.cost.simulate.simulate`.
+
+Example:
+    $ hexagram simulate --model mlp --world 8,64,512,4096 --devices-per-host 8 \\
+        --inter 25gbe --device h100 --algorithms allreduce,powersgd,topk,gtopk
+    $ hexagram simulate --model gpt --layers 24 --width 2048 --block 1024 --batch 8 \\
+        --world 8,64,512,4096 --inter 25gbe --json - --plot gpt.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hexagram.algorithms import registry
+from hexagram.cost.devices import EFFICIENCY, LINKS, device
+from hexagram.cost.profile import ComputeProfile, profile_module
+from hexagram.cost.simulate import (
+    Cluster,
+    Row,
+    device_compute,
+    params_tensors,
+    reference_tensors,
+    simulate,
+)
+from hexagram.errors import ConfigError
+
+__all__ = ["add_arguments", "format_rows", "plot_rows", "run"]
+
+EXAMPLE = ("example: hexagram simulate --model mlp --world 8,64,512,4096 --devices-per-host 8 "
+           "--inter 25gbe --device h100 --algorithms allreduce,powersgd,topk,gtopk")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``hexagram simulate``."""
+    parser.epilog = EXAMPLE
+    parser.add_argument("--model", choices=("mlp", "cnn", "gpt"), default="mlp",
+                        help="registered reference model, built on the meta device")
+    parser.add_argument("--params", type=int, default=None,
+                        help="instead of --model: N parameters in --layers equal layers")
+    parser.add_argument("--model-params", type=int, default=6_300_000, help="MLP size")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="MLP hidden layers / GPT blocks / --params layers")
+    parser.add_argument("--width", type=int, default=256, help="GPT embedding / CNN width")
+    parser.add_argument("--block", type=int, default=64, help="GPT context (tokens/sample)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per device per step")
+    parser.add_argument("--world", default="8,64,512,4096", help="world sizes, comma list")
+    parser.add_argument("--devices-per-host", type=int, default=8)
+    parser.add_argument("--intra", default="nvlink", help=f"one of {', '.join(LINKS)}")
+    parser.add_argument("--inter", default="25gbe", help="link preset or e.g. '40gbit'")
+    parser.add_argument("--inter-links", type=int, default=1, help="uplinks per host")
+    parser.add_argument("--oversubscription", type=float, default=1.0)
+    parser.add_argument("--device", default="h100",
+                        help="a100, h100 (datasheet figures) or local (measure here)")
+    parser.add_argument("--efficiency", type=float, default=EFFICIENCY,
+                        help="fraction of peak FLOP/s reached (device profiles)")
+    parser.add_argument("--algorithms", default="all",
+                        help="comma list of NAME[:FIELD=VALUE...] labels, or 'all'")
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                        help="write the rows as JSON (to stdout without FILE)")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="PNG of step time")
+
+
+def _compute(args: argparse.Namespace) -> ComputeProfile:
+    if args.params is not None:
+        tensors, tokens = params_tensors(args.params, args.layers or 24), 1
+    else:
+        tensors, tokens = reference_tensors(args.model, args.model_params, args.layers or 3,
+                                            args.width, args.block)
+    if args.device.lower() != "local":
+        return device_compute(tensors, device(args.device), args.batch, tokens,
+                              args.efficiency)
+    if args.params is not None:
+        raise ConfigError("--device local measures a registered --model; --params has no "
+                          "runnable model: use --device a100 or h100")
+    from hexagram.bench.workload import ModelSpec, build_workload
+
+    work = build_workload(ModelSpec(name=args.model, params=args.model_params,
+                                    layers=args.layers or 3, width=args.width,
+                                    block=args.block))
+    return profile_module(work.model, lambda: work.batch(args.batch, None), work.loss)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise ConfigError(f"--world {text!r}: expected a comma list of integers, e.g. "
+                          "8,64,512") from None
+
+
+def format_rows(rows: Sequence[Row]) -> str:
+    """A Markdown table: one row per algorithm and world size."""
+    out = ["| algorithm | world | step ms | compute ms | exposed comm ms | compression ms "
+           "| MB/device/step | speed-up vs allreduce |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.step_s is None:
+            out.append(f"| {r.label} | {r.world} | {r.note} | | | | | |")
+            continue
+        out.append(f"| {r.label} | {r.world} | {r.step_s * 1e3:.2f} | {r.compute_s * 1e3:.2f}"
+                   f" | {r.exposed_s * 1e3:.2f} | {r.compress_s * 1e3:.2f} | "
+                   f"{r.bytes / 1e6:.2f} | {r.speedup:.2f}x |")
+    return "\n".join(out)
+
+
+def plot_rows(rows: Sequence[Row], path: str | Path, title: str = "") -> None:
+    """Step time against world size (log-log), one line per algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label in dict.fromkeys(r.label for r in rows):
+        pts = [(r.world, r.step_s * 1e3) for r in rows if r.label == label and r.step_s]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("world size (devices)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title(title or "hexagram simulate")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate, print the table (or JSON), write the plot; 2 on bad input."""
+    try:
+        labels = ([n for n in registry.names()] if args.algorithms == "all"
+                  else [a.strip() for a in args.algorithms.split(",") if a.strip()])
+        cluster = Cluster(devices_per_host=args.devices_per_host, intra=args.intra,
+                          inter=args.inter, inter_links=args.inter_links,
+                          oversubscription=args.oversubscription)
+        dev = None if args.device.lower() == "local" else device(args.device)
+        rows = simulate(labels, _ints(args.world), _compute(args), cluster, dev,
+                        args.bucket_mb)
+    except (ConfigError, ValueError) as exc:
+        print(f"hexagram simulate: {exc}", file=sys.stderr)
+        return 2
+    if args.json is not None:
+        text = json.dumps([r.to_json() for r in rows], indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text)
+    if args.json != "-":
+        print(format_rows(rows))
+    if args.plot:
+        plot_rows(rows, args.plot, f"{args.model if args.params is None else 'params'} on "
+                  f"{args.device}, {args.devices_per_host}/host, {args.inter} between hosts")
+    return 0
