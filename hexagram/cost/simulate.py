@@ -39,18 +39,18 @@ import torch
 from torch import nn
 
 from hexagram.algorithms import registry
+from hexagram.algorithms.base import Algorithm
 from hexagram.cost.choose import applicable, make, parse_label
 from hexagram.cost.devices import EFFICIENCY, Device, device, link
 from hexagram.cost.model import MB, predict_any
 from hexagram.cost.probe import Fit, NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile
-from hexagram.algorithms.base import Algorithm
 from hexagram.cost.schedule import Message, TensorSpec, is_lossy
 from hexagram.errors import ConfigError
 
 __all__ = ["Cluster", "ClusterNetwork", "Row", "device_compressor_cost", "device_compute",
-           "module_tensors", "params_tensors", "reference_tensors",
-           "params_compute", "simulate", "skip_reason"]
+           "module_tensors", "params_compute", "params_tensors", "reference_tensors",
+           "simulate", "skip_reason"]
 
 
 class ClusterNetwork(NetworkProfile):
