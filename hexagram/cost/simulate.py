@@ -179,14 +179,15 @@ def device_compressor_cost(dev: Device, algorithm: Algorithm | None = None, worl
     from hexagram.compress.base import Aggregation
     from hexagram.cost.schedule import _compressor, payload_of
 
-    per = 4 * passes / dev.hbm_bps
+    per, launch = 4 * passes / dev.hbm_bps, 10e-6
     dec = 2 * 4 / dev.hbm_bps
     comp = None if algorithm is None else _compressor(algorithm)
     if comp is not None and comp.aggregation is Aggregation.GATHER:
         dec *= payload_of(comp, (1 << 16,)).nbytes / (4 << 16)
         if algorithm is not None and algorithm.name == "gtopk" and world > 1:
-            dec *= min(1.0, 2 * math.ceil(math.log2(world)) / world)
-    return CompressorCost((10e-6, per), (10e-6, dec))
+            tree = min(1.0, 2 * math.ceil(math.log2(world)) / world)
+            return CompressorCost((launch, per), (launch * tree, dec * tree))
+    return CompressorCost((launch, per), (launch, dec))
 
 
 @dataclass
