@@ -179,3 +179,17 @@ def test_cli_json_and_plot(tmp_path, capsys) -> None:
     assert rc == 0 and "| allreduce | 8 |" in capsys.readouterr().out
     assert main(["simulate", "--world", "12", "--params", "1000"]) == 2
     assert "multiple of devices_per_host" in capsys.readouterr().err
+
+
+def test_device_compressor_cost_follows_the_format() -> None:
+    from hexagram.cost.simulate import device_compressor_cost
+
+    h100 = device("h100")
+    dense = device_compressor_cost(h100, make("fp16"), 4096)
+    topk = device_compressor_cost(h100, make("topk"), 4096)
+    gtopk = device_compressor_cost(h100, make("gtopk"), 4096)
+    assert dense.encode(10**6) == topk.encode(10**6)  # same memory-bound encoding
+    # top-k's gathered payload: density 0.01, 8 bytes a pair -> 2% of the dense bytes
+    assert topk.decompress[1] == pytest.approx(dense.decompress[1] * 0.02, rel=1e-3)
+    # gTop-k's tree: 2 log2 P = 24 merges instead of P = 4096 payload decodes
+    assert gtopk.decode(10**6) == pytest.approx(topk.decode(10**6) * 24 / 4096)
