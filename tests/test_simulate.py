@@ -40,7 +40,7 @@ def _row(rows, label, world):
                                    "qsgd", "local_sgd", "decentralized"])
 def test_simulate_equals_cost_model_on_the_same_network(label: str, world: int) -> None:
     cluster = Cluster(devices_per_host=8, inter="10gbe")
-    rows = simulate([label], [world], COMPUTE, cluster, cost=COST)
+    rows = simulate([label], [world], COMPUTE, cluster, costs={label: COST})
     # a plain NetworkProfile (what a probe would have written) with the simulator's fits
     net = NetworkProfile.from_json(json.loads(json.dumps(cluster.network(world).to_json())))
     want = predict_any(make(label), COMPUTE, net, {label: COST}, label=label,
@@ -177,6 +177,12 @@ def test_cli_json_and_plot(tmp_path, capsys) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rc = main(["simulate", "--params", "1000000", "--world", "8", "--algorithms", "allreduce"])
     assert rc == 0 and "| allreduce | 8 |" in capsys.readouterr().out
+    rc = main(["simulate", "--model", "mlp", "--model-params", "5000", "--layers", "1",
+               "--device", "local", "--batch", "4", "--world", "1,4", "--algorithms", "topk",
+               "--json"])
+    local = json.loads(capsys.readouterr().out)  # compute and top-k cost measured here
+    assert rc == 0 and local[0]["compute_s"] > 0 and local[0]["compress_s"] == 0.0
+    assert local[1]["compress_s"] > 0 and local[1]["bytes"] > 0
     assert main(["simulate", "--world", "12", "--params", "1000"]) == 2
     assert "multiple of devices_per_host" in capsys.readouterr().err
 

@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -229,10 +229,12 @@ def _fits(world: int, schedule: list[list[Message]], free: float) -> bool:
 
 def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfile,
              cluster: Cluster, dev: Device | None = None, bucket_mb: float = 25.0,
-             cost: CompressorCost | None = None) -> list[Row]:
+             costs: Mapping[str, CompressorCost] | None = None) -> list[Row]:
     """Each algorithm label at each world size, world-major; speed-up is against
-    ``allreduce`` at the same size. ``dev`` (memory, default compressor cost) may be None:
-    then no memory check and no compression CPU unless ``cost`` is given.
+    ``allreduce`` at the same size. ``costs`` maps a label to its compressor's cost (e.g.
+    :func:`hexagram.cost.profile.measure_compressor` on this machine); labels without one
+    get :func:`device_compressor_cost` of ``dev``. ``dev`` may be None: then no memory
+    check and no compression CPU for labels without a cost.
 
     Raises:
         ConfigError: unknown algorithm or preset, a world size that is not whole hosts.
@@ -248,7 +250,7 @@ def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfi
                            bucket_bytes=int(bucket_mb * MB))
         for label in labels:
             rows.append(_row(label, algos[label], compute, net, base.step_s, bucket_mb,
-                             cost, dev, free))
+                             (costs or {}).get(label), dev, free))
     return rows
 
 

@@ -16,8 +16,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hexagram.algorithms import registry
+from hexagram.cost.choose import make
 from hexagram.cost.devices import EFFICIENCY, LINKS, device
-from hexagram.cost.profile import ComputeProfile, profile_module
+from hexagram.cost.profile import (
+    CompressorCost,
+    ComputeProfile,
+    measure_compressor,
+    profile_module,
+)
+from hexagram.cost.schedule import _compressor
 from hexagram.cost.simulate import (
     Cluster,
     Row,
@@ -25,6 +32,7 @@ from hexagram.cost.simulate import (
     params_tensors,
     reference_tensors,
     simulate,
+    skip_reason,
 )
 from hexagram.errors import ConfigError
 
@@ -85,6 +93,17 @@ def _compute(args: argparse.Namespace) -> ComputeProfile:
     return profile_module(work.model, lambda: work.batch(args.batch, None), work.loss)
 
 
+def _local_costs(labels: Sequence[str]) -> dict[str, CompressorCost]:
+    """Each lossy label's compressor timed on this machine's CPU (``--device local``)."""
+    out = {}
+    for label in labels:
+        if skip_reason(label) is None:
+            comp = _compressor(make(label))
+            if comp is not None:
+                out[label] = measure_compressor(comp)
+    return out
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(w) for w in text.split(",") if w.strip()]
@@ -141,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
                           oversubscription=args.oversubscription)
         dev = None if args.device.lower() == "local" else device(args.device)
         rows = simulate(labels, _ints(args.world), _compute(args), cluster, dev,
-                        args.bucket_mb)
+                        args.bucket_mb, None if dev is not None else _local_costs(labels))
     except (ConfigError, ValueError) as exc:
         print(f"hexagram simulate: {exc}", file=sys.stderr)
         return 2
