@@ -68,9 +68,7 @@ def expected_delayed_sgd(steps: int) -> list[list[torch.Tensor]]:
     return weights[1:]
 
 
-def _sequence_worker() -> dict[str, list[list[torch.Tensor]]]:
-    os.environ["HEXAGRAM_HOST"] = os.environ["RANK"]  # 2 emulated hosts, 1 rank each
-    rt = hx.init(timeout=60)
+def _sequence_worker(rank: int) -> dict[str, list[list[torch.Tensor]]]:
     cases = {"view": ("allreduce", True, False), "copy": ("allreduce", False, False),
              "hierarchical": ("allreduce", True, True)}
     out: dict[str, list[list[torch.Tensor]]] = {}
@@ -82,7 +80,7 @@ def _sequence_worker() -> dict[str, list[list[torch.Tensor]]]:
                                            gradient_as_bucket_view=as_view)
         seen = []
         for step in range(STEPS):
-            _loss(model, rt.rank, step).backward()
+            _loss(model, rank, step).backward()
             opt.step()
             opt.zero_grad()
             seen.append([p.detach().clone() for p in net.parameters()])
@@ -91,13 +89,27 @@ def _sequence_worker() -> dict[str, list[list[torch.Tensor]]]:
         out[label] = seen
         model.close()  # nothing pending: must not step again
         assert all(torch.equal(a, b) for a, b in zip(seen[-1], net.parameters()))
+    return out
+
+
+def _worker() -> dict[str, Any]:
+    """Every multi-rank case in one spawned job (one start-up for the module)."""
+    os.environ["HEXAGRAM_HOST"] = os.environ["RANK"]  # 2 emulated hosts, 1 rank each
+    rank = hx.init(timeout=60).rank
+    out = {"sequences": _sequence_worker(rank), "compressed": _compressed_worker(rank),
+           "resume": _resume_worker(rank)}
     hx.shutdown()
     return out
 
 
 @pytest.fixture(scope="module")
-def sequences() -> list[dict[str, list[list[torch.Tensor]]]]:
-    return run_local(_sequence_worker, WORLD, timeout=120)
+def results() -> list[dict[str, Any]]:
+    return run_local(_worker, WORLD, timeout=150)
+
+
+@pytest.fixture(scope="module")
+def sequences(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["sequences"] for r in results]
 
 
 @pytest.mark.parametrize("label", ["view", "copy", "hierarchical"])
@@ -138,10 +150,9 @@ def _grad(rank: int, step: int) -> torch.Tensor:
 COMPRESSED = {"topk": {"density": 0.1}, "qsgd": {"levels": 3, "seed": 5}}
 
 
-def _compressed_worker() -> dict[str, Any]:
+def _compressed_worker(rank: int) -> dict[str, Any]:
     from hexagram.cost.schedule import layout_of, wire_bytes
 
-    rt = hx.init(timeout=60)
     out: dict[str, Any] = {}
     for name, config in COMPRESSED.items():
         for delay in (0, 1):
@@ -152,7 +163,7 @@ def _compressed_worker() -> dict[str, Any]:
             grads, sent, predicted = [], [], []
             for step in range(STEPS):
                 before = model.bytes_sent()
-                model(_grad(rt.rank, step)).backward()
+                model(_grad(rank, step)).backward()
                 sent.append(model.bytes_sent() - before)
                 predicted.append(wire_bytes(model.algorithm, layout_of(model.buckets), WORLD))
                 grads.append(torch.cat([net.w.grad.reshape(-1), net.b.grad]).clone())  # type: ignore[union-attr]
@@ -165,13 +176,12 @@ def _compressed_worker() -> dict[str, Any]:
             out[f"{name}/{delay}"] = {"grads": grads, "sent": sent, "predicted": predicted,
                                       "total": model.bytes_sent(), "w": net.w.detach().clone()}
             model.close()
-    hx.shutdown()
     return out
 
 
 @pytest.fixture(scope="module")
-def compressed() -> list[dict[str, Any]]:
-    return run_local(_compressed_worker, WORLD, timeout=120)
+def compressed(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["compressed"] for r in results]
 
 
 @pytest.mark.parametrize("name", list(COMPRESSED))
@@ -212,41 +222,39 @@ def _train(model: Any, opt: torch.optim.Optimizer, rank: int, steps: range) -> N
         opt.zero_grad()
 
 
-def _wrapped(rank: int) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+def _wrapped() -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     net = _net().float()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     algo = hx.algorithms.get("topk", delay=1, density=0.3)
     return net, hx.DistributedDataParallel(net, [opt], algo, bucket_size_mb=0.0), opt
 
 
-def _resume_worker() -> dict[str, list[torch.Tensor]]:
-    rt = hx.init(timeout=60)
-    net, model, opt = _wrapped(rt.rank)
-    _train(model, opt, rt.rank, range(6))
+def _resume_worker(rank: int) -> dict[str, list[torch.Tensor]]:
+    net, model, opt = _wrapped()
+    _train(model, opt, rank, range(6))
     model.synchronize()
     straight = [p.detach().clone() for p in net.parameters()]
     model.close()
 
-    net, model, opt = _wrapped(rt.rank)
-    _train(model, opt, rt.rank, range(3))
+    net, model, opt = _wrapped()
+    _train(model, opt, rank, range(3))
     ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
                           "algo": model.algorithm_state_dict()})
     assert ckpt["algo"]["pending"], "step 2's reduced gradient must be in the checkpoint"
     model.close()
-    net, model, opt = _wrapped(rt.rank)
+    net, model, opt = _wrapped()
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     model.load_algorithm_state_dict(ckpt["algo"])
-    _train(model, opt, rt.rank, range(3, 6))
+    _train(model, opt, rank, range(3, 6))
     model.synchronize()
     resumed = [p.detach().clone() for p in net.parameters()]
     model.close()
-    hx.shutdown()
     return {"straight": straight, "resumed": resumed}
 
 
-def test_checkpoint_resume_is_exact() -> None:
-    for result in run_local(_resume_worker, WORLD, timeout=120):
+def test_checkpoint_resume_is_exact(results: list[dict[str, Any]]) -> None:
+    for result in (r["resume"] for r in results):
         for a, b in zip(result["straight"], result["resumed"]):
             assert torch.equal(a, b)
 
