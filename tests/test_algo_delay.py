@@ -97,7 +97,7 @@ def _worker() -> dict[str, Any]:
     os.environ["HEXAGRAM_HOST"] = os.environ["RANK"]  # 2 emulated hosts, 1 rank each
     rank = hx.init(timeout=60).rank
     out = {"sequences": _sequence_worker(rank), "compressed": _compressed_worker(rank),
-           "resume": _resume_worker(rank)}
+           "resume": _resume_worker(rank), "every": _every_worker(rank)}
     hx.shutdown()
     return out
 
@@ -257,6 +257,51 @@ def test_checkpoint_resume_is_exact(results: list[dict[str, Any]]) -> None:
     for result in (r["resume"] for r in results):
         for a, b in zip(result["straight"], result["resumed"]):
             assert torch.equal(a, b)
+
+
+# -- every gradient algorithm ----------------------------------------------------------------
+def _gradient_algorithms() -> list[str]:
+    from hexagram.algorithms import registry
+
+    return [n for n in registry.names() if registry.get(n).kind == "grad"]
+
+
+def _every_worker(rank: int) -> dict[str, list[torch.Tensor]]:
+    """Each gradient algorithm with delay=1 (tests/_every_algorithm.py's model, optimizer
+    and config): a few steps, then synchronize(); the weights of both ranks must agree."""
+    from _every_algorithm import config_for, optimizer_for, small_model
+
+    out = {}
+    for name in _gradient_algorithms():
+        net = small_model()
+        opt = optimizer_for(name, net.parameters())
+        algo = hx.algorithms.get(name, delay=1, **config_for(name))
+        model = hx.DistributedDataParallel(net, [opt], algo, bucket_size_mb=0.001)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        model.synchronize()
+        out[name] = [p.detach().clone() for p in net.parameters()]
+        model.close()
+    return out
+
+
+@pytest.mark.parametrize("name", _gradient_algorithms())
+def test_every_gradient_algorithm_trains_delayed(name: str,
+                                                 results: list[dict[str, Any]]) -> None:
+    first = [p.detach() for p in _every_small_model().parameters()]
+    mine, peer = results[0]["every"][name], results[1]["every"][name]
+    assert all(torch.equal(a, b) for a, b in zip(mine, peer)), f"{name}: replicas differ"
+    assert not all(torch.equal(a, b) for a, b in zip(mine, first)), f"{name}: never stepped"
+
+
+def _every_small_model() -> nn.Module:
+    from _every_algorithm import small_model
+
+    return small_model()
 
 
 # -- bad input ----------------------------------------------------------------------------------
