@@ -97,7 +97,8 @@ def _worker() -> dict[str, Any]:
     os.environ["HEXAGRAM_HOST"] = os.environ["RANK"]  # 2 emulated hosts, 1 rank each
     rank = hx.init(timeout=60).rank
     out = {"sequences": _sequence_worker(rank), "compressed": _compressed_worker(rank),
-           "resume": _resume_worker(rank), "every": _every_worker(rank)}
+           "resume": _resume_worker(rank), "every": _every_worker(rank),
+           "join": _join_worker(rank)}
     hx.shutdown()
     return out
 
@@ -251,6 +252,23 @@ def _resume_worker(rank: int) -> dict[str, list[torch.Tensor]]:
     resumed = [p.detach().clone() for p in net.parameters()]
     model.close()
     return {"straight": straight, "resumed": resumed}
+
+
+def _join_worker(rank: int) -> list[torch.Tensor]:
+    """Uneven inputs: rank 0 trains 4 steps, rank 1 two; synchronize() after join()."""
+    net, model, opt = _wrapped()
+    with model.join():
+        _train(model, opt, rank, range(4 if rank == 0 else 2))
+    model.synchronize()
+    weights = [p.detach().clone() for p in net.parameters()]
+    model.close()
+    return weights
+
+
+def test_join_then_synchronize_keeps_replicas_equal(results: list[dict[str, Any]]) -> None:
+    first = [p.detach().float() for p in _net().parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["join"], results[1]["join"]))
+    assert not torch.equal(results[0]["join"][0], first[0])
 
 
 def test_checkpoint_resume_is_exact(results: list[dict[str, Any]]) -> None:
