@@ -8,7 +8,8 @@ compressor, its options and defaults, feedback, granularity): ``Entry.declared(R
 
 Wrappers compose with any gradient algorithm through ``get``: ``get("powersgd",
 hierarchical=True)`` reduces inside each host first and runs PowerSGD between host leaders
-(:mod:`hexagram.algorithms.wrappers`).
+(:mod:`hexagram.algorithms.wrappers`); ``get("topk", delay=1)`` applies each step the
+gradient reduced during the previous one (:mod:`hexagram.algorithms.delay`).
 
 Example:
     >>> from hexagram.algorithms import registry
@@ -151,9 +152,9 @@ def get(name: str | Algorithm, **config: Any) -> Algorithm:
     """A new algorithm instance: ``get("allreduce", hierarchical=True)``.
 
     ``config`` holds the algorithm's config fields, plus the wrapper options
-    (:data:`~hexagram.algorithms.wrappers.WRAPPER_OPTIONS`, e.g. ``hierarchical=True``) for
-    any gradient algorithm that has no field of that name: ``get("powersgd",
-    hierarchical=True, rank=4)``.
+    (:data:`~hexagram.algorithms.wrappers.WRAPPER_OPTIONS`, e.g. ``hierarchical=True``,
+    ``delay=1``) for any gradient algorithm that has no field of that name: ``get("powersgd",
+    hierarchical=True, delay=1, rank=4)``.
 
     Raises:
         ValueError: unknown name (lists the valid names).

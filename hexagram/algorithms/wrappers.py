@@ -8,11 +8,15 @@
   error feedback is every compressed algorithm's ``error_feedback`` switch (``qsgd +
   error feedback``: ``get("qsgd", error_feedback=True)``); both are applied by
   :func:`hexagram.comm.reduce.reduce_many` whatever the compressor.
+- :class:`~hexagram.algorithms.delay.Delayed` (``delay=1``): the optimizer steps on the
+  previous step's reduced gradient while this step's reduction overlaps the next forward
+  and backward (first step, last step and checkpoints: :mod:`hexagram.algorithms.delay`).
 
 User API: :func:`wrap`, or the wrapper options of :func:`hexagram.algorithms.get`::
 
     hx.algorithms.get("powersgd", hierarchical=True, rank=4)
     hx.algorithms.wrap(hx.algorithms.get("fp16"), hierarchical=True)
+    hx.algorithms.get("qsgd", delay=1, hierarchical=True)   # Delayed(Hierarchical(qsgd))
 
 The result on every rank is the mean over all ranks (the leader averages its host's
 gradients, the wrapped algorithm averages over hosts; hosts must have equal rank counts).
@@ -26,32 +30,38 @@ from typing import Any
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.algorithms.delay import Delayed, check_delay
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.hierarchical import HostGroups, broadcast_from_leader, reduce_to_leader
 from hexagram.errors import ConfigError
 
-__all__ = ["WRAPPER_OPTIONS", "Hierarchical", "wrap"]
+__all__ = ["WRAPPER_OPTIONS", "Delayed", "Hierarchical", "wrap"]
 
 #: the options :func:`hexagram.algorithms.get` accepts for any gradient algorithm
-WRAPPER_OPTIONS = ("hierarchical",)
+WRAPPER_OPTIONS = ("hierarchical", "delay")
 
 
-def wrap(algorithm: Algorithm, *, hierarchical: bool = False) -> Algorithm:
-    """``algorithm`` wrapped as asked (unchanged when nothing is asked).
+def wrap(algorithm: Algorithm, *, hierarchical: bool = False, delay: int = 0) -> Algorithm:
+    """``algorithm`` wrapped as asked (unchanged when nothing is asked); ``delay=1`` is the
+    outermost wrapper (the hierarchical reduction is what it delays).
 
     Raises:
-        ConfigError: a wrapper that needs a gradient algorithm around a weight algorithm.
+        ConfigError: a wrapper that needs a gradient algorithm around a weight algorithm,
+            or ``delay`` not in {0, 1} (the message names the algorithm).
 
     >>> import hexagram as hx
     >>> type(wrap(hx.algorithms.get("topk"), hierarchical=True)).__name__
     'Hierarchical'
+    >>> type(wrap(hx.algorithms.get("topk"), hierarchical=True, delay=1).inner).__name__
+    'Hierarchical'
     """
+    delay = check_delay(algorithm, delay)
     if hierarchical is True:
-        return Hierarchical(algorithm)
-    if hierarchical is not False:
+        algorithm = Hierarchical(algorithm)
+    elif hierarchical is not False:
         raise ConfigError(f"hierarchical must be True or False, got {hierarchical!r}")
-    return algorithm
+    return Delayed(algorithm) if delay else algorithm
 
 
 class Hierarchical(Algorithm):

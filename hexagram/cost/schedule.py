@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from hexagram.algorithms.base import Algorithm
+from hexagram.algorithms.delay import Delayed
 from hexagram.compress.base import Aggregation, Compressor, Payload
 
 __all__ = ["CUSTOM", "Message", "TensorSpec", "bucket_schedule", "is_lossy", "layout_of",
@@ -273,6 +274,8 @@ def bucket_schedule(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: i
     Raises:
         ValueError: a weight algorithm (see :func:`hexagram.cost.model.amortized`).
     """
+    while isinstance(algorithm, Delayed):  # delay=1 sends its inner algorithm's messages
+        algorithm = algorithm.inner
     if algorithm.kind != "grad":
         raise ValueError(f"{algorithm.name!r} communicates weights, not per-bucket gradients;"
                          " use hexagram.cost.model.amortized for it")

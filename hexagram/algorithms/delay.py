@@ -1,0 +1,236 @@
+"""One-step delayed gradients: any gradient algorithm's communication overlaps the next step.
+
+:class:`Delayed` wraps a gradient algorithm (``kind == "grad"``, compressed ones included).
+At step ``t`` the engine hands each ready bucket to :meth:`Delayed.bucket_ready`, which
+
+1. takes the inner algorithm's reduction of that bucket from step ``t - 1`` (waiting it if
+   it is still in flight: it had the whole forward and the backward up to this bucket);
+2. copies step ``t``'s gradient into a stash buffer of its own and starts the inner
+   algorithm's reduction on the stash (the inner algorithm sees every step's gradient
+   exactly once, so error feedback, momenta and random streams stay correct);
+3. writes step ``t - 1``'s reduced gradient into the engine's bucket, which the engine
+   puts into ``.grad`` as usual.
+
+So the optimizer's step ``t`` applies the mean gradient computed at the weights of step
+``t - 1`` (one-step-stale SGD, as in pipelined SGD): with plain SGD,
+``w[t+1] = w[t] - lr * mean_grad(w[t-1])``, and a step costs about max(compute,
+communication) instead of compute plus the exposed tail of the last buckets.
+
+The ends of the pipeline (nothing is lost, nothing is applied twice):
+
+- **Step 0** (and the first step after :meth:`Delayed.synchronize`): no reduced gradient
+  exists yet, so the optimizer receives a **zero gradient**. Plain SGD (with or without
+  momentum, no dampening) leaves the weights and the momentum unchanged by it; weight decay
+  and Adam's step counter still advance by one step. Step 0's gradient is applied at step 1.
+- **The last step**: its reduced gradient is still pending when the loop ends.
+  ``model.synchronize()`` (collective) waits every reduction in flight, writes the reduced
+  gradients into ``.grad`` and calls ``step()`` then ``zero_grad()`` on every optimizer the
+  wrapper knows, at their current learning rate; with no optimizer attached it leaves the
+  gradients in ``.grad`` for the caller to step. The wrapper's ``close()`` (or garbage
+  collection, or interpreter exit) does the same if ``synchronize()`` did not. After
+  ``join()``, call ``synchronize()``. Every gradient of steps ``0 .. T-1`` is then applied
+  exactly once.
+- **Checkpoints**: :meth:`Delayed.state_dict` waits the reductions in flight and carries
+  their results (per parameter name), so a run resumed from it continues bit-exactly.
+- **Re-bucketing** (after the first step, or when the inner algorithm asks): reductions in
+  flight are waited and kept per parameter name, then handed out in the new layout.
+
+Multi-stage inner algorithms (PowerSGD, gTop-k, hierarchical) issue their later stages
+when their handle is waited, i.e. at the next step's ``bucket_ready`` of that bucket: every
+rank waits in bucket order, so collectives stay in the same order everywhere.
+
+Example:
+    >>> import hexagram as hx
+    >>> algo = hx.algorithms.get("topk", delay=1, density=0.1)
+    >>> type(algo).__name__, algo.inner.name
+    ('Delayed', 'topk')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.buckets import Bucket
+from hexagram.comm.communicator import Handle
+from hexagram.errors import ConfigError
+
+__all__ = ["DELAYS", "Delayed", "check_delay"]
+
+#: the supported values of the ``delay`` wrapper option
+DELAYS = (0, 1)
+
+Key = tuple[str, ...]
+
+
+def check_delay(algorithm: Algorithm, delay: Any) -> int:
+    """``delay`` validated for ``algorithm`` (0 or 1), or a :class:`ConfigError` naming it."""
+    if isinstance(delay, bool) or delay not in DELAYS:
+        raise ConfigError(f"algorithm {algorithm.name!r}: delay must be 0 (synchronous) or 1 "
+                          f"(apply each step the gradient reduced during the previous one), "
+                          f"got {delay!r}")
+    return int(delay)
+
+
+class Delayed(Algorithm):
+    """``inner``'s reduction of step ``t`` overlaps step ``t + 1``; the optimizer steps on
+    step ``t - 1``'s reduced gradient (see the module docstring for the ends).
+
+    Raises:
+        ConfigError: ``inner`` communicates weights (local SGD, DiLoCo, async,
+            decentralized already let replicas run ahead) or is delayed already.
+    """
+
+    name = "delayed"
+    kind = "grad"
+
+    def __init__(self, inner: Algorithm) -> None:
+        _check_inner(inner)
+        super().__init__(inner.config)
+        self.inner = inner
+        self._stash: dict[Key, list[Bucket]] = {}  # two per layout: in flight / next
+        self._flip: dict[Key, int] = {}
+        self._inflight: dict[Key, tuple[Bucket, Handle[Tensor]]] = {}
+        self._ready: dict[str, Tensor] = {}  # reduced, not yet applied, by parameter name
+
+    # -- set-up and delegation -----------------------------------------------------------
+    def setup(self, ctx: AlgorithmContext) -> None:
+        super().setup(ctx)
+        self.inner.setup(ctx)
+
+    def tensors(self, named_params: Any) -> Any:
+        return self.inner.tensors(named_params)
+
+    def need_reset(self) -> bool:
+        return self.inner.need_reset()
+
+    def bucket_size_bytes(self) -> int | None:
+        return self.inner.bucket_size_bytes()
+
+    def reset(self, ctx: AlgorithmContext) -> None:
+        super().reset(ctx)
+        self._materialize()  # the old layout's reductions, kept by parameter name
+        self._stash.clear()
+        self._flip.clear()
+        self.inner.reset(ctx)
+
+    def before_forward(self) -> None:
+        self.inner.before_forward()
+
+    def after_backward(self) -> None:
+        self.inner.after_backward()
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner.after_step(optimizer)
+
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent()
+
+    # -- the hook ------------------------------------------------------------------------
+    def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
+        key = tuple(bucket.names)
+        previous = self._take(key, bucket)  # step t-1's reduction (may live in a stash)
+        stash = self._next_stash(key, bucket)  # not the one ``previous`` may live in
+        stash.flat.copy_(bucket.flat)
+        if previous is None:
+            bucket.flat.zero_()  # step 0: nothing reduced yet
+        else:
+            bucket.flat.copy_(previous)
+        handle = self.inner.bucket_ready(stash) or Handle.completed(stash.flat)
+        self._inflight[key] = (stash, handle)
+        return Handle.completed(bucket.flat, "delayed")
+
+    def _next_stash(self, key: Key, bucket: Bucket) -> Bucket:
+        pair = self._stash.get(key)
+        if pair is None:
+            named = [(e.name, e.param) for e in bucket.entries]
+            pair = self._stash[key] = [Bucket(bucket.index, named) for _ in range(2)]
+        self._flip[key] = 1 - self._flip.get(key, 1)
+        stash = pair[self._flip[key]]
+        stash.index = bucket.index
+        return stash
+
+    def _take(self, key: Key, bucket: Bucket) -> Tensor | None:
+        """The pending reduced gradient of ``bucket`` (None: there is none)."""
+        if key in self._inflight:
+            return self._inflight.pop(key)[1].wait()
+        if not any(e.name in self._ready for e in bucket.entries):
+            return None
+        out = torch.zeros_like(bucket.flat)
+        for e in bucket.entries:
+            pending = self._ready.pop(e.name, None)
+            if pending is not None:
+                bucket.view(e, out).copy_(pending)
+        return out
+
+    def _materialize(self) -> None:
+        """Wait every reduction in flight (in bucket order, the same on every rank) and
+        keep its result per parameter name in ``_ready``."""
+        for stash, handle in sorted(self._inflight.values(), key=lambda sh: sh[0].index):
+            result = handle.wait()
+            for e in stash.entries:
+                self._ready[e.name] = stash.view(e, result).detach().clone()
+        self._inflight.clear()
+
+    # -- the last step ---------------------------------------------------------------------
+    def pending(self) -> dict[str, Tensor]:
+        """The reduced gradients not applied yet, by parameter name (waits those in flight;
+        collective when reductions are in flight). Empty at step 0 and after a flush."""
+        self._materialize()
+        return dict(self._ready)
+
+    def synchronize(self) -> None:
+        """Apply the last pending reduced gradient: into ``.grad``, then ``step()`` and
+        ``zero_grad()`` of every attached optimizer (none attached: left in ``.grad``).
+        Collective. The next step starts the pipeline again (zero gradient)."""
+        self.inner.synchronize()
+        pending = self.pending()
+        self._ready = {}
+        if not pending:
+            return
+        for name, param in self.ctx.named_params:
+            if name in pending:
+                param.grad = pending[name].view_as(param).clone()
+        for opt in self.ctx.optimizers:
+            opt.step()
+            opt.zero_grad()
+
+    # -- checkpoints, shutdown -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The inner state and the pending reduced gradients (waits those in flight)."""
+        pending = self.pending()
+        return {"delay": 1, "pending": {n: t.clone() for n, t in pending.items()},
+                "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("delay") != 1 or "pending" not in state:
+            raise ConfigError("this checkpoint was not written by a delay=1 algorithm; load "
+                              "it into the algorithm without delay")
+        self._materialize()  # let reductions in flight finish on every rank, then drop them
+        device = self.ctx.runtime.device
+        self._ready = {n: t.to(device) for n, t in state["pending"].items()}
+        self.inner.load_state_dict(state["inner"])
+
+    def close(self) -> None:
+        """Apply the pending gradient (as :meth:`synchronize`), then close ``inner``."""
+        try:
+            if self._ctx is not None and (self._inflight or self._ready):
+                self.synchronize()
+        finally:
+            self.inner.close()
+
+
+def _check_inner(inner: Algorithm) -> None:
+    if isinstance(inner, Delayed):
+        raise ConfigError(f"{inner.inner.name!r} is delayed already; pass delay=1 once")
+    if inner.kind != "grad":
+        raise ConfigError(
+            f"delay=1 wraps gradient algorithms; {inner.name!r} communicates {inner.kind}s and "
+            "already lets replicas run ahead of each other (local SGD, DiLoCo, async and "
+            "decentralized delay by design): use it without delay")
+    if getattr(inner.config, "allow_delay", False):
+        raise ConfigError(f"{inner.name!r} with allow_delay=True may choose a weight "
+                          "algorithm, which delay=1 cannot wrap; pass allow_delay=False")
