@@ -29,7 +29,7 @@ from typing import Any
 from hexagram.algorithms.base import Algorithm
 from hexagram.algorithms.recipe import Option, Recipe, classes
 from hexagram.algorithms.wrappers import WRAPPER_OPTIONS, wrap
-from hexagram.config import build_config, check_float, check_int
+from hexagram.config import build_config, check_choice, check_float, check_int
 
 __all__ = ["Entry", "entries", "get", "names"]
 
@@ -102,8 +102,13 @@ _ENTRIES: tuple[Entry, ...] = (
         "efsign", "efsign", "scaled signs with error feedback, EF-signSGD (Karimireddy et al. "
         "2019)", error_feedback=True)),
     Entry.declared(Recipe(
-        "signsgd", "sign", "signs by allgather, element-wise majority vote (Bernstein et al. "
-        "2018)", granularity="bucket", reduction="majority")),
+        "signsgd", "sign", "signs by allgather, element-wise majority vote scaled by the "
+        "ranks' mean |g| (Bernstein et al. 2018)",
+        {"scaled": Option(True, "multiply the vote by the ranks' mean |g| per segment (one "
+                          "float each sends): a drop-in for the user's learning rate; False => "
+                          "the pure vote, each element moves by the full learning rate",
+                          partial(check_choice, choices=(True, False)))},
+        granularity="bucket", reduction="majority")),
     Entry.declared(Recipe(
         "topk", "topk", "top-k (index, value) pairs by allgather, error feedback",
         {"density": Option(0.01, "fraction of elements sent per segment; lower => fewer "
