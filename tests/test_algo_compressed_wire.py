@@ -260,8 +260,8 @@ def test_signsgd_majority_vote(wire_results: list[dict[str, Any]]) -> None:
     flat = [torch.cat([x[n].reshape(-1) for n in SHAPES]) for x in xs]
     votes = sum(f.sign() for f in flat)
     assert isinstance(votes, torch.Tensor)
-    # scaled by default: the ranks' mean of each rank's mean |g| over the segment (the bucket)
-    scale = torch.stack([f.abs().mean() for f in flat]).mean()
+    # scaled by default: the ranks' mean of each rank's rms(g) over the segment (the bucket)
+    scale = torch.stack([f.pow(2).mean().sqrt() for f in flat]).mean()
     assert torch.allclose(got, votes.sign() * scale, rtol=1e-6, atol=0)
     assert set(got.abs().unique().tolist()) == {float(got.abs().max())}  # one magnitude
 

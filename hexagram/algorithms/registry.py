@@ -103,10 +103,11 @@ _ENTRIES: tuple[Entry, ...] = (
         "2019)", error_feedback=True)),
     Entry.declared(Recipe(
         "signsgd", "sign", "signs by allgather, element-wise majority vote scaled by the "
-        "ranks' mean |g| (Bernstein et al. 2018)",
-        {"scaled": Option(True, "multiply the vote by the ranks' mean |g| per segment (one "
-                          "float each sends): a drop-in for the user's learning rate; False => "
-                          "the pure vote, each element moves by the full learning rate",
+        "ranks' mean rms(g) (Bernstein et al. 2018)",
+        {"scaled": Option(True, "multiply the vote by the ranks' mean of rms(g) = ||g||_2 / "
+                          "sqrt(n) per segment (one float each sends): a drop-in for the "
+                          "user's learning rate; False => the pure vote, each element "
+                          "moves by the full learning rate",
                           partial(check_choice, choices=(True, False)))},
         granularity="bucket", reduction="majority")),
     Entry.declared(Recipe(

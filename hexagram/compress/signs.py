@@ -5,9 +5,13 @@ All three send one bit per element, bit-packed (``ceil(n / 8)`` bytes), bit = 1 
 
 - ``sign``: no header; decodes to +-1 (signSGD, Bernstein et al.). Meant for majority vote:
   the algorithm sums the decoded signs of all ranks and takes the sign. With
-  ``scaled=True`` it also sends the header (1,) [mean |x|] and still decodes to +-1; the vote
-  is then scaled by the ranks' mean of those headers (:meth:`SignCompressor.vote_scale`), so
-  its update has the gradient's magnitude rather than the learning rate's.
+  ``scaled=True`` it also sends the header (1,) [rms(x) = ||x||_2 / sqrt(n)] and still
+  decodes to +-1; the vote is then scaled by the ranks' mean of those headers
+  (:meth:`SignCompressor.vote_scale`), so its update has the L2 norm of a rank's gradient
+  (the step the user's learning rate was tuned for), not the learning rate per element.
+  (rms, not mean |x|: on digits at SGD lr 0.05, momentum 0.9, 8 epochs, 4 ranks, mean |x|
+  reached 81% where allreduce and rms reached 91.5%: the sign spreads the gradient's
+  mass evenly, and mean |x| <= rms shrinks the step.)
 - ``efsign``: header (1,) [mean |x|]; decodes to ``mean|x| * sign(x)`` (Karimireddy et al.'s
   scaled sign, ``||x||_1 / n``), meant to be wrapped in :class:`ErrorFeedback`.
 - ``onebit``: header (2,) [mean of the negative entries, mean of the non-negative ones], the
@@ -29,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,7 +64,7 @@ class SignVoteConfig:
     """Config of the ``sign`` compressor.
 
     Attributes:
-        scaled: also send mean |x| (one float32 header per tensor) so a majority vote can be
+        scaled: also send rms(x) (one float32 header per tensor) so a majority vote can be
             scaled by the ranks' mean magnitude (:meth:`SignCompressor.vote_scale`); the
             payload still decodes to +-1.
 
@@ -112,6 +117,16 @@ def _sign_values(payload: Payload, scale: Tensor) -> Tensor:
     return code_values(1, scale * 2, -scale, payload.dtype)
 
 
+def _rms(flat: Tensor) -> float:
+    """``||x||_2 / sqrt(n)`` (0 for an empty tensor), in float64 if float32 overflows."""
+    if flat.numel() == 0:
+        return 0.0
+    norm = float(torch.linalg.vector_norm(flat))
+    if not math.isfinite(norm):
+        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+    return norm / math.sqrt(flat.numel())
+
+
 def _header(values: list[float], tensor: Tensor, who: str) -> Tensor:
     header = torch.tensor(values, dtype=work_dtype(tensor.dtype), device=tensor.device)
     if not bool(torch.isfinite(header).all()):
@@ -133,10 +148,10 @@ class SignCompressor(TableCodedCompressor):
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
         flat = tensor.detach().reshape(-1)
-        bits, stats = encode_signs(flat, self.name, stats=self.config.scaled)
+        bits, _ = encode_signs(flat, self.name, stats=False)  # raises on NaN/Inf
         if not self.config.scaled:
             return Payload(tensors=(bits,), shape=tensor.shape, dtype=tensor.dtype)
-        header = _header([float(stats[0]) / max(tensor.numel(), 1)], tensor, self.name)
+        header = _header([_rms(flat)], tensor, self.name)
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
@@ -145,14 +160,14 @@ class SignCompressor(TableCodedCompressor):
         return 1, _sign_values(payload, one), bits
 
     def vote_scale(self, payloads: Sequence[Payload]) -> Tensor | None:
-        """The mean over ``payloads`` (one per rank, rank order) of their mean |x| headers:
+        """The mean over ``payloads`` (one per rank, rank order) of their rms(x) headers:
         what a majority vote of scaled signs is multiplied by; ``None`` when not ``scaled``.
 
         Every rank that holds the same payloads in the same order gets the same bits.
 
         Example:
             >>> c = SignCompressor(SignVoteConfig(scaled=True))
-            >>> ps = [c.compress(torch.tensor([1.0, -3.0])), c.compress(torch.tensor([0.0, 4.0]))]
+            >>> ps = [c.compress(torch.tensor([1.0, -1.0])), c.compress(torch.tensor([3.0, 3.0]))]
             >>> c.vote_scale(ps).tolist()
             [2.0]
         """
