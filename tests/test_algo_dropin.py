@@ -99,3 +99,31 @@ def test_within_two_points_of_allreduce_or_says_why(
         return
     assert res["acc"] >= base - TOLERANCE, \
         f"{name}: {res['acc']:.2f}% vs allreduce {base:.2f}% (SGD lr 0.05, momentum 0.9)"
+
+
+def _wrap_warnings(configs: list[dict[str, Any]]) -> list[list[str]]:
+    """On this rank: the warnings each signsgd config raises when wrapped."""
+    import warnings
+
+    import torch
+
+    import hexagram as hx
+
+    hx.init()
+    out = []
+    for config in configs:
+        net = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get("signsgd", **config))
+        model.close()
+        out.append([str(w.message) for w in caught if issubclass(w.category, UserWarning)])
+    return out
+
+
+def test_pure_vote_warns_at_wrap_time_naming_the_factor() -> None:
+    scaled, pure = run_local(_wrap_warnings, 1, args=([{}, {"scaled": False}],), timeout=120)[0]
+    assert not [m for m in scaled if "signsgd" in m], scaled
+    (message,) = [m for m in pure if "signsgd" in m]
+    assert "scaled=False" in message and "0.015" in message, message

@@ -68,6 +68,15 @@ _APPROXIMATE = Option(True, "estimate the top-k threshold from a sample (DGC's t
                       "faster on large tensors, same selection (exact top-k when it misses)")
 
 
+def _pure_vote_lr(config: Any) -> str | None:
+    """signsgd's pure vote (scaled=False) moves each element by the whole learning rate."""
+    if config.scaled:
+        return None
+    return ("scaled=False: the pure majority vote moves every element by the whole learning "
+            "rate; multiply the lr by about 0.015 (digits MLP: lr 0.0015 matched allreduce at "
+            "0.1), or keep scaled=True (the default), a drop-in for the user's lr")
+
+
 _ENTRIES: tuple[Entry, ...] = (
     Entry("allreduce", "hexagram.algorithms.allreduce", "AllreduceConfig", "AllreduceAlgorithm",
           "full-precision gradient allreduce (optionally hierarchical), like PyTorch DDP"),
@@ -109,7 +118,7 @@ _ENTRIES: tuple[Entry, ...] = (
                           "user's learning rate; False => the pure vote, each element "
                           "moves by the full learning rate",
                           partial(check_choice, choices=(True, False)))},
-        granularity="bucket", reduction="majority")),
+        granularity="bucket", reduction="majority", lr_warning=_pure_vote_lr)),
     Entry.declared(Recipe(
         "topk", "topk", "top-k (index, value) pairs by allgather, error feedback",
         {"density": Option(0.02, "fraction of elements sent per segment; lower => fewer "
