@@ -167,7 +167,8 @@ class SignCompressor(TableCodedCompressor):
 
         Example:
             >>> c = SignCompressor(SignVoteConfig(scaled=True))
-            >>> ps = [c.compress(torch.tensor([1.0, -1.0])), c.compress(torch.tensor([3.0, 3.0]))]
+            >>> xs = [torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([3.0, 3.0, -3.0, 3.0])]
+            >>> ps = [c.compress(x) for x in xs]  # rms 1 and 3
             >>> c.vote_scale(ps).tolist()
             [2.0]
         """
