@@ -18,7 +18,8 @@ All three send one bit per element, bit-packed (``ceil(n / 8)`` bytes), bit = 1 
   reconstruction values of Seide et al.'s 1-bit SGD (also meant for error feedback): each
   half decodes to its own mean, so the sum of the tensor is preserved.
 
-Headers are float32 (float64 for float64 inputs): ``ceil(n/8) + 4`` bytes for ``efsign``,
+Headers are float32 (float64 for float64 inputs): ``ceil(n/8) + 4`` bytes for ``efsign``
+and scaled ``sign``,
 ``ceil(n/8) + 8`` for ``onebit``. All are deterministic and biased, and ``Aggregation.GATHER``
 (sign bits of different ranks cannot be added in packed form).
 
