@@ -257,9 +257,13 @@ def test_sparse_mean_of_local_topk(name: str, wire_results: list[dict[str, Any]]
 
 def test_signsgd_majority_vote(wire_results: list[dict[str, Any]]) -> None:
     got, xs = _step0("signsgd", wire_results)
-    votes = sum(torch.cat([x[n].reshape(-1) for n in SHAPES]).sign() for x in xs)
+    flat = [torch.cat([x[n].reshape(-1) for n in SHAPES]) for x in xs]
+    votes = sum(f.sign() for f in flat)
     assert isinstance(votes, torch.Tensor)
-    assert torch.equal(got, votes.sign())
+    # scaled by default: the ranks' mean of each rank's rms(g) over the segment (the bucket)
+    scale = torch.stack([f.pow(2).mean().sqrt() for f in flat]).mean()
+    assert torch.allclose(got, votes.sign() * scale, rtol=1e-6, atol=0)
+    assert set(got.abs().unique().tolist()) == {float(got.abs().max())}  # one magnitude
 
 
 def test_gtopk_applies_exactly_k_per_layer(wire_results: list[dict[str, Any]]) -> None:

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from hexagram import compress
+from hexagram.algorithms.base import AlgorithmContext
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm
 from hexagram.config import check_choice
 
@@ -67,6 +69,9 @@ class Recipe:
         granularity: default granularity (``"layer"`` or ``"bucket"``).
         reduction: ``"mean"``, or ``"majority"`` (the sign of the sum: signSGD's vote).
         seeded: pass the config's ``seed`` to the compressor (stochastic compressors).
+        lr_warning: ``lr_warning(config)``: the learning-rate factor a configuration needs
+            and why (warned once at wrap time, :meth:`RecipeAlgorithm.setup`), or ``None``
+            when it is a drop-in for the user's optimizer.
     """
 
     name: str
@@ -77,6 +82,7 @@ class Recipe:
     granularity: str = "layer"
     reduction: str = "mean"
     seeded: bool = False
+    lr_warning: Callable[[Any], str | None] | None = None
 
 
 class RecipeAlgorithm(CompressorAlgorithm):
@@ -93,6 +99,13 @@ class RecipeAlgorithm(CompressorAlgorithm):
             args["seed"] = c.seed
         self.use_compressor(compress.get(r.compressor, **args),
                             feedback=bool(c.error_feedback))
+
+    def setup(self, ctx: AlgorithmContext) -> None:
+        """Set up (see the base class), warning if this configuration needs another lr."""
+        super().setup(ctx)
+        note = self.recipe.lr_warning(self.config) if self.recipe.lr_warning else None
+        if note:
+            warnings.warn(f"algorithm {self.recipe.name!r}: {note}", UserWarning, stacklevel=2)
 
 
 def _camel(name: str) -> str:

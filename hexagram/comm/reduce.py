@@ -146,29 +146,38 @@ def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
     if way is Route.SUM:
         divisor = comm.size if reduction == "mean" else 1
         payloads = [enc(i, t, divisor) for i, t in enumerate(tensors)]
-        vote = _finish("majority", comm.size) if reduction == "majority" else None
+        vote = "majority" if reduction == "majority" else "sum"
         return primitives.allreduce_payloads(comm, payloads).then(
-            lambda summed: _decode(comp, [[p] for p in summed], results, vote))
+            lambda summed: _decode(comp, [[p] for p in summed], results, vote, comm.size))
     payloads = [enc(i, t, 1) for i, t in enumerate(tensors)]
-    finish = _finish(reduction, comm.size)
     return primitives.allgather_payloads_many(comm, payloads).then(
-        lambda per_tensor: _decode(comp, per_tensor, results, finish))
+        lambda per_tensor: _decode(comp, per_tensor, results, reduction, comm.size))
 
 
-def _finish(reduction: str, size: int) -> Callable[[Tensor], Tensor] | None:
-    """What turns a sum over ranks into the reduction, in place."""
+def _finish(reduction: str, size: int, scale: Tensor | None = None
+            ) -> Callable[[Tensor], Tensor] | None:
+    """What turns a sum over ranks into the reduction, in place (``scale``: the vote's)."""
     if reduction == "mean":
         return lambda t: t.div_(size)
     if reduction == "majority":
+        if scale is not None:
+            return lambda t: t.sign_().mul_(scale.to(t.dtype))
         return lambda t: t.sign_()
     return None
 
 
+def _vote_scale(comp: Compressor, payloads: Sequence[Payload]) -> Tensor | None:
+    """The compressor's scale of a majority vote over ``payloads`` (scaled signSGD), if any."""
+    scale = getattr(comp, "vote_scale", None)
+    return None if scale is None else scale(payloads)
+
+
 def _decode(comp: Compressor, per_tensor: Sequence[Sequence[Payload]], results: list[Tensor],
-            finish: Callable[[Tensor], Tensor] | None) -> list[Tensor]:
+            reduction: str, size: int) -> list[Tensor]:
     """Every rank's payloads of tensor i decoded and summed (rank order) into result i."""
     for payloads, res in zip(per_tensor, results):
-        decode_sum(comp, payloads, res.view(-1), finish)
+        scale = _vote_scale(comp, payloads) if reduction == "majority" else None
+        decode_sum(comp, payloads, res.view(-1), _finish(reduction, size, scale))
     return results
 
 

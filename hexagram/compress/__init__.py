@@ -59,7 +59,7 @@ _ENTRIES: dict[str, _Entry] = {
                        "TernGrad: max-scaled ternary, stochastic, unbiased, 2 bits/element"),
     "onebit": _Entry("hexagram.compress.signs", "SignConfig", "OneBitCompressor",
                      "1-bit SGD: sign bit + mean of each half, use with error feedback"),
-    "sign": _Entry("hexagram.compress.signs", "SignConfig", "SignCompressor",
+    "sign": _Entry("hexagram.compress.signs", "SignVoteConfig", "SignCompressor",
                    "signSGD: 1 bit/element, decodes to +-1 (majority vote)"),
     "efsign": _Entry("hexagram.compress.signs", "SignConfig", "EFSignCompressor",
                      "scaled sign (||x||_1/n) * sign(x), use with error feedback"),

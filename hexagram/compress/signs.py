@@ -4,14 +4,22 @@ All three send one bit per element, bit-packed (``ceil(n / 8)`` bytes), bit = 1 
 ``x >= 0`` (zero counts as positive), plus a small header:
 
 - ``sign``: no header; decodes to +-1 (signSGD, Bernstein et al.). Meant for majority vote:
-  the algorithm sums the decoded signs of all ranks and takes the sign.
+  the algorithm sums the decoded signs of all ranks and takes the sign. With
+  ``scaled=True`` it also sends the header (1,) [rms(x) = ||x||_2 / sqrt(n)] and still
+  decodes to +-1; the vote is then scaled by the ranks' mean of those headers
+  (:meth:`SignCompressor.vote_scale`), so its update has the L2 norm of a rank's gradient
+  (the step the user's learning rate was tuned for), not the learning rate per element.
+  (rms, not mean |x|: on digits at SGD lr 0.05, momentum 0.9, 8 epochs, 4 ranks, mean |x|
+  reached 81% where allreduce and rms reached 91.5%: the sign spreads the gradient's
+  mass evenly, and mean |x| <= rms shrinks the step.)
 - ``efsign``: header (1,) [mean |x|]; decodes to ``mean|x| * sign(x)`` (Karimireddy et al.'s
   scaled sign, ``||x||_1 / n``), meant to be wrapped in :class:`ErrorFeedback`.
 - ``onebit``: header (2,) [mean of the negative entries, mean of the non-negative ones], the
   reconstruction values of Seide et al.'s 1-bit SGD (also meant for error feedback): each
   half decodes to its own mean, so the sum of the tensor is preserved.
 
-Headers are float32 (float64 for float64 inputs): ``ceil(n/8) + 4`` bytes for ``efsign``,
+Headers are float32 (float64 for float64 inputs): ``ceil(n/8) + 4`` bytes for ``efsign``
+and scaled ``sign``,
 ``ceil(n/8) + 8`` for ``onebit``. All are deterministic and biased, and ``Aggregation.GATHER``
 (sign bits of different ranks cannot be added in packed form).
 
@@ -26,6 +34,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +49,35 @@ from hexagram.compress.base import (
 )
 from hexagram.compress.chunks import TableCodedCompressor, code_values, work_dtype
 from hexagram.compress.packing import block_size, encode_blocks
+from hexagram.config import check_choice
 
-__all__ = ["EFSignCompressor", "OneBitCompressor", "SignCompressor", "SignConfig"]
+__all__ = ["EFSignCompressor", "OneBitCompressor", "SignCompressor", "SignConfig",
+           "SignVoteConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class SignConfig:
-    """The one-bit compressors have no settings."""
+    """The ``efsign`` and ``onebit`` compressors have no settings."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignVoteConfig:
+    """Config of the ``sign`` compressor.
+
+    Attributes:
+        scaled: also send rms(x) (one float32 header per tensor) so a majority vote can be
+            scaled by the ranks' mean magnitude (:meth:`SignCompressor.vote_scale`); the
+            payload still decodes to +-1.
+
+    Example:
+        >>> SignVoteConfig(scaled=True).scaled
+        True
+    """
+
+    scaled: bool = False
+
+    def __post_init__(self) -> None:
+        check_choice(self, "scaled", (True, False))
 
 
 def encode_signs(flat: Tensor, who: str, stats: bool = True) -> tuple[Tensor, Tensor]:
@@ -86,6 +118,16 @@ def _sign_values(payload: Payload, scale: Tensor) -> Tensor:
     return code_values(1, scale * 2, -scale, payload.dtype)
 
 
+def _rms(flat: Tensor) -> float:
+    """``||x||_2 / sqrt(n)`` (0 for an empty tensor), in float64 if float32 overflows."""
+    if flat.numel() == 0:
+        return 0.0
+    norm = float(torch.linalg.vector_norm(flat))
+    if not math.isfinite(norm):
+        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+    return norm / math.sqrt(flat.numel())
+
+
 def _header(values: list[float], tensor: Tensor, who: str) -> Tensor:
     header = torch.tensor(values, dtype=work_dtype(tensor.dtype), device=tensor.device)
     if not bool(torch.isfinite(header).all()):
@@ -101,17 +143,42 @@ class SignCompressor(TableCodedCompressor):
     aggregation = Aggregation.GATHER
     unbiased = False
 
-    def __init__(self, config: SignConfig | None = None) -> None:
-        self.config = config or SignConfig()
+    def __init__(self, config: SignVoteConfig | None = None) -> None:
+        self.config = config or SignVoteConfig()
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
-        bits, _ = encode_signs(tensor.detach().reshape(-1), self.name, stats=False)
-        return Payload(tensors=(bits,), shape=tensor.shape, dtype=tensor.dtype)
+        flat = tensor.detach().reshape(-1)
+        bits, _ = encode_signs(flat, self.name, stats=False)  # raises on NaN/Inf
+        if not self.config.scaled:
+            return Payload(tensors=(bits,), shape=tensor.shape, dtype=tensor.dtype)
+        header = _header([_rms(flat)], tensor, self.name)
+        return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
-        one = torch.ones(1, dtype=work_dtype(payload.dtype), device=payload.tensors[0].device)
-        return 1, _sign_values(payload, one), payload.tensors[0]
+        bits = payload.tensors[-1]
+        one = torch.ones(1, dtype=work_dtype(payload.dtype), device=bits.device)
+        return 1, _sign_values(payload, one), bits
+
+    def vote_scale(self, payloads: Sequence[Payload]) -> Tensor | None:
+        """The mean over ``payloads`` (one per rank, rank order) of their rms(x) headers:
+        what a majority vote of scaled signs is multiplied by; ``None`` when not ``scaled``.
+
+        Every rank that holds the same payloads in the same order gets the same bits.
+
+        Example:
+            >>> c = SignCompressor(SignVoteConfig(scaled=True))
+            >>> xs = [torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([3.0, 3.0, -3.0, 3.0])]
+            >>> ps = [c.compress(x) for x in xs]  # rms 1 and 3
+            >>> c.vote_scale(ps).tolist()
+            [2.0]
+        """
+        if not self.config.scaled or not payloads:
+            return None
+        total = payloads[0].tensors[0].clone()
+        for p in payloads[1:]:
+            total.add_(p.tensors[0])
+        return total.div_(len(payloads))
 
 
 class EFSignCompressor(TableCodedCompressor):
