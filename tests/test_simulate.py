@@ -192,8 +192,9 @@ def test_device_compressor_cost_follows_the_format() -> None:
 
     h100 = device("h100")
     dense = device_compressor_cost(h100, make("fp16"), 4096)
-    topk = device_compressor_cost(h100, make("topk"), 4096)
-    gtopk = device_compressor_cost(h100, make("gtopk"), 4096)
+    # the same density for both (the registry defaults differ: top-k 0.02, gTop-k 0.01)
+    topk = device_compressor_cost(h100, make("topk:density=0.01"), 4096)
+    gtopk = device_compressor_cost(h100, make("gtopk:density=0.01"), 4096)
     assert dense.encode(10**6) == topk.encode(10**6)  # same memory-bound encoding
     # top-k's gathered payload: density 0.01, 8 bytes a pair -> 2% of the dense bytes
     assert topk.decompress[1] == pytest.approx(dense.decompress[1] * 0.02, rel=1e-3)
