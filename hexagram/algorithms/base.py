@@ -39,7 +39,7 @@ from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.runtime import Runtime
 
-__all__ = ["Algorithm", "AlgorithmContext", "TensorKind"]
+__all__ = ["Algorithm", "AlgorithmContext", "Forwarding", "TensorKind"]
 
 TensorKind = Literal["grad", "weight"]
 
@@ -142,3 +142,67 @@ class Algorithm:
 
     def close(self) -> None:
         """Stop background work (threads); called by the wrapper's ``close()``."""
+
+
+class Forwarding(Algorithm):
+    """Base of wrappers around one algorithm: every hook is ``inner``'s unless overridden.
+
+    A wrapper (one-step delay, attack injection) overrides only what it changes, so a hook
+    added to :class:`Algorithm` reaches the inner algorithm through every wrapper at once.
+
+    Example::
+
+        class Logged(Forwarding):
+            def bucket_ready(self, bucket):
+                print(bucket.names)
+                return self.inner.bucket_ready(bucket)
+    """
+
+    def __init__(self, inner: Algorithm) -> None:
+        super().__init__(inner.config)
+        self.inner = inner
+
+    def setup(self, ctx: AlgorithmContext) -> None:
+        super().setup(ctx)
+        self.inner.setup(ctx)
+
+    def tensors(self, named_params: Sequence[tuple[str, nn.Parameter]]
+                ) -> list[tuple[str, nn.Parameter]]:
+        return self.inner.tensors(named_params)
+
+    def need_reset(self) -> bool:
+        return self.inner.need_reset()
+
+    def bucket_size_bytes(self) -> int | None:
+        return self.inner.bucket_size_bytes()
+
+    def reset(self, ctx: AlgorithmContext) -> None:
+        super().reset(ctx)
+        self.inner.reset(ctx)
+
+    def before_forward(self) -> None:
+        self.inner.before_forward()
+
+    def bucket_ready(self, bucket: Bucket) -> Handle[torch.Tensor] | None:
+        return self.inner.bucket_ready(bucket)
+
+    def after_backward(self) -> None:
+        self.inner.after_backward()
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner.after_step(optimizer)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def close(self) -> None:
+        self.inner.close()

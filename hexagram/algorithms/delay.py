@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.algorithms.base import Algorithm, AlgorithmContext, Forwarding
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
 from hexagram.errors import ConfigError
@@ -75,7 +75,7 @@ def check_delay(algorithm: Algorithm, delay: Any) -> int:
     return int(delay)
 
 
-class Delayed(Algorithm):
+class Delayed(Forwarding):
     """``inner``'s reduction of step ``t`` overlaps step ``t + 1``; the optimizer steps on
     step ``t - 1``'s reduced gradient (see the module docstring for the ends).
 
@@ -89,45 +89,20 @@ class Delayed(Algorithm):
 
     def __init__(self, inner: Algorithm) -> None:
         _check_inner(inner)
-        super().__init__(inner.config)
-        self.inner = inner
+        super().__init__(inner)
         self._stash: dict[Key, list[Bucket]] = {}  # two per layout: in flight / next
         self._flip: dict[Key, int] = {}
         self._inflight: dict[Key, tuple[Bucket, Handle[Tensor]]] = {}
         self._ready: dict[str, Tensor] = {}  # reduced, not yet applied, by parameter name
 
-    # -- set-up and delegation -----------------------------------------------------------
-    def setup(self, ctx: AlgorithmContext) -> None:
-        super().setup(ctx)
-        self.inner.setup(ctx)
-
-    def tensors(self, named_params: Any) -> Any:
-        return self.inner.tensors(named_params)
-
-    def need_reset(self) -> bool:
-        return self.inner.need_reset()
-
-    def bucket_size_bytes(self) -> int | None:
-        return self.inner.bucket_size_bytes()
-
     def reset(self, ctx: AlgorithmContext) -> None:
-        super().reset(ctx)
-        self._materialize()  # the old layout's reductions, kept by parameter name
+        Algorithm.reset(self, ctx)
+        # the old layout's reductions finish and are kept by parameter name before the
+        # inner algorithm rebuilds its per-bucket state
+        self._materialize()
         self._stash.clear()
         self._flip.clear()
         self.inner.reset(ctx)
-
-    def before_forward(self) -> None:
-        self.inner.before_forward()
-
-    def after_backward(self) -> None:
-        self.inner.after_backward()
-
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.inner.after_step(optimizer)
-
-    def bytes_sent(self) -> int:
-        return self.inner.bytes_sent()
 
     # -- the hook ------------------------------------------------------------------------
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:

@@ -26,15 +26,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.algorithms.base import Algorithm, AlgorithmContext, Forwarding
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
 from hexagram.comm.shards import all_gather_flat
@@ -114,7 +113,7 @@ class AttackConfig:
         check_attack(self.name)
 
 
-class AttackedAlgorithm(Algorithm):
+class AttackedAlgorithm(Forwarding):
     """Wraps a gradient algorithm; Byzantine ranks send :func:`corrupt`'s vector instead.
 
     Every hook is the inner algorithm's; only ``bucket_ready`` rewrites the bucket first.
@@ -128,17 +127,16 @@ class AttackedAlgorithm(Algorithm):
         if inner.kind != "grad":
             raise ValueError(f"attacks corrupt outgoing gradients; {inner.name!r} communicates "
                              "weights: use a gradient algorithm")
-        super().__init__(inner.config)
-        self.inner, self.attack = inner, attack
+        super().__init__(inner)
+        self.attack = attack
         self._group: Any = None
         self._generator = torch.Generator()
 
     def setup(self, ctx: AlgorithmContext) -> None:
-        super().setup(ctx)
         if self.attack.name in OMNISCIENT and ctx.comm.size > 1:
             self._group = dist.new_group(ctx.comm.global_ranks)  # the harness's own group
         self._generator.manual_seed(self.attack.seed * 1_000_003 + ctx.comm.rank)
-        self.inner.setup(ctx)
+        super().setup(ctx)  # then the inner algorithm's (collective) set-up
 
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor] | None:
         comm = self.ctx.comm
@@ -159,36 +157,6 @@ class AttackedAlgorithm(Algorithm):
         all_gather_flat(out, flat.detach().contiguous(), self._group)
         keep = [r for r in range(size) if r not in self.attack.ranks]
         return out.view(size, -1)[keep]
-
-    # -- everything else is the inner algorithm's ------------------------------------------
-    def tensors(self, named_params: Sequence[tuple[str, nn.Parameter]]
-                ) -> list[tuple[str, nn.Parameter]]:
-        return self.inner.tensors(named_params)
-
-    def need_reset(self) -> bool:
-        return self.inner.need_reset()
-
-    def reset(self, ctx: AlgorithmContext) -> None:
-        self._ctx = ctx
-        self.inner.reset(ctx)
-
-    def before_forward(self) -> None:
-        self.inner.before_forward()
-
-    def after_backward(self) -> None:
-        self.inner.after_backward()
-
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.inner.after_step(optimizer)
-
-    def bytes_sent(self) -> int:
-        return self.inner.bytes_sent()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
 
     def close(self) -> None:
         self.inner.close()
