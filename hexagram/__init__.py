@@ -7,6 +7,8 @@ Example:
     ... # doctest: +SKIP
 """
 
+from typing import Any
+
 from hexagram import algorithms
 from hexagram.engine.ddp import DistributedDataParallel
 from hexagram.errors import (
@@ -39,6 +41,14 @@ __all__ = [
     "shutdown",
 ]
 
-from hexagram.elastic.checkpoint import load_checkpoint, save_checkpoint
-
 __all__ += ["load_checkpoint", "save_checkpoint"]
+
+
+def __getattr__(name: str) -> Any:
+    # The checkpoint helpers import torch.distributed.checkpoint (DTensor and its op tables):
+    # about a quarter of `import hexagram`, paid by every rank process otherwise.
+    if name in ("load_checkpoint", "save_checkpoint"):
+        from hexagram.elastic import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'hexagram' has no attribute {name!r}")
