@@ -79,6 +79,24 @@ class Bucket:
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
 
+    def over(self, flat: Tensor) -> Bucket:
+        """The same entries (index, names, offsets, shapes) over another 1-D buffer of the
+        same length, e.g. a 16-bit copy that a wrapper hands to the algorithm it wraps; the
+        new bucket never holds parameters' gradients (``holds_grad`` is False).
+
+        >>> b = build_buckets([("w", torch.nn.Parameter(torch.ones(2)))], 8)[0]
+        >>> b.over(b.flat.half()).dtype
+        torch.float16
+        """
+        if flat.dim() != 1 or flat.numel() != self.numel:
+            raise ValueError(f"a bucket over another buffer needs a 1-D tensor of {self.numel} "
+                             f"elements, got shape {tuple(flat.shape)}")
+        other = object.__new__(Bucket)
+        other.index, other.entries, other.flat, other.pending = (self.index, self.entries,
+                                                                 flat, self.pending)
+        other._views = {e.name: other.view(e) for e in self.entries}
+        return other
+
     def view(self, entry: BucketEntry, flat: Tensor | None = None) -> Tensor:
         """The slice of ``flat`` (default: this bucket's buffer) holding ``entry``."""
         buf = self.flat if flat is None else flat

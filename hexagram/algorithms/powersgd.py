@@ -138,7 +138,7 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         mats, dense = self._prepare(bucket)
         first = torch.cat([x.p.reshape(-1) for x in mats]
                           + [bucket.flat[s.start:s.stop].float() for s in dense])
-        mean_p = reduce(comm, first, out=first)
+        mean_p = _reduce_as(comm, first, bucket.dtype)
         if self._q_comm is comm:
             return mean_p.then_wait(lambda p: self._second_stage(bucket, mats, dense, p))
         future = self._stage2.submit(
@@ -169,7 +169,7 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         _orthogonalize_batched(self.compressor, ps)
         qs = [self.compressor.compute_q(x.m, p) for x, p in zip(mats, ps)]
         second = torch.cat([q.reshape(-1) for q in qs]) if qs else first.new_zeros(0)
-        return reduce(self._q_comm, second, out=second).then(
+        return _reduce_as(self._q_comm, second, bucket.dtype).then(
             lambda mean_q: self._write(bucket, mats, dense, first, ps, mean_q))
 
     def _write(self, bucket: Bucket, mats: list[_Matrix], dense: list[Segment],
@@ -228,6 +228,16 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.compressor.load_state_dict(state["compressor"])
+
+
+def _reduce_as(comm: Communicator, work: Tensor, dtype: torch.dtype) -> Handle[Tensor]:
+    """Mean of ``work`` (factors in the compressor's float32/64) over ``comm``, in place;
+    the wire carries the gradients' own dtype when that is 16-bit (a bf16 model, or
+    ``cast="bf16"``: half the bytes, as PyTorch's PowerSGD hook in 16 bits)."""
+    if dtype.itemsize >= work.dtype.itemsize or not dtype.is_floating_point:
+        return reduce(comm, work, out=work)
+    wire = work.to(dtype)
+    return reduce(comm, wire, out=wire).then(lambda mean: work.copy_(mean))
 
 
 def _views(flat: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:

@@ -4,10 +4,12 @@
   between host leaders only (its collectives cross the slow inter-host links once per host
   instead of once per rank), intra-host broadcast of the result. ``fp16 + hierarchical``,
   ``powersgd + hierarchical``, ``topk + hierarchical``: no class per combination.
-- fp16/bf16 casting is the ``fp16`` algorithm's ``wire`` (its compressor is the cast), and
-  error feedback is every compressed algorithm's ``error_feedback`` switch (``qsgd +
-  error feedback``: ``get("qsgd", error_feedback=True)``); both are applied by
-  :func:`hexagram.comm.reduce.reduce_many` whatever the compressor.
+- :class:`~hexagram.algorithms.cast.Cast` (``cast="fp16"`` or ``"bf16"``): the wrapped
+  algorithm reduces a 16-bit copy of each bucket (PyTorch's ``fp16_compress_wrapper``), e.g.
+  PowerSGD with 16-bit factors. Error feedback is every compressed algorithm's
+  ``error_feedback`` switch (``qsgd + error feedback``: ``get("qsgd",
+  error_feedback=True)``), applied by :func:`hexagram.comm.reduce.reduce_many` whatever
+  the compressor.
 - :class:`~hexagram.algorithms.delay.Delayed` (``delay=1``): the optimizer steps on the
   previous step's reduced gradient while this step's reduction overlaps the next forward
   and backward (first step, last step and checkpoints: :mod:`hexagram.algorithms.delay`).
@@ -17,6 +19,7 @@ User API: :func:`wrap`, or the wrapper options of :func:`hexagram.algorithms.get
     hx.algorithms.get("powersgd", hierarchical=True, rank=4)
     hx.algorithms.wrap(hx.algorithms.get("fp16"), hierarchical=True)
     hx.algorithms.get("qsgd", delay=1, hierarchical=True)   # Delayed(Hierarchical(qsgd))
+    hx.algorithms.get("powersgd", cast="bf16", hierarchical=True)  # Hierarchical(Cast(..))
 
 The result on every rank is the mean over all ranks (the leader averages its host's
 gradients, the wrapped algorithm averages over hosts; hosts must have equal rank counts).
@@ -30,25 +33,29 @@ from typing import Any
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.algorithms.cast import Cast, check_cast
 from hexagram.algorithms.delay import Delayed, check_delay
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.hierarchical import HostGroups, broadcast_from_leader, reduce_to_leader
 from hexagram.errors import ConfigError
 
-__all__ = ["WRAPPER_OPTIONS", "Delayed", "Hierarchical", "wrap"]
+__all__ = ["WRAPPER_OPTIONS", "Cast", "Delayed", "Hierarchical", "wrap"]
 
 #: the options :func:`hexagram.algorithms.get` accepts for any gradient algorithm
-WRAPPER_OPTIONS = ("hierarchical", "delay")
+WRAPPER_OPTIONS = ("hierarchical", "delay", "cast")
 
 
-def wrap(algorithm: Algorithm, *, hierarchical: bool = False, delay: int = 0) -> Algorithm:
-    """``algorithm`` wrapped as asked (unchanged when nothing is asked); ``delay=1`` is the
-    outermost wrapper (the hierarchical reduction is what it delays).
+def wrap(algorithm: Algorithm, *, hierarchical: bool = False, delay: int = 0,
+         cast: str | None = None) -> Algorithm:
+    """``algorithm`` wrapped as asked (unchanged when nothing is asked). From the inside
+    out: ``cast`` (so that with ``hierarchical`` only the inter-host stage is 16-bit),
+    ``hierarchical``, and ``delay=1`` outermost (the whole reduction is what it delays).
 
     Raises:
         ConfigError: a wrapper that needs a gradient algorithm around a weight algorithm,
-            or ``delay`` not in {0, 1} (the message names the algorithm).
+            ``delay`` not in {0, 1}, or a cast the algorithm cannot take (the message names
+            the algorithm).
 
     >>> import hexagram as hx
     >>> type(wrap(hx.algorithms.get("topk"), hierarchical=True)).__name__
@@ -57,6 +64,9 @@ def wrap(algorithm: Algorithm, *, hierarchical: bool = False, delay: int = 0) ->
     'Hierarchical'
     """
     delay = check_delay(algorithm, delay)
+    dtype = check_cast(algorithm, cast)
+    if dtype is not None:
+        algorithm = Cast(algorithm, dtype)
     if hierarchical is True:
         algorithm = Hierarchical(algorithm)
     elif hierarchical is not False:

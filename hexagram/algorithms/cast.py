@@ -1,0 +1,96 @@
+"""16-bit casting around a gradient algorithm: ``get(name, cast="fp16")`` (or ``"bf16"``).
+
+Every bucket is cast to 16 bits, the wrapped algorithm reduces that copy (its payloads,
+factors and error-feedback residuals are then 16-bit too), and the result is cast back into
+the bucket: PyTorch's ``fp16_compress_wrapper`` for any Hexagram gradient algorithm. What
+it saves is the wrapped algorithm's own float payload: half of PowerSGD's factors, of
+top-k's values, of allreduce's buffer (``cast="fp16"`` around ``allreduce`` sends as many
+bytes as the ``fp16`` algorithm, which divides by P before casting and so rounds
+differently). Payloads that are not floats (sign bits, quantized
+levels, indices) do not shrink.
+
+fp16's range ends at 65504: a bucket whose largest magnitude exceeds ``65504 / P`` (its sum
+over P ranks could overflow) raises :class:`~hexagram.errors.NonFiniteGradientError` naming
+the parameters, as the ``fp16`` algorithm does; ``"bf16"`` has float32's range. The
+algorithms whose protocol needs full precision are refused at wrap time
+(:data:`INCOMPATIBLE`, each with its reason).
+
+Example:
+    >>> import hexagram as hx
+    >>> type(hx.algorithms.get("powersgd", cast="bf16")).__name__
+    'Cast'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hexagram.algorithms.base import Algorithm, Forwarding
+from hexagram.buckets import Bucket
+from hexagram.comm.communicator import Handle
+from hexagram.errors import ConfigError, NonFiniteGradientError
+
+__all__ = ["CASTS", "INCOMPATIBLE", "Cast", "check_cast"]
+
+#: wire name -> dtype
+CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+#: algorithms that refuse a cast, and why
+INCOMPATIBLE = {
+    "fp16": "it is 16-bit already (choose its wire='fp16' or 'bf16')",
+    "auto": "it chooses among candidates itself; cast a fixed algorithm instead",
+    "qadam": "its optimizer keeps float32 moments that the reduced gradient updates",
+    "gtopk": "its merge rounds pack 32-bit indices after the values at 4-byte offsets",
+}
+
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def check_cast(algorithm: Algorithm, cast: Any) -> torch.dtype | None:
+    """The dtype ``cast`` asks for (None for no cast), or a clear :class:`ConfigError`."""
+    if cast is None or cast is False:
+        return None
+    if cast not in CASTS:
+        raise ConfigError(f"algorithm {algorithm.name!r}: cast must be one of "
+                          f"{', '.join(map(repr, CASTS))} or None, got {cast!r}")
+    if algorithm.kind != "grad":
+        raise ConfigError(f"algorithm {algorithm.name!r}: cast wraps gradient algorithms; "
+                          f"{algorithm.name!r} communicates {algorithm.kind}s")
+    if algorithm.name in INCOMPATIBLE:
+        raise ConfigError(f"algorithm {algorithm.name!r} cannot be cast to {cast}: "
+                          f"{INCOMPATIBLE[algorithm.name]}")
+    return CASTS[cast]
+
+
+class Cast(Forwarding):
+    """``inner`` run on a 16-bit copy of every bucket; see the module docstring."""
+
+    name = "cast"
+    kind = "grad"
+
+    def __init__(self, inner: Algorithm, dtype: torch.dtype) -> None:
+        super().__init__(inner)
+        self.dtype = dtype
+
+    def bucket_ready(self, bucket: Bucket) -> Handle[Tensor] | None:
+        if bucket.dtype == self.dtype or not bucket.dtype.is_floating_point:
+            return self.inner.bucket_ready(bucket)
+        if self.dtype == torch.float16:
+            self._check_range(bucket)
+        low = bucket.over(bucket.flat.to(self.dtype))
+        handle = self.inner.bucket_ready(low) or Handle.completed(low.flat)
+        # the result may be the 16-bit buffer or one of the algorithm's own
+        return handle.then(lambda result: bucket.flat.copy_(result))
+
+    def _check_range(self, bucket: Bucket) -> None:
+        lo, hi = torch.aminmax(bucket.flat)
+        peak = max(-float(lo), float(hi))
+        if peak > _FP16_MAX / self.ctx.comm.size:
+            raise NonFiniteGradientError(
+                f"cast='fp16' around {self.inner.name!r}: gradient of "
+                f"{', '.join(bucket.names)} reaches {peak:.3g}; its sum over "
+                f"{self.ctx.comm.size} ranks could pass fp16's {_FP16_MAX:.0f} and become Inf. "
+                "Use cast='bf16' or clip gradients")
