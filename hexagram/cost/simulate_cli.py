@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hexagram.algorithms import registry
 from hexagram.cost.choose import make
+from hexagram.cost.collectives import BACKENDS
 from hexagram.cost.devices import EFFICIENCY, LINKS, device
 from hexagram.cost.profile import (
     CompressorCost,
@@ -61,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inter", default="25gbe", help="link preset or e.g. '40gbit'")
     parser.add_argument("--inter-links", type=int, default=1, help="uplinks per host")
     parser.add_argument("--oversubscription", type=float, default=1.0)
+    parser.add_argument("--backend", choices=BACKENDS, default="nccl",
+                        help="whose collective schedules: nccl (ring or tree by size), gloo "
+                        "(ring), mpi (MPICH: recursive doubling / halving-doubling)")
     parser.add_argument("--device", default="h100",
                         help="a100, h100 (datasheet figures) or local (measure here)")
     parser.add_argument("--efficiency", type=float, default=EFFICIENCY,
@@ -157,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                   else [a.strip() for a in args.algorithms.split(",") if a.strip()])
         cluster = Cluster(devices_per_host=args.devices_per_host, intra=args.intra,
                           inter=args.inter, inter_links=args.inter_links,
-                          oversubscription=args.oversubscription)
+                          oversubscription=args.oversubscription, backend=args.backend)
         dev = None if args.device.lower() == "local" else device(args.device)
         rows = simulate(labels, _ints(args.world), _compute(args), cluster, dev,
                         args.bucket_mb, None if dev is not None else _local_costs(labels))
