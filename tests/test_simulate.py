@@ -227,3 +227,15 @@ def test_gtopk_decodes_counted_once_per_round_in_the_model() -> None:
            for lb in ("topk:density=0.01", "gtopk:density=0.01")}
     # same segments, same per-payload decode: 13 decodes against 4096
     assert got["gtopk:density=0.01"] == pytest.approx(got["topk:density=0.01"] * 13 / 4096)
+
+
+def test_help_example_runs(capsys) -> None:
+    from hexagram.cost.simulate_cli import EXAMPLE, EXAMPLE_ARGS
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = capsys.readouterr().out
+    assert "hexagram simulate --model mlp" in text and EXAMPLE.splitlines()[1] in text
+    assert main(["simulate", *EXAMPLE_ARGS.split()]) == 0
+    out = capsys.readouterr().out
+    assert "| gtopk | 4096 |" in out and "| powersgd | 512 |" in out

@@ -37,15 +37,18 @@ from hexagram.cost.simulate import (
 )
 from hexagram.errors import ConfigError
 
-__all__ = ["add_arguments", "format_rows", "plot_rows", "run"]
+__all__ = ["EXAMPLE", "EXAMPLE_ARGS", "add_arguments", "format_rows", "plot_rows", "run"]
 
-EXAMPLE = ("example: hexagram simulate --model mlp --world 8,64,512,4096 --devices-per-host 8 "
-           "--inter 25gbe --device h100 --algorithms allreduce,powersgd,topk,gtopk")
+EXAMPLE_ARGS = ("--model mlp --world 8,64,512,4096 --devices-per-host 8 --inter 25gbe "
+                "--device h100 --algorithms allreduce,powersgd,topk,gtopk")
+EXAMPLE = ("example (6.3 M-parameter MLP on 8-H100 hosts, 25 Gbit/s between hosts):\n"
+           "  hexagram simulate " + EXAMPLE_ARGS.replace(" --inter", " \\\n    --inter"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hexagram simulate``."""
     parser.epilog = EXAMPLE
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the example's lines
     parser.add_argument("--model", choices=("mlp", "cnn", "gpt"), default="mlp",
                         help="registered reference model, built on the meta device")
     parser.add_argument("--params", type=int, default=None,
