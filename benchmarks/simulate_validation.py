@@ -6,7 +6,9 @@ step, the local step and the CPU per step. ``--recorded`` parses them, writes th
 ``tests/data/simulate_lab_recorded.json`` (``--fixture``) and prints the comparison table.
 
 New runs (``--run``, root, needs ``ip`` and ``tc``; every lab removes its namespaces on
-exit): ``hexagram bench`` at each ``--hosts`` and ``--bandwidth``, then the same comparison.
+exit): ``hexagram bench`` at each ``--hosts`` and ``--bandwidth``, then the same comparison,
+with the local step's *wall* time from the run's JSON as compute (it carries the machine's
+load; the Markdown tables only show CPU time, stretched by ranks / cores instead).
 
     .venv/bin/python benchmarks/simulate_validation.py --recorded docs/benchmarks/network.md \\
         --fixture tests/data/simulate_lab_recorded.json
@@ -95,12 +97,14 @@ def _from_bench(report: dict[str, Any], hosts: int, layers: int) -> list[LabReco
             label = row.get("label") or row.get("algorithm", "")
             if "step_s" not in row or label.startswith(SKIP) or not bw.endswith("bit"):
                 continue
-            local = row["compute_cpu_s"]
-            extra = row["cpu_s"] - (row.get("cpu_sys_s") or 0.0) - local
+            # wall seconds of the local step: they carry the machine's load; CPU beyond it
+            # is stretched by the same wall / CPU ratio (no further ranks / cores stretch)
+            local, stretch = row["compute_s"], row["compute_s"] / row["compute_cpu_s"]
+            extra = (row["cpu_s"] - (row.get("cpu_sys_s") or 0.0) - row["compute_cpu_s"])
             out.append(LabRecord(hosts=hosts, bandwidth=bw, label=LABELS.get(label, label),
                                  measured_s=row["step_s"], local_s=local,
-                                 extra_cpu_s=max(0.0, extra), params=s["params"],
-                                 layers=layers, batch=s["batch"],
+                                 extra_cpu_s=max(0.0, extra * stretch), params=s["params"],
+                                 layers=layers, batch=s["batch"], cores=hosts,
                                  reported_mb=row["reported_bytes_per_step"] / 1e6))
     return out
 
