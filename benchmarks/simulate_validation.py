@@ -11,6 +11,7 @@ with the local step's *wall* time from the run's JSON as compute (it carries the
 load; the Markdown tables only show CPU time, stretched by ranks / cores instead).
 
     .venv/bin/python benchmarks/simulate_validation.py --recorded docs/benchmarks/network.md \\
+        --bench-json 2=/tmp/simval/bench_2.json,3=/tmp/simval/bench_3.json \\
         --fixture tests/data/simulate_lab_recorded.json
     sudo .venv/bin/python benchmarks/simulate_validation.py --run --hosts 2,3,4 \\
         --bandwidth 10mbit,100mbit,1gbit --steps 6 --out /tmp/simval
@@ -132,6 +133,8 @@ def main() -> None:
     ap.add_argument("--recorded", help="a bench Markdown page (docs/benchmarks/network.md)")
     ap.add_argument("--fixture", help="write the parsed records here (JSON)")
     ap.add_argument("--run", action="store_true", help="run the lab (root)")
+    ap.add_argument("--bench-json", default="", metavar="HOSTS=FILE,...",
+                    help="earlier --run outputs, e.g. 2=/tmp/simval/bench_2.json")
     ap.add_argument("--hosts", default="2,3,4")
     ap.add_argument("--bandwidth", default="10mbit,100mbit,1gbit")
     ap.add_argument("--algorithms", default="allreduce,fp16,powersgd,topk,gtopk,qsgd,"
@@ -142,6 +145,9 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/simulate-validation")
     args = ap.parse_args()
     records = (parse_markdown(Path(args.recorded).read_text()) if args.recorded else [])
+    for item in filter(None, args.bench_json.split(",")):
+        hosts, path = item.split("=", 1)
+        records += _from_bench(json.loads(Path(path).read_text()), int(hosts), 3)
     if args.run:
         records += run_lab(args)
     if args.fixture:
