@@ -239,3 +239,19 @@ def test_help_example_runs(capsys) -> None:
     assert main(["simulate", *EXAMPLE_ARGS.split()]) == 0
     out = capsys.readouterr().out
     assert "| gtopk | 4096 |" in out and "| powersgd | 512 |" in out
+
+
+def test_large_p_latency_follows_the_backend() -> None:
+    # 4096 ranks, 512 hosts: NCCL's tree keeps allreduce latency at log2(H) hops, gloo's ring
+    # pays 2 (P-1); the bytes on the wire are the same schedule either way
+    nccl = simulate(["allreduce", "powersgd"], [64, 4096], COMPUTE, Cluster(inter="25gbe"))
+    gloo = simulate(["allreduce", "powersgd"], [64, 4096], COMPUTE,
+                    Cluster(inter="25gbe", backend="gloo"))
+    for a, b in zip(nccl, gloo):
+        assert a.bytes == b.bytes and a.step_s <= b.step_s  # type: ignore[operator]
+    big_nccl, big_gloo = _row(nccl, "powersgd", 4096), _row(gloo, "powersgd", 4096)
+    assert big_gloo.step_s > 5 * big_nccl.step_s  # type: ignore[operator]
+    # with trees, PowerSGD's small allreduces barely grow from 64 to 4096 ranks
+    assert _row(nccl, "powersgd", 4096).step_s < 3 * _row(nccl, "powersgd", 64).step_s  # type: ignore[operator]
+    mpi = simulate(["allreduce"], [4096], COMPUTE, Cluster(inter="25gbe", backend="mpi"))
+    assert mpi[0].bytes == nccl[2].bytes and mpi[0].step_s is not None

@@ -5,6 +5,8 @@ Example:
         --inter 25gbe --device h100 --algorithms allreduce,powersgd,topk,gtopk
     $ hexagram simulate --model gpt --layers 24 --width 2048 --block 1024 --batch 8 \\
         --world 8,64,512,4096 --inter 25gbe --json - --plot gpt.png
+    $ hexagram simulate --params 10500000 --world 4 --devices-per-host 1 \\
+        --inter 100mbit --backend gloo     # the network lab's cluster
 """
 
 from __future__ import annotations
