@@ -14,8 +14,8 @@ wall time (the recorded runs: 4 ranks on 2 cores).
 Example:
     >>> rec = LabRecord(hosts=4, bandwidth="100mbit", label="allreduce", measured_s=5.562,
     ...                 local_s=0.065, params=10_500_000)
-    >>> round(predict_record(rec).step_s, 1)   # 63 MB at 100 Mbit/s + 2 x the local step
-    5.2
+    >>> round(predict_record(rec).step_s, 1)   # 63 MB at 100 Mbit/s; compute mostly overlaps
+    5.1
 """
 
 from __future__ import annotations
