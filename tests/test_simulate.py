@@ -170,6 +170,9 @@ def test_bad_input_names_the_field() -> None:
         Cluster(inter="0gbit")
     with pytest.raises(ConfigError, match="unknown link preset"):
         link("carrier-pigeon")
+    assert link("100mbit").rate_bps == 12.5e6 and link("40gbit").rate_bps == 5e9
+    with pytest.raises(ConfigError, match="positive number of Mbit/s"):
+        link("-5mbit")
     with pytest.raises(ConfigError, match="unknown device profile"):
         device("tpu")
     with pytest.raises(ConfigError, match="unknown algorithm"):
