@@ -45,6 +45,13 @@ DEVICES: dict[str, Device] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS *with* sparsity, so
     # 989 dense; HBM3 3.35 TB/s, 80 GB, NVLink 900 GB/s (both directions together).
     "h100": Device("h100", 989e12, 3.35e12, 80e9, "nvlink4"),
+    # NVIDIA V100 Tensor Core GPU datasheet (SXM2 32GB): 125 TFLOPS tensor (mixed precision),
+    # HBM2 900 GB/s, 32 GB, NVLink 300 GB/s (both directions together). BAGUA's cluster.
+    "v100": Device("v100", 125e12, 900e9, 32e9, "nvlink2"),
+    # NVIDIA P102-100 (the gTop-k paper's mining GPU; GP102, no tensor cores): FP32
+    # 10.8 TFLOPS, GDDR5X 440 GB/s, 5 GB. Approximate, from public GPU databases (NVIDIA
+    # publishes no datasheet for it); no NVLink: PCIe 3.0 x4 on mining boards (assumption).
+    "p102": Device("p102", 10.8e12, 440e9, 5e9, "pcie3x4"),
 }
 
 
@@ -63,6 +70,10 @@ LINKS: dict[str, Link] = {
     # Latency: assumption, a few microseconds (NCCL intra-node small-message figures).
     "nvlink3": Link("nvlink3", 300e9, 3e-6),
     "nvlink4": Link("nvlink4", 450e9, 3e-6),
+    # NVLink 2 (V100): 300 GB/s total = 150 GB/s per direction (V100 datasheet).
+    "nvlink2": Link("nvlink2", 150e9, 3e-6),
+    # PCIe 3.0 x4: 8 GT/s x 4 lanes, 128b/130b = 3.94 GB/s per direction (PCI-SIG spec).
+    "pcie3x4": Link("pcie3x4", 3.94e9, 5e-6),
     # PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s per direction (PCI-SIG spec).
     "pcie4": Link("pcie4", 31.5e9, 5e-6),
     # InfiniBand HDR 200 Gbit/s, NDR 400 Gbit/s per port (InfiniBand Trade Association
@@ -95,7 +106,8 @@ def device(name: str) -> Device:
 
 
 def link(name: str) -> Link:
-    """The :data:`LINKS` entry ``name``, or ``RATE`` in Gbit/s as ``'40gbit'``.
+    """The :data:`LINKS` entry ``name``, or a rate as ``'40gbit'`` or ``'100mbit'`` (20 us
+    latency, an assumption).
 
     Raises:
         ConfigError: unknown preset or a rate that is not positive.
@@ -103,14 +115,15 @@ def link(name: str) -> Link:
     key = name.lower()
     if key in LINKS:
         return LINKS[key]
-    if key.endswith("gbit"):
-        try:
-            rate = float(key[:-4])
-        except ValueError:
-            rate = -1.0
-        if rate > 0:
-            return Link(key, rate * 1e9 / 8, 20e-6)
-        raise ConfigError(f"link {name!r}: the rate must be a positive number of Gbit/s, "
-                          "e.g. '40gbit'")
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6)):
+        if key.endswith(unit):
+            try:
+                rate = float(key[:-4])
+            except ValueError:
+                rate = -1.0
+            if rate > 0:
+                return Link(key, rate * scale / 8, 20e-6)
+            raise ConfigError(f"link {name!r}: the rate must be a positive number of "
+                              f"{unit[0].upper()}bit/s, e.g. '40gbit' or '100mbit'")
     raise ConfigError(f"unknown link preset {name!r}; known: {', '.join(LINKS)}, or a rate "
-                      "such as '40gbit'")
+                      "such as '40gbit' or '100mbit'")

@@ -31,6 +31,7 @@ Example (hand-checkable: one 1 MB bucket ready at 10 ms, a 1 ms + 10 MB/s allred
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,8 @@ from hexagram.cost.schedule import (
     payload_of,
 )
 
-__all__ = ["MB", "Prediction", "amortized", "bucket_layout", "predict", "predict_any"]
+__all__ = ["MB", "Prediction", "amortized", "bucket_layout", "gathered_decodes", "predict",
+           "predict_any"]
 
 MB = 1024 * 1024
 
@@ -100,7 +102,8 @@ def bucket_layout(profile: ComputeProfile, bucket_bytes: int, first_bucket_bytes
 def _cpu(algorithm: Algorithm, specs: Sequence[TensorSpec], world: int,
          cost: CompressorCost | None) -> tuple[float, float]:
     """(encode, decode) seconds of one bucket: every segment compressed once; decoded
-    once per rank's payload for gathered formats, twice (both legs) for scatter-gather."""
+    once per rank's payload for gathered formats (gTop-k: once per merge on its tree,
+    :func:`gathered_decodes`), twice (both legs) for scatter-gather."""
     comp = _compressor(algorithm)
     if comp is None or cost is None or world <= 1:
         return 0.0, 0.0
@@ -109,13 +112,28 @@ def _cpu(algorithm: Algorithm, specs: Sequence[TensorSpec], world: int,
         sizes = [sum(sizes)]
     enc = sum(cost.encode(n) for n in sizes)
     if comp.aggregation is Aggregation.GATHER:
-        dec = sum(world * cost.decode(n) for n in sizes)
+        dec = sum(gathered_decodes(algorithm, world) * cost.decode(n) for n in sizes)
     elif comp.aggregation is Aggregation.SCATTER_GATHER:
         enc += sum(cost.encode(max(1, n // world)) for n in sizes)
         dec = sum(2 * cost.decode(n) for n in sizes)
     else:
         dec = sum(cost.decode(n) for n in sizes)
     return enc, dec
+
+
+def gathered_decodes(algorithm: Algorithm, world: int) -> int:
+    """Payloads a rank decodes per segment of a gathered format: all ``world`` of an
+    allgather; gTop-k merges one per round of its tree (``ceil(log2 P)``, recursive
+    doubling or binomial tree, :mod:`hexagram.comm.gtopk`) and decodes the result once.
+
+    >>> import hexagram as hx
+    >>> g, t = hx.algorithms.get("gtopk"), hx.algorithms.get("topk")
+    >>> gathered_decodes(g, 4096), gathered_decodes(t, 64)
+    (13, 64)
+    """
+    if algorithm.name == "gtopk" and world > 1:
+        return min(world, math.ceil(math.log2(world)) + 1)
+    return world
 
 
 def predict(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfile,

@@ -10,15 +10,12 @@ built from link presets instead of a probe are handed to the step-time model
 had it probed the same network.
 
 The cluster's network (``P = hosts x d`` ranks, intra link ``a``, inter link ``e`` with rate
-``B_e = links x rate / oversubscription`` per host):
-
-- ring collectives (allreduce, allgather, the two-neighbour and tree exchanges) cross each
-  host boundary once, so a rank's bytes go at ``min(B_a, B_e)``; latency: ``2 (P-1)`` hops
-  for allreduce, ``P-1`` for allgather, one per tree round;
-- all-to-all: a host's ``d`` ranks send ``d (P-d) / P`` of their data off the host at once,
-  so a rank sends ``(P-1)/P`` of it in ``d (P-d) / (P B_e)`` seconds;
-- hierarchical: reduce to the leader and broadcast back inside the host (``(d-1) n`` each at
-  ``B_a``) around a leaders' ring at ``B_e``.
+``B_e = links x rate / oversubscription`` per host) times each message with the schedule
+the backend really runs for its size (:mod:`hexagram.cost.collectives`): NCCL's faster of
+ring and double binary tree for allreduce (so large-P latency grows with ``log2 H``, not
+``2 (P-1)``), rings for allgather, the all-to-all's uplink share, hierarchical allreduce
+around the leaders' allreduce, gTop-k's butterfly (its cross-host rounds share the uplink
+among the host's ``d`` ranks) and the decentralized neighbour exchange.
 
 Example:
     >>> rows = simulate(["allreduce", "fp16"], [8, 64], params_compute(10_000_000),
@@ -34,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,6 +39,15 @@ from torch import nn
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm
 from hexagram.cost.choose import applicable, make, parse_label
+from hexagram.cost.collectives import (
+    BACKENDS,
+    Topology,
+    alltoall,
+    choose,
+    gtopk_tree,
+    hierarchical_allreduce,
+    peer_exchange,
+)
 from hexagram.cost.devices import EFFICIENCY, Device, device, link
 from hexagram.cost.model import MB, predict_any
 from hexagram.cost.probe import Fit, NetworkProfile
@@ -48,17 +55,53 @@ from hexagram.cost.profile import CompressorCost, ComputeProfile
 from hexagram.cost.schedule import Message, TensorSpec, is_lossy
 from hexagram.errors import ConfigError
 
-__all__ = ["Cluster", "ClusterNetwork", "Row", "device_compressor_cost", "device_compute",
-           "module_tensors", "params_compute", "params_tensors", "reference_tensors",
-           "simulate", "skip_reason"]
+__all__ = ["Cluster", "ClusterNetwork", "Row", "ScheduleFit", "device_compressor_cost",
+           "device_compute", "module_tensors", "params_compute", "params_tensors",
+           "reference_tensors", "simulate", "skip_reason"]
+
+
+@dataclass(frozen=True)
+class ScheduleFit(Fit):
+    """A :class:`Fit` whose time runs the collective schedule the backend picks for the
+    message's size (:func:`hexagram.cost.collectives.choose`), so latency and rate follow
+    ring, tree, recursive doubling or butterfly as the size and world size dictate.
+    ``latency_s`` / ``rate_bps`` hold the ring's figures (what a JSON profile records)."""
+
+    op: str = "allreduce"
+    topo: Topology | None = None
+    backend: str = "nccl"
+
+    def time(self, sent: int, rounds: int = 1) -> float:
+        t = self.topo
+        if t is None or t.world == 1:
+            return super().time(sent, rounds)
+        p, d, h = t.world, t.per_host, t.hosts
+        if self.op == "allreduce":
+            return choose(self.backend, "allreduce", sent * p / (2 * (p - 1)), t)[1]
+        if self.op == "allgather":
+            return choose(self.backend, "allgather", sent / (p - 1), t)[1]
+        if self.op == "alltoall":
+            return alltoall(sent * p / (p - 1), t)
+        if self.op == "hierarchical":
+            return hierarchical_allreduce(sent / ((d - 1) + 2 * (h - 1) / h), t, self.backend)
+        if rounds > 1:  # gTop-k: rank 0 sends k pairs in each of ceil(log2 P) rounds
+            return gtopk_tree(sent / math.ceil(math.log2(p)), t)
+        return peer_exchange(sent, t)
 
 
 class ClusterNetwork(NetworkProfile):
-    """A :class:`NetworkProfile` whose ``fits`` may hold a ``"hierarchical"`` fit of its own
-    (a probe has none: it fits the intra-host allreduce instead)."""
+    """A :class:`NetworkProfile` of :class:`ScheduleFit` s (size-aware), with a
+    ``"hierarchical"`` fit of its own (a probe has none: it fits the intra-host allreduce
+    instead). ``to_json`` writes the ring's linear fits."""
 
     def fit(self, op: str) -> Fit:
         return self.fits[op] if op in self.fits else super().fit(op)
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        out["fits"] = {k: {"latency_s": v.latency_s, "rate_bps": v.rate_bps}
+                       for k, v in self.fits.items()}
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +114,8 @@ class Cluster:
         inter: link preset between hosts (lower rate => communication matters more).
         inter_links: uplinks per host (DGX-style hosts have one NIC per GPU).
         oversubscription: of the inter-host fabric (2.0 => half the rate across hosts).
+        backend: whose collective schedules run (:data:`hexagram.cost.collectives.BACKENDS`:
+            ``nccl`` ring or tree, ``gloo`` ring only, ``mpi`` MPICH's defaults).
     """
 
     devices_per_host: int = 8
@@ -78,6 +123,7 @@ class Cluster:
     inter: str = "25gbe"
     inter_links: int = 1
     oversubscription: float = 1.0
+    backend: str = "nccl"
 
     def __post_init__(self) -> None:
         for name in ("devices_per_host", "inter_links"):
@@ -87,32 +133,42 @@ class Cluster:
         if not self.oversubscription >= 1.0:
             raise ConfigError(f"cluster: oversubscription must be >= 1 (1 = full bisection), "
                               f"got {self.oversubscription!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"cluster: backend must be one of {', '.join(BACKENDS)}, got "
+                              f"{self.backend!r}")
         link(self.intra), link(self.inter)  # unknown presets fail here
 
-    def network(self, world: int) -> ClusterNetwork:
-        """The network of ``world`` ranks: full hosts (or one partial host below ``d``)."""
+    def topology(self, world: int) -> Topology:
+        """``world`` ranks on full hosts (or one partial host below ``d``)."""
         if not isinstance(world, int) or world < 1:
             raise ConfigError(f"world size must be an integer >= 1, got {world!r}")
         d = min(self.devices_per_host, world)
         if world % d:
             raise ConfigError(f"world size {world} is not a multiple of devices_per_host "
                               f"{d}; use whole hosts")
-        hosts, a, e = world // d, link(self.intra), link(self.inter)
-        b_e = e.rate_bps * self.inter_links / self.oversubscription
-        b, lat = (a.rate_bps, a.latency_s) if hosts == 1 else (min(a.rate_bps, b_e),
-                                                               max(a.latency_s, e.latency_s))
-        off = d * (world - d) / (world * b_e) if hosts > 1 else (d - 1) / (world * a.rate_bps)
-        fits = {"allreduce": Fit(2 * (world - 1) * lat, b),
-                "allgather": Fit((world - 1) * lat, b),
-                "alltoall": Fit(lat, (world - 1) / world / max(off, 1e-300)),
-                "p2p": Fit(lat, b)}
-        if d > 1:  # bytes the leader sends per byte of bucket, and the seconds they take
-            sent = (d - 1) + 2 * (hosts - 1) / hosts
-            secs = 2 * (d - 1) / a.rate_bps + 2 * (hosts - 1) / hosts / b_e
-            fits["hierarchical"] = Fit((2 * a.latency_s + 2 * (hosts - 1) * e.latency_s) / 3,
-                                       sent / secs)
-        return ClusterNetwork(world, hosts, fits, None,
-                              notes=[f"simulated: {hosts} x {d}, {a.name} / {e.name}"])
+        a, e = link(self.intra), link(self.inter)
+        return Topology(world, d, a.rate_bps, a.latency_s,
+                        e.rate_bps * self.inter_links / self.oversubscription, e.latency_s)
+
+    def network(self, world: int) -> ClusterNetwork:
+        """The network of ``world`` ranks: each collective's :class:`ScheduleFit`."""
+        t = self.topology(world)
+        p, d, h = world, t.per_host, t.hosts
+        lat = t.intra_lat if h == 1 else t.inter_lat
+        ring_lat = 2 * (p - h) * t.intra_lat + 2 * (h - 1) * t.inter_lat
+        off = (d * (p - d) / (p * t.inter_bps) if h > 1 else (d - 1) / (p * t.intra_bps))
+        linear = {"allreduce": (ring_lat, t.ring_bps),
+                  "allgather": (ring_lat / 2, t.ring_bps),
+                  "alltoall": (max(lat, t.intra_lat), (p - 1) / p / max(off, 1e-300)),
+                  "p2p": (lat, t.ring_bps)}
+        if d > 1:
+            n = (d - 1) + 2 * (h - 1) / h  # bytes the leader sends per byte of bucket
+            linear["hierarchical"] = (0.0, n / max(hierarchical_allreduce(1e9, t, "gloo")
+                                                   / 1e9, 1e-300))
+        fits: dict[str, Fit] = {op: ScheduleFit(lat_s, rate, op, t, self.backend)
+                                for op, (lat_s, rate) in linear.items()}
+        return ClusterNetwork(world, h, fits, None, notes=[
+            f"simulated: {h} x {d}, {self.intra} / {self.inter}, {self.backend} schedules"])
 
 
 def module_tensors(module: nn.Module) -> list[TensorSpec]:
@@ -167,15 +223,14 @@ def params_compute(params: int, layers: int = 24, dev: str = "h100", samples: in
     return device_compute(params_tensors(params, layers), device(dev), samples, tokens)
 
 
-def device_compressor_cost(dev: Device, algorithm: Algorithm | None = None, world: int = 2,
+def device_compressor_cost(dev: Device, algorithm: Algorithm | None = None,
                            passes: float = 4.0) -> CompressorCost:
     """A memory-bound compressor on ``dev`` (an assumption, stated): encoding reads and
     writes ``passes`` times 4 bytes per element at HBM rate, decoding touches what it
-    receives twice, plus 10 us of kernel launches each (Hexagram decodes gathered
-    payloads one by one, so P of them cost P launches). :func:`hexagram.cost.model.predict`
-    decodes gathered formats once per rank's payload, so for them the decode rate follows
-    the payload's size (``ratio`` of the dense bytes), and for gTop-k, whose tree merges
-    ``2 ceil(log2 P)`` payloads rather than ``P``, it is scaled by ``2 ceil(log2 P) / P``."""
+    receives twice, plus 10 us of kernel launches each. For gathered formats the decode
+    rate follows the payload's size (``ratio`` of the dense bytes); how many payloads a
+    rank decodes (P for an allgather, one per tree round for gTop-k) is the model's
+    :func:`hexagram.cost.model.gathered_decodes`."""
     from hexagram.compress.base import Aggregation
     from hexagram.cost.schedule import _compressor, payload_of
 
@@ -184,9 +239,6 @@ def device_compressor_cost(dev: Device, algorithm: Algorithm | None = None, worl
     comp = None if algorithm is None else _compressor(algorithm)
     if comp is not None and comp.aggregation is Aggregation.GATHER:
         dec *= payload_of(comp, (1 << 16,)).nbytes / (4 << 16)
-        if algorithm is not None and algorithm.name == "gtopk" and world > 1:
-            tree = min(1.0, 2 * math.ceil(math.log2(world)) / world)
-            return CompressorCost((launch, per), (launch * tree, dec * tree))
     return CompressorCost((launch, per), (launch, dec))
 
 
@@ -262,7 +314,7 @@ def _row(label: str, algorithm: Algorithm | None, compute: ComputeProfile, net: 
         return Row(label, net.world, None, compute.step_s, 0.0, 0.0, 0, None,
                    f"skipped: {why}")
     if cost is None and dev is not None:
-        cost = device_compressor_cost(dev, algorithm, net.world)
+        cost = device_compressor_cost(dev, algorithm)
     costs = {label: cost} if cost is not None and is_lossy(algorithm) else {}
     p = predict_any(algorithm, compute, net, costs, label=label,
                     bucket_bytes=int(bucket_mb * MB))

@@ -5,6 +5,8 @@ Example:
         --inter 25gbe --device h100 --algorithms allreduce,powersgd,topk,gtopk
     $ hexagram simulate --model gpt --layers 24 --width 2048 --block 1024 --batch 8 \\
         --world 8,64,512,4096 --inter 25gbe --json - --plot gpt.png
+    $ hexagram simulate --params 10500000 --world 4 --devices-per-host 1 \\
+        --inter 100mbit --backend gloo     # the network lab's cluster
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from hexagram.algorithms import registry
 from hexagram.cost.choose import make
+from hexagram.cost.collectives import BACKENDS
 from hexagram.cost.devices import EFFICIENCY, LINKS, device
 from hexagram.cost.profile import (
     CompressorCost,
@@ -36,15 +39,18 @@ from hexagram.cost.simulate import (
 )
 from hexagram.errors import ConfigError
 
-__all__ = ["add_arguments", "format_rows", "plot_rows", "run"]
+__all__ = ["EXAMPLE", "EXAMPLE_ARGS", "add_arguments", "format_rows", "plot_rows", "run"]
 
-EXAMPLE = ("example: hexagram simulate --model mlp --world 8,64,512,4096 --devices-per-host 8 "
-           "--inter 25gbe --device h100 --algorithms allreduce,powersgd,topk,gtopk")
+EXAMPLE_ARGS = ("--model mlp --world 8,64,512,4096 --devices-per-host 8 --inter 25gbe "
+                "--device h100 --algorithms allreduce,powersgd,topk,gtopk")
+EXAMPLE = ("example (6.3 M-parameter MLP on 8-H100 hosts, 25 Gbit/s between hosts):\n"
+           "  hexagram simulate " + EXAMPLE_ARGS.replace(" --inter", " \\\n    --inter"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hexagram simulate``."""
     parser.epilog = EXAMPLE
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the example's lines
     parser.add_argument("--model", choices=("mlp", "cnn", "gpt"), default="mlp",
                         help="registered reference model, built on the meta device")
     parser.add_argument("--params", type=int, default=None,
@@ -61,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inter", default="25gbe", help="link preset or e.g. '40gbit'")
     parser.add_argument("--inter-links", type=int, default=1, help="uplinks per host")
     parser.add_argument("--oversubscription", type=float, default=1.0)
+    parser.add_argument("--backend", choices=BACKENDS, default="nccl",
+                        help="whose collective schedules: nccl (ring or tree by size), gloo "
+                        "(ring), mpi (MPICH: recursive doubling / halving-doubling)")
     parser.add_argument("--device", default="h100",
                         help="a100, h100 (datasheet figures) or local (measure here)")
     parser.add_argument("--efficiency", type=float, default=EFFICIENCY,
@@ -157,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
                   else [a.strip() for a in args.algorithms.split(",") if a.strip()])
         cluster = Cluster(devices_per_host=args.devices_per_host, intra=args.intra,
                           inter=args.inter, inter_links=args.inter_links,
-                          oversubscription=args.oversubscription)
+                          oversubscription=args.oversubscription, backend=args.backend)
         dev = None if args.device.lower() == "local" else device(args.device)
         rows = simulate(labels, _ints(args.world), _compute(args), cluster, dev,
                         args.bucket_mb, None if dev is not None else _local_costs(labels))
