@@ -75,3 +75,16 @@ def test_bad_sizes_are_refused(bad: dict[str, Any], monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="min_size"):
         live(torch.nn.Linear(2, 2), [], **bad)
+
+
+def test_replicas_that_find_nobody_training_load_the_durable_checkpoint(tmp_path: Any) -> None:
+    first = run_live(world=2, steps=6, kill="", restart=False, min_size=2, together=0,
+                     checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    second = run_live(world=2, steps=9, kill="", restart=False, min_size=2, together=0,
+                      checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    for replica in (0, 1):
+        assert _committed(first[replica]) == list(range(6))
+        assert _committed(second[replica]) == [6, 7, 8]  # resumed at the newest commit
+    assert torch.equal(second[0]["params"], second[1]["params"])
+    assert torch.allclose(second[0]["params"], replay(first[0]["log"] + second[0]["log"]),
+                          rtol=0, atol=1e-12)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from hexagram.errors import HexagramError
 
-__all__ = ["Epoch", "Heartbeat", "Quorum", "QuorumError"]
+__all__ = ["Epoch", "Heartbeat", "Quorum", "QuorumError", "Watcher"]
 
 _POLL = 0.01  # seconds between store polls while waiting for a quorum
 
@@ -213,3 +214,68 @@ class Quorum:
                 raise QuorumError(
                     f"live mode: no decision on step {step} of epoch {epoch.number} within "
                     f"{timeout:.0f} s although members {list(epoch.members)} look alive")
+
+
+class Watcher:
+    """A thread that, while a step runs, ends a collective stuck on a failed membership.
+
+    A member stuck in a collective (waiting on a peer that will never send: the dead
+    rank's connection was never made, or the peer left the step) cannot vote. While a
+    step is armed (:meth:`arm` ... :meth:`disarm`), the watcher waits on the step's
+    decision key with its own store client: when a peer decided ``abort``, or a member's
+    heartbeat went stale, it decides ``abort`` and calls ``on_abort`` (which aborts the
+    process groups, so the stuck collective fails now, not after its timeout).
+    """
+
+    def __init__(self, quorum: Quorum, on_abort: Callable[[], None]) -> None:
+        self.quorum, self._on_abort = quorum, on_abort
+        self._armed: tuple[Epoch, int] | None = None
+        self._lock = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="hexagram-live-watcher")
+        self._thread.start()
+
+    def arm(self, epoch: Epoch, step: int) -> None:
+        with self._lock:
+            self._armed = (epoch, step)
+            self._lock.notify()
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed = None
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while self._armed is None and not self._stop:
+                    self._lock.wait()
+                if self._stop:
+                    return
+                epoch, step = self._armed  # type: ignore[misc]
+            try:
+                self._watch(epoch, step)
+            except Exception:  # store gone: the trainer's own calls report it
+                return
+
+    def _watch(self, epoch: Epoch, step: int) -> None:
+        q, key = self.quorum, f"e{epoch.number}/s{step}/decision"
+        wait = timedelta(seconds=max(q.heartbeat_timeout / 4, 0.02))
+        while self._armed == (epoch, step):
+            try:
+                q.store.wait([key], wait)
+            except (RuntimeError, TimeoutError):
+                if not set(epoch.members) <= q.alive():
+                    q.store.compare_set(key, "", "abort")
+                continue
+            if q.store.get(key) == b"abort" and self._armed == (epoch, step):
+                self._on_abort()
+            with self._lock:
+                if self._armed == (epoch, step):
+                    self._armed = None
+            return

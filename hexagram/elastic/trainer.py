@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError
+from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError, Watcher
 from hexagram.elastic.state import CheckpointError, apply_rank_state, collect_rank_state
 from hexagram.errors import CommError, ConfigError
 
@@ -102,6 +102,21 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                        checkpoint_every, wrapper_kwargs)
 
 
+def _abort_all_groups() -> None:
+    """Abort every process group, closing its sockets now: peers stuck in a collective
+    with this rank fail at once. (``destroy_process_group`` leaves a group that the old
+    wrapper still references open until it is garbage-collected, and such a peer waits
+    out the collective timeout.) ``pg.abort()`` works for gloo in torch 2.13; torch's
+    helper for aborting them all is private, hence the fallback."""
+    abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort_all is None:
+            raise AttributeError("no _abort_process_group")
+        abort_all()
+    except (AttributeError, RuntimeError, ValueError):
+        dist.destroy_process_group()
+
+
 def _store(replica: int) -> tuple[str, int]:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
@@ -142,6 +157,11 @@ class LiveTrainer:
         self._heartbeat = Heartbeat(host, port, prefix, replica, heartbeat_timeout / 5)
         self.quorum = Quorum(self._store, replica, max_size, min_size, heartbeat_timeout,
                              join_timeout)
+        watch_store = dist.PrefixStore(prefix, dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=join_timeout),
+            wait_for_workers=False))  # its own client: used from the watcher thread
+        self._watcher = Watcher(Quorum(watch_store, replica, max_size, min_size,
+                                       heartbeat_timeout, join_timeout), _abort_all_groups)
         self.step = -1  # no training state yet
         self.model: Any = None
         self.epoch: Epoch | None = None
@@ -169,9 +189,13 @@ class LiveTrainer:
         snapshot = self._capture() if weight else copy.deepcopy(
             self.model.algorithm_state_dict())
         sent_before = self.model.comm.counter.total
-        ok = self._attempt(closure, weight)
-        communicated = not ok or self.model.comm.counter.total != sent_before
         assert self.epoch is not None
+        self._watcher.arm(self.epoch, self.step)
+        try:
+            ok = self._attempt(closure, weight)
+        finally:
+            self._watcher.disarm()
+        communicated = not ok or self.model.comm.counter.total != sent_before
         decision = self.quorum.vote(self.epoch, self.step, ok, self.timeout) \
             if (communicated or not weight) else "commit"
         if decision == "abort":
@@ -230,7 +254,7 @@ class LiveTrainer:
 
     def _teardown(self) -> None:
         if dist.is_initialized():
-            dist.destroy_process_group()  # closes its sockets: peers stuck on us fail now
+            _abort_all_groups()
         if self.model is not None:
             try:
                 self.model.close()
@@ -298,4 +322,5 @@ class LiveTrainer:
     def close(self) -> None:
         """Leave the job: stop the heartbeat, release the wrapper and the process group."""
         self._heartbeat.stop()
+        self._watcher.stop()
         self._teardown()
