@@ -14,7 +14,7 @@ import torch
 
 from hexagram.elastic.live_bench import replay, run_live
 
-KILL_AT = 8
+KILL_AT = 5
 
 
 def _committed(report: dict[str, Any]) -> list[int]:
@@ -22,7 +22,8 @@ def _committed(report: dict[str, Any]) -> list[int]:
 
 
 def test_survivors_lose_no_step_and_the_restarted_rank_heals() -> None:
-    results = run_live(world=3, steps=20, kill=f"2@{KILL_AT}", restart=True, sleep=0.02)
+    results = run_live(world=3, steps=12, kill=f"2@{KILL_AT}", restart=True, sleep=0.01,
+                       together=4)
     assert sorted(results) == [0, 1, 2] and results[2]["restarted"]
     survivors = [results[0], results[1]]
     final = results[0]["step"]
@@ -39,7 +40,7 @@ def test_survivors_lose_no_step_and_the_restarted_rank_heals() -> None:
     assert survivors[0]["log"] == survivors[1]["log"]
     back = results[2]
     assert back["step"] == final and back["stats"]["heal_s"]
-    assert len(back["log"]) >= 5 and all(m == [0, 1, 2] for _, m in back["log"])
+    assert len(back["log"]) >= 4 and all(m == [0, 1, 2] for _, m in back["log"])
     # it trained the last steps together with the survivors: identical parameters
     for rep in survivors:
         assert torch.equal(rep["params"], back["params"])
@@ -49,7 +50,7 @@ def test_healing_copies_model_optimizer_and_algorithm_state() -> None:
     """PowerSGD (compression live from step 2): the restarted replica's model, momentum
     and algorithm state (Q, counters and its residual) equal those of the up-to-date
     member it healed from, at the step it joined."""
-    results = run_live(world=3, steps=12, kill="2@6", restart=True, sleep=0.02,
+    results = run_live(world=3, steps=8, kill="2@5", restart=True, sleep=0.01, together=2,
                        algorithm="powersgd", config={"start_iter": 2, "rank": 1})
     back = results[2]
     (joined_at, digest), = back["digests"].items()
@@ -61,8 +62,8 @@ def test_healing_copies_model_optimizer_and_algorithm_state() -> None:
 
 
 def test_a_quorum_below_min_size_is_a_clear_error() -> None:
-    results = run_live(world=2, steps=10, kill="1@3", restart=False, min_size=2,
-                       join_timeout=3.0, sleep=0.02)
+    results = run_live(world=2, steps=6, kill="1@3", restart=False, min_size=2,
+                       join_timeout=2.0, sleep=0.0)
     error = results[0]["error"]
     assert "could not reach 2 replicas" in error and "live replicas [0]" in error, error
 

@@ -131,12 +131,15 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
              algorithm: str = "allreduce", heartbeat_timeout: float = 0.5,
              sleep: float = 0.02, timeout: float = 240.0, min_size: int | None = None,
              config: dict[str, Any] | None = None, together: int = 5,
-             join_timeout: float = 60.0, **live_kwargs: Any) -> dict[int, dict[str, Any]]:
+             join_timeout: float = 60.0, restart_delay: float = 1.0,
+             **live_kwargs: Any) -> dict[int, dict[str, Any]]:
     """Run the replicas (see the module doc); returns each replica's final report.
+    A killed replica is started again ``restart_delay`` s after it died.
 
     Raises:
         RuntimeError: a replica failed (other than the injected kill) or overran ``timeout``.
     """
+    _warm_up()  # import lazily loaded modules once, not in every forked replica
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     cfg = {"steps": steps, "kill": kill, "restart": restart, "algorithm": algorithm,
@@ -152,9 +155,12 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
             proc.start()
         deadline = time.monotonic() + timeout
         restarted: set[int] = set()
+        died: dict[int, float] = {}
         while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
             for r in killed - restarted:
                 if restart and procs[r].exitcode is not None:
+                    died.setdefault(r, time.monotonic())
+                if restart and time.monotonic() > died.get(r, deadline) + restart_delay:
                     procs[r] = ctx.Process(target=_replica,
                                            args=(r, world, port, cfg, True, out))
                     procs[r].start()
@@ -170,6 +176,16 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
                                f"{timeout:.0f} s)")
         return {int(f.name[7:-5]): torch.load(f, weights_only=False) | {
             "restarted": f.name.endswith("_1.pt")} for f in Path(out).glob("*.pt")}
+
+
+def _warm_up() -> None:
+    import hexagram  # noqa: F401  (the wrapper's modules)
+
+    module = net()
+    opt = _optimizer(module)
+    x, y = batch(0, 0)
+    nn.functional.mse_loss(module(x), y).backward()
+    opt.step()
 
 
 def replay(log: list[tuple[int, list[int]]]) -> torch.Tensor:
