@@ -89,3 +89,19 @@ def test_replicas_that_find_nobody_training_load_the_durable_checkpoint(tmp_path
     assert torch.equal(second[0]["params"], second[1]["params"])
     assert torch.allclose(second[0]["params"], replay(first[0]["log"] + second[0]["log"]),
                           rtol=0, atol=1e-12)
+
+
+def test_local_sgd_votes_only_on_rounds_and_survives_a_kill() -> None:
+    """Local SGD (period 3): a vote per averaging round, not per step; a kill is survived
+    with no committed step lost and the restarted replica heals. A short collective
+    timeout bounds the wait of a survivor blocked in the round (see docs/elastic.md)."""
+    results = run_live(world=3, steps=12, kill="2@7", restart=True, sleep=0.01, together=3,
+                       algorithm="local_sgd", config={"period": 3}, collective_timeout=5.0)
+    survivors = [results[0], results[1]]
+    assert survivors[0]["log"] == survivors[1]["log"]
+    for rep in survivors:
+        assert _committed(rep) == list(range(rep["step"]))
+        assert rep["stats"]["failures"] == 1
+        # rounds every 3 steps (+ the aborted round): far fewer votes than steps
+        assert rep["stats"]["votes"] <= rep["step"] // 3 + 2, rep["stats"]
+    assert results[2]["stats"]["heal_s"] and results[2]["step"] == results[0]["step"]

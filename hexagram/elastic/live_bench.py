@@ -73,7 +73,7 @@ def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], restarted
     try:
         trainer = live(module, [opt], cfg["algorithm"], algorithm_config=cfg["config"],
                        min_size=cfg["min_size"], heartbeat_timeout=cfg["heartbeat_timeout"],
-                       timeout=30.0, join_timeout=cfg["join_timeout"],
+                       timeout=cfg["collective_timeout"], join_timeout=cfg["join_timeout"],
                        **cfg["live_kwargs"])
         _train(trainer, replica, world, cfg, restarted, report)
     except QuorumError as exc:
@@ -132,6 +132,7 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
              sleep: float = 0.02, timeout: float = 240.0, min_size: int | None = None,
              config: dict[str, Any] | None = None, together: int = 5,
              join_timeout: float = 60.0, restart_delay: float = 1.0,
+             collective_timeout: float = 30.0,
              **live_kwargs: Any) -> dict[int, dict[str, Any]]:
     """Run the replicas (see the module doc); returns each replica's final report.
     A killed replica is started again ``restart_delay`` s after it died.
@@ -145,7 +146,8 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
     cfg = {"steps": steps, "kill": kill, "restart": restart, "algorithm": algorithm,
            "heartbeat_timeout": heartbeat_timeout, "sleep": sleep,
            "min_size": min_size or world - 1, "config": config or {},
-           "together": together, "join_timeout": join_timeout, "live_kwargs": live_kwargs}
+           "together": together, "join_timeout": join_timeout, "live_kwargs": live_kwargs,
+           "collective_timeout": collective_timeout}
     killed = {f.rank for f in parse_faults(kill)}
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as out:

@@ -134,7 +134,9 @@ class LiveTrainer:
         step: committed steps so far (the same on every member).
         rank, size: this replica's rank and the membership size in the current epoch.
         replica: the stable id (``RANK`` at launch).
-        stats: ``failures``, ``stall_s`` (per recovery), ``heal_s``, ``epochs``.
+        stats: ``failures``, ``stall_s`` (per recovery), ``heal_s``, ``epochs``, ``votes``
+            (commit votes taken: every step for gradient algorithms, rounds for weight
+            algorithms).
     """
 
     def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -147,7 +149,7 @@ class LiveTrainer:
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self._wrapper_kwargs = wrapper_kwargs
         self.stats: dict[str, Any] = {"failures": 0, "stall_s": [], "heal_s": [],
-                                      "epochs": 0}
+                                      "epochs": 0, "votes": 0}
         host, port = _store(replica)
         prefix = f"hexagram/live/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/"
         self._root = dist.TCPStore(host, port, is_master=False,
@@ -196,8 +198,10 @@ class LiveTrainer:
         finally:
             self._watcher.disarm()
         communicated = not ok or self.model.comm.counter.total != sent_before
-        decision = self.quorum.vote(self.epoch, self.step, ok, self.timeout) \
-            if (communicated or not weight) else "commit"
+        decision = "commit"
+        if communicated or not weight:
+            self.stats["votes"] += 1
+            decision = self.quorum.vote(self.epoch, self.step, ok, self.timeout)
         if decision == "abort":
             failed_at = time.monotonic()
             self._zero_grad()
