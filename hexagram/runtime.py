@@ -36,8 +36,8 @@ from hexagram.elastic.rendezvous import (
 )
 from hexagram.errors import ConfigError, NotInitializedError
 
-__all__ = ["DEFAULT_TIMEOUT", "InitTimeoutError", "Runtime", "get_runtime", "init",
-           "is_initialized", "shutdown"]
+__all__ = ["DEFAULT_TIMEOUT", "InitTimeoutError", "Runtime", "adopt_group", "get_runtime",
+           "init", "is_initialized", "shutdown"]
 
 #: Default for every collective: far below torch's 30 minutes, so a dead peer is noticed.
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -191,6 +191,26 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     host_index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
     _RUNTIME = Runtime(rank=rank, world_size=world, local_rank=local_rank,
                        local_world_size=local_world, backend=chosen, device=device, timeout=td,
+                       host_of_rank=[host_index[k] for k in keys])
+    return _RUNTIME
+
+
+def adopt_group(timeout: float | timedelta = DEFAULT_TIMEOUT) -> Runtime:
+    """Replace the runtime by one for the default process group set up elsewhere.
+
+    For live mode (``hexagram.elastic.live``), which rebuilds the default gloo group for
+    every new membership: rank and world size come from the group (collective: host keys
+    are gathered). Example: ``dist.init_process_group("gloo", store=..., rank=r,
+    world_size=w); hexagram.runtime.adopt_group(30)``.
+    """
+    global _RUNTIME
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys: list[str | None] = [None] * world
+    dist.all_gather_object(keys, _host_key())
+    host_index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    _RUNTIME = Runtime(rank=rank, world_size=world, local_rank=0, local_world_size=1,
+                       backend=dist.get_backend(), device=torch.device("cpu"),
+                       timeout=_as_timedelta(timeout),
                        host_of_rank=[host_index[k] for k in keys])
     return _RUNTIME
 

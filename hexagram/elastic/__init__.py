@@ -1,9 +1,16 @@
-"""Elastic training: restart under torchrun and exact, collective checkpoints.
+"""Elastic training: restart under torchrun, exact checkpoints, and live mode.
 
 - :mod:`hexagram.elastic.rendezvous`: a store prefix per torchrun restart attempt and a
   deadline on process-group set-up (used by :func:`hexagram.init`).
 - :mod:`hexagram.elastic.checkpoint`: :func:`save_checkpoint` / :func:`load_checkpoint` on
   ``torch.distributed.checkpoint`` with every rank's algorithm state.
+- :mod:`hexagram.elastic.trainer` (:func:`live`) and :mod:`hexagram.elastic.quorum`: live
+  mode, in which survivors keep training when a rank dies and a restarted rank rejoins.
 
 See docs/elastic.md.
 """
+
+from hexagram.elastic.quorum import QuorumError
+from hexagram.elastic.trainer import LiveTrainer, live
+
+__all__ = ["LiveTrainer", "QuorumError", "live"]

@@ -1,0 +1,330 @@
+"""Live mode: survivors keep training when a rank dies, and a restarted rank rejoins.
+
+``hx.elastic.live(module, optimizers, algorithm=...)`` returns a :class:`LiveTrainer`. Each
+:meth:`LiveTrainer.run_step` runs the user's forward/backward on the current membership,
+then a commit vote on the job's c10d store (:mod:`hexagram.elastic.quorum`) decides, the
+same on every member, whether the step is applied:
+
+- gradient algorithms vote every step, *before* the optimizer step: a failed step is
+  dropped on every member and never half-applied (the algorithm state it touched, e.g.
+  error-feedback residuals, is rolled back);
+- weight algorithms (local SGD, DiLoCo, decentralized) vote only on steps that
+  communicated (their averaging rounds): the round runs inside the optimizer step, so the
+  state before the step is kept and restored if the round is aborted;
+- a gloo connection error (a dead peer) makes the member vote ``abort`` at once; a member
+  that died without breaking a collective is noticed when its heartbeat goes stale.
+
+After an abort, or when a replica asked to join, the members form a new *epoch*: a new
+gloo process group for the new membership, a new wrapper around the same module and
+optimizers, and healing: members behind the newest one (a restarted replica) receive the
+model, the optimizers **and the algorithm state** from an up-to-date member. If no member
+has training state (every replica just started) and ``checkpoint_dir`` is given, the newest
+durable checkpoint (:func:`hexagram.load_checkpoint`) is loaded instead.
+
+Launch every replica on its own (a dead replica must not take the others down, as
+``torchrun --nproc-per-node N`` would), all pointing at one store that outlives them:
+``MASTER_ADDR``/``MASTER_PORT`` name it, ``RANK`` is the replica id and ``WORLD_SIZE`` the
+largest membership. See docs/elastic.md.
+
+Example:
+    >>> import hexagram as hx
+    >>> trainer = hx.elastic.live(net, [opt], algorithm="powersgd", min_size=2)
+    ... # doctest: +SKIP
+    >>> while trainer.step < 1000:                                      # doctest: +SKIP
+    ...     x, y = batch(trainer.step, trainer.rank, trainer.size)
+    ...     trainer.run_step(lambda model: loss_fn(model(x), y).backward())
+    >>> trainer.close()                                                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError, Watcher
+from hexagram.elastic.state import CheckpointError, apply_rank_state, collect_rank_state
+from hexagram.errors import CommError, ConfigError
+
+__all__ = ["LiveTrainer", "QuorumError", "live"]
+
+_FAILURES = (CommError, CheckpointError, dist.DistError)
+
+
+def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+         algorithm: str = "allreduce", *, algorithm_config: dict[str, Any] | None = None,
+         min_size: int = 1, start_size: int | None = None,
+         heartbeat_timeout: float = 0.5, join_timeout: float = 60.0, timeout: float = 30.0,
+         checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+         **wrapper_kwargs: Any) -> LiveTrainer:
+    """A fault-tolerant trainer of ``module`` (see the module doc; collective start-up).
+
+    Args:
+        module, optimizers: the local model and its optimizers (kept across memberships).
+        algorithm, algorithm_config: a registered name and its settings
+            (``hexagram.algorithms.get(algorithm, **algorithm_config)``; a fresh instance
+            per membership).
+        min_size: fewest members that may train; below it => :class:`QuorumError`.
+        start_size: members the first epoch waits for (default ``WORLD_SIZE``).
+        heartbeat_timeout: seconds without a heartbeat before a replica counts as dead
+            (the stall after a silent failure; gloo errors are noticed at once).
+        join_timeout: how long forming a membership may wait for ``min_size`` replicas.
+        timeout: limit of every collective and of every vote.
+        checkpoint_dir, checkpoint_every: durable checkpoints every N committed steps
+            (0: none); loaded when no member has training state.
+        wrapper_kwargs: passed to :class:`hexagram.DistributedDataParallel`.
+
+    Raises:
+        ConfigError: bad sizes, an unsupported algorithm or a missing store address.
+        QuorumError: fewer than ``min_size`` replicas came within ``join_timeout``.
+    """
+    replica, max_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    start = max_size if start_size is None else start_size
+    if not 1 <= min_size <= start <= max_size:
+        raise ConfigError(f"need 1 <= min_size ({min_size}) <= start_size ({start}) <= "
+                          f"WORLD_SIZE ({max_size})")
+    if not isinstance(algorithm, str):
+        raise ConfigError("live mode builds a new algorithm per membership: pass its name "
+                          f"and algorithm_config={{...}}, not {type(algorithm).__name__}")
+    if algorithm == "async":
+        raise ConfigError("live mode does not support 'async' (its rounds run in a "
+                          "background thread); use 'local_sgd' or 'diloco'")
+    spec = (algorithm, dict(algorithm_config or {}))
+    return LiveTrainer(module, list(optimizers), spec, replica, max_size, min_size,
+                       start, heartbeat_timeout, join_timeout, timeout, checkpoint_dir,
+                       checkpoint_every, wrapper_kwargs)
+
+
+def _abort_all_groups() -> None:
+    """Abort every process group, closing its sockets now: peers stuck in a collective
+    with this rank fail at once. (``destroy_process_group`` leaves a group that the old
+    wrapper still references open until it is garbage-collected, and such a peer waits
+    out the collective timeout.) ``pg.abort()`` works for gloo in torch 2.13; torch's
+    helper for aborting them all is private, hence the fallback."""
+    abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort_all is None:
+            raise AttributeError("no _abort_process_group")
+        abort_all()
+    except (AttributeError, RuntimeError, ValueError):
+        dist.destroy_process_group()
+
+
+def _store(replica: int) -> tuple[str, int]:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise ConfigError("live mode needs MASTER_ADDR and MASTER_PORT: the address of a "
+                          "c10d store that outlives every replica (torchrun's agent store, "
+                          "or torch.distributed.TCPStore(..., is_master=True) on a host)")
+    return addr, int(port)
+
+
+class LiveTrainer:
+    """State of one replica in live mode; create it with :func:`live`.
+
+    Attributes:
+        model: the current :class:`hexagram.DistributedDataParallel` (rebuilt per epoch).
+        step: committed steps so far (the same on every member).
+        rank, size: this replica's rank and the membership size in the current epoch.
+        replica: the stable id (``RANK`` at launch).
+        stats: ``failures``, ``stall_s`` (per recovery), ``heal_s``, ``epochs``, ``votes``
+            (commit votes taken: every step for gradient algorithms, rounds for weight
+            algorithms).
+    """
+
+    def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
+                 algorithm: tuple[str, dict[str, Any]], replica: int, max_size: int, min_size: int,
+                 start_size: int, heartbeat_timeout: float, join_timeout: float,
+                 timeout: float, checkpoint_dir: str | None, checkpoint_every: int,
+                 wrapper_kwargs: dict[str, Any]) -> None:
+        self.module, self.optimizers, self.algorithm = module, optimizers, algorithm
+        self.replica, self.timeout = replica, timeout
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        self._wrapper_kwargs = wrapper_kwargs
+        self.stats: dict[str, Any] = {"failures": 0, "stall_s": [], "heal_s": [],
+                                      "epochs": 0, "votes": 0}
+        host, port = _store(replica)
+        prefix = f"hexagram/live/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/"
+        self._root = dist.TCPStore(host, port, is_master=False,
+                                   timeout=timedelta(seconds=join_timeout),
+                                   wait_for_workers=False)
+        self._store = dist.PrefixStore(prefix, self._root)
+        self._heartbeat = Heartbeat(host, port, prefix, replica, heartbeat_timeout / 5)
+        self.quorum = Quorum(self._store, replica, max_size, min_size, heartbeat_timeout,
+                             join_timeout)
+        watch_store = dist.PrefixStore(prefix, dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=join_timeout),
+            wait_for_workers=False))  # its own client: used from the watcher thread
+        self._watcher = Watcher(Quorum(watch_store, replica, max_size, min_size,
+                                       heartbeat_timeout, join_timeout), _abort_all_groups)
+        self.step = -1  # no training state yet
+        self.model: Any = None
+        self.epoch: Epoch | None = None
+        self._join(own=None, first_size=start_size)
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the current membership."""
+        assert self.epoch is not None
+        return self.epoch.rank_of(self.replica)
+
+    @property
+    def size(self) -> int:
+        """Number of members in the current epoch."""
+        assert self.epoch is not None
+        return len(self.epoch.members)
+
+    # -- one step ------------------------------------------------------------------------
+    def run_step(self, closure: Callable[[Any], Any]) -> bool:
+        """Run ``closure(model)`` (forward and backward), vote, and apply the step if every
+        member succeeded. Returns True when the step was committed (``step`` advanced),
+        False when it was dropped (the membership was rebuilt; run the step again).
+        """
+        weight = self.model.algorithm.kind == "weight"
+        snapshot = self._capture() if weight else copy.deepcopy(
+            self.model.algorithm_state_dict())
+        sent_before = self.model.comm.counter.total
+        assert self.epoch is not None
+        self._watcher.arm(self.epoch, self.step)
+        try:
+            ok = self._attempt(closure, weight)
+        finally:
+            self._watcher.disarm()
+        communicated = not ok or self.model.comm.counter.total != sent_before
+        decision = "commit"
+        if communicated or not weight:
+            self.stats["votes"] += 1
+            decision = self.quorum.vote(self.epoch, self.step, ok, self.timeout)
+        if decision == "abort":
+            failed_at = time.monotonic()
+            self._zero_grad()
+            own = snapshot if weight else {**self._capture(), "algorithm": snapshot}
+            self.stats["failures"] += 1
+            self._rebuild(own)
+            self.stats["stall_s"].append(time.monotonic() - failed_at)
+            return False
+        if not weight:
+            for opt in self.optimizers:
+                opt.step()
+        self._zero_grad()
+        self.step += 1
+        if decision == "commit+join":
+            self._rebuild(self._capture())
+        self._maybe_checkpoint()
+        return True
+
+    def _attempt(self, closure: Callable[[Any], Any], weight: bool) -> bool:
+        try:
+            closure(self.model)
+            if weight:
+                for opt in self.optimizers:
+                    opt.step()
+        except _FAILURES:
+            return False
+        return True
+
+    def _zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad()
+
+    def _capture(self) -> dict[str, Any]:
+        state = collect_rank_state(self.model, self.optimizers, self.step, None)
+        return copy.deepcopy(state)
+
+    def _maybe_checkpoint(self) -> None:
+        if not self.checkpoint_dir or not self.checkpoint_every \
+                or self.step % self.checkpoint_every:
+            return
+        from hexagram.elastic.checkpoint import save_checkpoint
+
+        try:
+            save_checkpoint(self.checkpoint_dir, self.model, self.optimizers, step=self.step,
+                            keep=2)
+        except _FAILURES:  # a member died while saving: nothing was committed
+            self._rebuild(self._capture())
+
+    # -- membership ----------------------------------------------------------------------
+    def _rebuild(self, own: dict[str, Any]) -> None:
+        """Leave the current epoch (its group is broken or too small) and join the next."""
+        self._teardown()
+        self._join(own, first_size=None)
+
+    def _teardown(self) -> None:
+        if dist.is_initialized():
+            _abort_all_groups()
+        if self.model is not None:
+            try:
+                self.model.close()
+            except Exception:  # a broken communicator; the wrapper is discarded
+                pass
+            self.model = None
+
+    def _join(self, own: dict[str, Any] | None, first_size: int | None) -> None:
+        """Form the next epoch with this replica in it, then set up and heal."""
+        number = self.epoch.number + 1 if self.epoch is not None \
+            else self.quorum.last_epoch() + 1
+        while True:
+            first = number == 1 and first_size is not None
+            if self.epoch is None and not first:
+                self.quorum.ask_to_join()
+            epoch = self.quorum.form(number, self.step,
+                                     min_size=first_size if first else None)
+            if epoch is not None:
+                break
+            number = max(number, self.quorum.last_epoch()) + 1
+        self.epoch = epoch
+        self.stats["epochs"] += 1
+        self._setup(epoch, own)
+
+    def _setup(self, epoch: Epoch, own: dict[str, Any] | None) -> None:
+        """The epoch's process group and wrapper; heal members that are behind."""
+        import hexagram as hx
+        from hexagram.runtime import adopt_group
+
+        store = dist.PrefixStore(f"e{epoch.number}/pg/", self._store)
+        dist.init_process_group("gloo", store=store, rank=epoch.rank_of(self.replica),
+                                world_size=len(epoch.members),
+                                timeout=timedelta(seconds=self.timeout))
+        adopt_group(self.timeout)
+        healed_at = time.monotonic()
+        newest = max(epoch.steps)
+        source = epoch.steps.index(newest)
+        if newest >= 0 and min(epoch.steps) < newest:
+            box = [own if epoch.rank_of(self.replica) == source else None]
+            dist.broadcast_object_list(box, src=source)
+            if self.step < newest:
+                own = box[0]
+        name, config = self.algorithm
+        self.model = hx.DistributedDataParallel(
+            self.module, self.optimizers, hx.algorithms.get(name, **config),
+            **self._wrapper_kwargs)
+        if own is not None:
+            apply_rank_state(own, self.model, self.optimizers, restore_rng=False)
+            self.step = int(own["step"])
+        elif newest < 0:
+            self.step = self._load_durable()
+        if min(epoch.steps) < newest:
+            self.stats["heal_s"].append(time.monotonic() - healed_at)
+
+    def _load_durable(self) -> int:
+        """Nobody has training state: the newest durable checkpoint, or step 0."""
+        if not self.checkpoint_dir:
+            return 0
+        from hexagram.elastic.checkpoint import load_checkpoint
+
+        step = load_checkpoint(self.checkpoint_dir, self.model, self.optimizers,
+                               restore_rng=False, allow_world_size_change=True)
+        return 0 if step is None else step
+
+    def close(self) -> None:
+        """Leave the job: stop the heartbeat, release the wrapper and the process group."""
+        self._heartbeat.stop()
+        self._watcher.stop()
+        self._teardown()

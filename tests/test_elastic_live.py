@@ -1,0 +1,107 @@
+"""Live mode (hx.elastic.live): real processes on gloo, one SIGKILLed mid-run.
+
+Each run hosts a c10d TCPStore, starts 3 replica processes, SIGKILLs replica 2 at a step
+with hexagram.testing.faults, starts it again, and checks what every replica reports
+(hexagram.elastic.live_bench). Every run has a timeout; no wall-clock assertion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hexagram.elastic.live_bench import replay, run_live
+
+KILL_AT = 5
+
+
+def _committed(report: dict[str, Any]) -> list[int]:
+    return [step for step, _ in report["log"]]
+
+
+def test_survivors_lose_no_step_and_the_restarted_rank_heals() -> None:
+    results = run_live(world=3, steps=12, kill=f"2@{KILL_AT}", restart=True, sleep=0.01,
+                       together=4)
+    assert sorted(results) == [0, 1, 2] and results[2]["restarted"]
+    survivors = [results[0], results[1]]
+    final = results[0]["step"]
+    for rep in survivors:
+        # every committed step exactly once, in order: nothing lost, nothing applied twice
+        assert _committed(rep) == list(range(final)), _committed(rep)
+        assert rep["stats"]["failures"] == 1 and len(rep["stats"]["stall_s"]) == 1
+        # the step during which replica 2 died was dropped, then redone by the survivors
+        assert dict(rep["log"])[KILL_AT] == [0, 1]
+        assert dict(rep["log"])[KILL_AT - 1] == [0, 1, 2]
+        # the parameters are exactly those of the committed steps, recomputed in one
+        # process (a half-applied failed step would show here)
+        assert torch.allclose(rep["params"], replay(rep["log"]), rtol=0, atol=1e-12)
+    assert survivors[0]["log"] == survivors[1]["log"]
+    back = results[2]
+    assert back["step"] == final and back["stats"]["heal_s"]
+    assert len(back["log"]) >= 4 and all(m == [0, 1, 2] for _, m in back["log"])
+    # it trained the last steps together with the survivors: identical parameters
+    for rep in survivors:
+        assert torch.equal(rep["params"], back["params"])
+
+
+def test_healing_copies_model_optimizer_and_algorithm_state() -> None:
+    """PowerSGD (compression live from step 2): the restarted replica's model, momentum
+    and algorithm state (Q, counters and its residual) equal those of the up-to-date
+    member it healed from, at the step it joined."""
+    results = run_live(world=3, steps=8, kill="2@5", restart=True, sleep=0.01, together=2,
+                       algorithm="powersgd", config={"start_iter": 2, "rank": 1})
+    back = results[2]
+    (joined_at, digest), = back["digests"].items()
+    source = results[0]["digests"][joined_at]  # replica 0: newest step, lowest id
+    assert digest == source
+    assert results[0]["digests"][0]["algorithm"] != source["algorithm"]  # state is live
+    assert torch.equal(back["params"], results[0]["params"])
+    assert torch.equal(results[1]["params"], results[0]["params"])
+
+
+def test_a_quorum_below_min_size_is_a_clear_error() -> None:
+    results = run_live(world=2, steps=6, kill="1@3", restart=False, min_size=2,
+                       join_timeout=2.0, sleep=0.0)
+    error = results[0]["error"]
+    assert "could not reach 2 replicas" in error and "live replicas [0]" in error, error
+
+
+@pytest.mark.parametrize("bad", [{"min_size": 0}, {"min_size": 3, "start_size": 2}])
+def test_bad_sizes_are_refused(bad: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from hexagram.elastic import live
+    from hexagram.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="min_size"):
+        live(torch.nn.Linear(2, 2), [], **bad)
+
+
+def test_replicas_that_find_nobody_training_load_the_durable_checkpoint(tmp_path: Any) -> None:
+    first = run_live(world=2, steps=6, kill="", restart=False, min_size=2, together=0,
+                     checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    second = run_live(world=2, steps=9, kill="", restart=False, min_size=2, together=0,
+                      checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    for replica in (0, 1):
+        assert _committed(first[replica]) == list(range(6))
+        assert _committed(second[replica]) == [6, 7, 8]  # resumed at the newest commit
+    assert torch.equal(second[0]["params"], second[1]["params"])
+    assert torch.allclose(second[0]["params"], replay(first[0]["log"] + second[0]["log"]),
+                          rtol=0, atol=1e-12)
+
+
+def test_local_sgd_votes_only_on_rounds_and_survives_a_kill() -> None:
+    """Local SGD (period 3): a vote per averaging round, not per step; a kill is survived
+    with no committed step lost and the restarted replica heals. A short collective
+    timeout bounds the wait of a survivor blocked in the round (see docs/elastic.md)."""
+    results = run_live(world=3, steps=12, kill="2@7", restart=True, sleep=0.01, together=3,
+                       algorithm="local_sgd", config={"period": 3}, collective_timeout=5.0)
+    survivors = [results[0], results[1]]
+    assert survivors[0]["log"] == survivors[1]["log"]
+    for rep in survivors:
+        assert _committed(rep) == list(range(rep["step"]))
+        assert rep["stats"]["failures"] == 1
+        # rounds every 3 steps (+ the aborted round): far fewer votes than steps
+        assert rep["stats"]["votes"] <= rep["step"] // 3 + 2, rep["stats"]
+    assert results[2]["stats"]["heal_s"] and results[2]["step"] == results[0]["step"]
