@@ -71,24 +71,8 @@ def test_selection_is_by_property() -> None:
     assert "auto" not in names and "local_sgd" not in names
 
 
-#: known gaps, outside this change (strict: a fix makes the test say so). Measured here:
-#: gtopk at its default density 0.01 ended at 78.2% (allreduce 91.5%); 0.05 reaches 90.4%.
-#: dgc keeps momentum 0.9 itself, so the user's SGD momentum 0.9 on top multiplies the
-#: effective lr by about 10 (37.4%); with dgc momentum=0 it reaches 89.5%. It should warn at
-#: wrap time naming that factor (issue 13, part 4).
-KNOWN_GAPS = {
-    "gtopk": "default density 0.01 is too sparse for error feedback to keep up (0.05 does)",
-    "dgc": "momentum correction on top of the optimizer's momentum: ~10x effective lr",
-}
-
-
-def _cases() -> list[Any]:
-    return [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=True))
-            if n in KNOWN_GAPS else n for n in dropin_names()]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _cases())
+@pytest.mark.parametrize("name", dropin_names())
 def test_within_two_points_of_allreduce_or_says_why(
         name: str, results: dict[str, dict[str, Any]]) -> None:
     base = results["allreduce"]["acc"]

@@ -1,13 +1,11 @@
 """Algorithms that need another learning rate say so by a factor; auto never picks them.
 
 The factor is machine-readable (:func:`hexagram.cost.choose.lr_note`), never parsed from a
-warning. DGC takes the optimizer's SGD momentum over (a drop-in) and gives it back on close;
-an explicit DGC momentum stacked on the optimizer's is flagged with its factor.
+warning; DGC's wrap-time behaviour is in tests/test_dgc_takeover.py.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 from torch import nn
 
 import hexagram as hx
+from hexagram.algorithms.auto import AutoAlgorithm, AutoConfig
 from hexagram.cost import choose
 from hexagram.cost.model import Prediction
 from hexagram.errors import ConfigError
@@ -50,64 +49,12 @@ def test_flags_survive_wrappers_and_mark_the_table() -> None:
     assert "| allreduce **<- chosen** |" in table
 
 
-def _wrap(label: str, opt_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """On this rank: wrap with ``label``; optimizer groups while wrapped and after close."""
-    hx.init()
-    net = nn.Linear(4, 2)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, **opt_kwargs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = hx.DistributedDataParallel(net, [opt], choose.make(label))
-    algo = model.algorithm
-    wrapped = {k: opt.param_groups[0][k] for k in ("momentum", "weight_decay")}
-    factors = dict(getattr(algo, "factors", {}))
-    model(torch.randn(3, 4)).sum().backward()  # one step runs with the taken-over momentum
-    opt.step()
-    model.close()
-    return {"warnings": [str(w.message) for w in caught if "dgc" in str(w.message)],
-            "wrapped": wrapped, "factors": factors,
-            "closed": {k: opt.param_groups[0][k] for k in ("momentum", "weight_decay")}}
-
-
-def _wrap_all(cases: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    return [_wrap(label, kw) for label, kw in cases]
-
-
-@pytest.fixture(scope="module")
-def wrapped() -> list[dict[str, Any]]:
-    cases = [("dgc", {"momentum": 0.9, "weight_decay": 1e-4}),
-             ("dgc:momentum=0.9", {"momentum": 0.9}),
-             ("dgc:momentum=0.9", {}),
-             ("dgc", {"momentum": 0.9, "nesterov": True})]
-    return run_local(_wrap_all, 1, args=(cases,), timeout=120)[0]
-
-
-def test_dgc_takes_the_sgd_momentum_over_and_gives_it_back(
-        wrapped: list[dict[str, Any]]) -> None:
-    took = wrapped[0]
-    (message,) = took["warnings"]
-    assert "took over the optimizer's SGD momentum 0.9" in message, message
-    assert took["wrapped"] == {"momentum": 0.0, "weight_decay": 0.0}
-    assert set(took["factors"].values()) == {(0.9, 1e-4)}
-    assert took["closed"] == {"momentum": 0.9, "weight_decay": 1e-4}
-
-
-def test_dgc_stacked_momentum_warns_with_the_factor(wrapped: list[dict[str, Any]]) -> None:
-    stacked, alone, nesterov = wrapped[1:]
-    (message,) = stacked["warnings"]
-    assert "multiplied by about 0.1" in message and "momentum=0.9" in message, message
-    assert stacked["wrapped"]["momentum"] == 0.9  # not taken over: the user chose both
-    assert alone["warnings"] == [] and alone["factors"] == {}  # the paper's usage
-    # Nesterov is not DGC's correction: left to the optimizer, DGC momentum 0
-    assert nesterov["warnings"] == [] and nesterov["wrapped"]["momentum"] == 0.9
-
-
 def _auto(candidates: list[str]) -> dict[str, Any]:
     hx.init()
     net = nn.Linear(64, 32)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    algo = hx.algorithms.get("auto", candidates=candidates, probe_budget_s=0.5,
-                             verbose=False, profile_steps=2, tune_buckets=1)
+    algo = AutoAlgorithm(AutoConfig(candidates=tuple(candidates), probe_budget_s=0.5,
+                                    verbose=False, profile_steps=2, tune_buckets=1))
     try:
         model = hx.DistributedDataParallel(net, [opt], algo)
     except ConfigError as e:
