@@ -74,7 +74,7 @@ DIGITS: list[tuple[str, dict[str, Any], float, float]] = [
     ("qsgd", {}, 0.1, 0.9), ("terngrad", {}, 0.1, 0.9), ("onebit", {}, 0.05, 0.9),
     ("efsign", {}, 0.05, 0.9), ("signsgd", {}, 0.0015, 0.9), ("topk", {"density": 0.1}, 0.1, 0.9),
     ("gtopk", {"density": 0.1}, 0.1, 0.9),
-    ("dgc", {"density": 0.1, "warmup_steps": 40}, 0.2, 0.0),
+    ("dgc", {"density": 0.1, "warmup_steps": 40, "momentum": 0.9, "masking": True}, 0.2, 0.0),
     ("randomk", {"density": 0.5}, 0.05, 0.9), ("randomk", {"density": 0.25}, 0.05, 0.9),
     ("powersgd", {"rank": 2, "start_iter": 10}, 0.1, 0.9),
 ]

@@ -142,7 +142,8 @@ OVERRIDES = {
     "gtopk": Spec("gtopk", {"density": 0.1}),
     # DGC keeps the momentum itself (optimizer without); momentum factor masking damps it,
     # so it takes a larger step
-    "dgc": Spec("dgc", {"density": 0.1, "warmup_steps": 40}, lr=0.2, momentum=0.0),
+    "dgc": Spec("dgc", {"density": 0.1, "warmup_steps": 40, "momentum": 0.9, "masking": True},
+                lr=0.2, momentum=0.0),
     # random-k with error feedback needs more steps at lower density (0.25: 0.9 point below)
     "randomk": Spec("randomk", {"density": 0.5}, lr=0.05),
     "powersgd": Spec("powersgd", {"rank": 2, "start_iter": 10}),

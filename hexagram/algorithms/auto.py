@@ -23,6 +23,11 @@ state) is dropped, which the log says; leaving a weight algorithm first synchron
 replicas. ``state_dict`` holds the decision: a resumed run keeps it (``redecide=True``
 decides again).
 
+Learning rate: a candidate whose configuration needs another lr than the user's optimizer
+has (:func:`hexagram.cost.choose.lr_flags`, e.g. ``signsgd:scaled=false`` needs about
+x0.015) is never chosen; the table lists it as ``(excluded: needs lr x0.015)``. Only such
+candidates: a :class:`~hexagram.errors.ConfigError` at wrap time.
+
 Example:
     >>> import hexagram as hx
     >>> algo = hx.algorithms.get("auto", candidates=["allreduce", "powersgd"])
@@ -54,6 +59,7 @@ from hexagram.cost.model import MB, Prediction
 from hexagram.cost.probe import NetworkProfile, probe
 from hexagram.cost.profile import CompressorCost, ComputeProfile
 from hexagram.cost.recorder import StepRecorder
+from hexagram.errors import ConfigError
 
 __all__ = ["AutoAlgorithm", "AutoConfig"]
 
@@ -125,6 +131,7 @@ class AutoAlgorithm(Algorithm):
         self.network: NetworkProfile | None = None
         self.compute: ComputeProfile | None = None
         self.costs: dict[str, CompressorCost] = {}
+        self.flags: dict[str, str] = {}  # label -> why auto must not pick it (lr)
         self._bucket: int | None = None
         self._pending = False  # the delegate waits for the engine's rebuild to set up
         self._rebuild = False  # buckets must be rebuilt (new delegate or bucket size)
@@ -148,6 +155,7 @@ class AutoAlgorithm(Algorithm):
         group = dist.new_group(list(range(rt.world_size)), timeout=rt.timeout)
         self._control = Communicator(group, rt.timeout, name="auto.control")
         self._recorder = StepRecorder(ctx.module, ctx.named_params)
+        self._flag_lr(ctx)
         if self.decision is None:
             self._measure_network()
             static = measure.static_profile(ctx.buckets, self._recorder.specs)
@@ -156,6 +164,18 @@ class AutoAlgorithm(Algorithm):
             self._adopt(self._decide(static, provisional=True).label, None)
         self.delegate.setup(ctx)
         self._pending = self._rebuild = False
+
+    def _flag_lr(self, ctx: AlgorithmContext) -> None:
+        """Candidates that are not drop-ins with the user's optimizers are excluded."""
+        self.flags = choose.lr_flags(self.candidates, ctx.optimizers)
+        if len(self.flags) == len(self.candidates):
+            raise ConfigError(
+                "auto: every candidate needs another learning rate than the optimizer's ("
+                + ", ".join(f"{k}: {v}" for k, v in self.flags.items())
+                + "); add a drop-in candidate such as 'allreduce'")
+        for label, why in self.flags.items():
+            self._say(f"auto: candidate {label!r} excluded: {why} (not a drop-in for the "
+                      "optimizer's learning rate)")
 
     def _measure_network(self) -> None:
         assert self._control is not None
@@ -175,7 +195,10 @@ class AutoAlgorithm(Algorithm):
         preds = choose.predict_all(pool, compute, self.network, self.costs,
                                    self.config.bucket_mb)
         labels = [label for label, _ in self.candidates]
-        best = preds[0]
+        best = next((p for p in preds if p.label not in self.flags), None)
+        if best is None:
+            raise ConfigError(f"auto: no applicable candidate is a drop-in for the optimizer's "
+                              f"learning rate ({self.flags}); add 'allreduce' to candidates")
         sizes = [p.bucket_bytes for p in preds if p.label == best.label]
         sizes = sizes[:self.config.tune_buckets]
         pad = len(self.config.bucket_mb) - len(sizes)
@@ -186,9 +209,10 @@ class AutoAlgorithm(Algorithm):
         pick = next(p for p in preds if p.label == chosen)
         if not provisional:
             why = self._reason(pick, preds)
-            self.table = choose.format_table(preds, chosen, why)
+            self.table = choose.format_table(preds, chosen, why, flags=self.flags)
             self.decision = {"label": chosen, "predicted_s": pick.step_s, "reason": why,
-                             "wire_bytes": pick.wire_bytes, "bucket_bytes": pick.bucket_bytes}
+                             "wire_bytes": pick.wire_bytes, "bucket_bytes": pick.bucket_bytes,
+                             "excluded": dict(self.flags)}
             self._say("auto: decision\n" + self.table)
         return pick
 

@@ -6,9 +6,30 @@ Per segment (a layer by default), with ``g`` the local gradient::
     u <- momentum * u + g                              momentum correction: momentum is
     v <- v + u                                         accumulated locally, before sparsifying
     send top-k(v) (allgather of (index, value) pairs, then the mean over ranks)
-    v[sent] <- 0,  u[sent] <- 0                        momentum factor masking
+    v[sent] <- 0,  u[sent] <- 0 (masking=True)         momentum factor masking
 
-Because the momentum lives here, use the optimizer *without* momentum (``SGD(lr)``).
+The paper's momentum correction *replaces* the optimizer's momentum (its SGD update is
+``w <- w - lr * mean(top-k(v))``, the velocity lives in ``u``), so DGC is a drop-in for the
+user's optimizer by taking that momentum over: with ``momentum=None`` (the default), each
+parameter of a ``torch.optim.SGD`` group with momentum ``m`` (no Nesterov, no dampening)
+gets DGC momentum ``m`` and weight decay ``wd`` (added to ``g`` before ``u``, as SGD does
+before its momentum buffer); that group then runs with momentum 0 and weight decay 0 until
+the wrapper is closed (restored then), and a wrap-time warning says so. Parameters of any
+other optimizer keep it untouched with DGC momentum 0 (top-k with error feedback under the
+optimizer's own moments). An explicit ``momentum`` on top of an SGD momentum stacks the two:
+about ``1 / (1 - momentum)`` times the effective step, warned with the lr factor
+(:meth:`DGCAlgorithm.lr_note`); with a momentum-free ``SGD(lr)`` it is the paper's usage.
+
+Momentum factor masking is off by default: it drops the velocity of every element sent,
+which the paper introduced against staleness at 99.9% sparsity, where an element waits
+about 1000 steps between sends; at density >= 0.01 the large elements are sent every few
+steps and lose their momentum (at density 1 the update is plain SGD without momentum).
+Without it, a gradient's total weight over the following steps is ``1 / (1 - m)`` as in
+momentum SGD, and at density 1 DGC *is* the optimizer's momentum SGD, exactly. Measured
+(digits MLP, 4 ranks, SGD lr 0.05 momentum 0.9 taken over, 8 epochs; allreduce 91.5%):
+masking on 83.5% / 82.4% / 79.5% at density 0.01 / 0.02 / 0.05; off 88.4% / 90.4% at
+0.01 / 0.02, hence the default density 0.02 (top-k's; DGC momentum 0 under the optimizer's
+momentum: 89.5% / 90.7%).
 Sparsity warm-up: for the first ``warmup_steps`` steps the density falls from
 ``warmup_density`` to ``density`` in four geometric stages (DGC's 75%, 93.75%, 98.4%,
 99.6% sparsity for 0.25 -> 0.001), so early, fast-changing gradients are sent more densely.
@@ -24,16 +45,21 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from hexagram import compress
+from hexagram.algorithms.base import AlgorithmContext
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, Segment
+from hexagram.algorithms.recipe import LrNote
 from hexagram.buckets import BucketEntry
 from hexagram.compress.base import Compressor, Payload
-from hexagram.config import check_float, check_int
+from hexagram.config import check_choice, check_float, check_int
 
 __all__ = ["DGCAlgorithm", "DGCConfig", "density_at"]
 
@@ -53,9 +79,15 @@ class DGCConfig(CompressedConfig):
     Attributes:
         approximate: estimate the top-k threshold from a sample (DGC's trick): faster on
             large tensors, same selection (falls back to exact top-k when it misses).
-        density: fraction of elements sent per segment after warm-up; lower => fewer bytes.
-        momentum: momentum of the correction (the optimizer must have none); higher =>
-            smoother, larger accumulated updates.
+        density: fraction of elements sent per segment after warm-up; lower => fewer bytes
+            (0.02: a drop-in on digits; the paper's 0.001 is for long, large runs).
+        momentum: momentum of the correction; None => the optimizer's, taken over (module
+            doc; a drop-in); a number => this one, for an optimizer without momentum
+            (stacked on an optimizer's momentum it needs about ``1 - momentum`` times the
+            lr, warned). Higher => smoother, larger accumulated updates.
+        masking: momentum factor masking (zero ``u`` where sent, the paper's, for extreme
+            sparsity); False (default) keeps the velocity of sent elements: at density 1
+            DGC is exactly momentum SGD (module doc: measured).
         clip_norm: local clipping threshold of each segment's gradient norm, divided by
             sqrt(P) as in the paper; 0 => no clipping. Lower => more stable, slower.
         warmup_steps: steps of the sparsity warm-up; 0 => ``density`` from the start.
@@ -64,9 +96,10 @@ class DGCConfig(CompressedConfig):
 
     algorithm = "dgc"
 
-    density: float = 0.01
+    density: float = 0.02
     approximate: bool = True
-    momentum: float = 0.9
+    momentum: float | None = None
+    masking: bool = False
     clip_norm: float = 0.0
     warmup_steps: int = 0
     warmup_density: float = 0.25
@@ -74,7 +107,9 @@ class DGCConfig(CompressedConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_float(self, "density", low=0.0, high=1.0, low_open=True)
-        check_float(self, "momentum", low=0.0, high=1.0, high_open=True)
+        if self.momentum is not None:
+            check_float(self, "momentum", low=0.0, high=1.0, high_open=True)
+        check_choice(self, "masking", (True, False))
         check_float(self, "clip_norm", low=0.0)
         check_int(self, "warmup_steps", low=0)
         check_float(self, "warmup_density", low=self.density, high=1.0)
@@ -105,9 +140,71 @@ class DGCAlgorithm(CompressorAlgorithm):
         super().__init__(config or DGCConfig())
         self.config: DGCConfig
         self.momenta: dict[str, Tensor] = {}
+        #: per tensor name: (momentum, weight decay) of the correction (set at setup)
+        self.factors: dict[str, tuple[float, float]] = {}
+        self._taken: list[tuple[dict[str, Any], float, float]] = []  # (group, m, wd) to restore
+        self._params: dict[str, Tensor] = {}
         self._by_density: dict[float, Compressor] = {}
         # the accumulated velocity v is DGC's error-feedback residual
         self.use_compressor(self._compressor(self.config.density), feedback=True)
+
+    # -- the optimizer's momentum: taken over, or stacked (module doc) ---------------------
+    def setup(self, ctx: AlgorithmContext) -> None:
+        """Set up; with ``momentum=None`` take the SGD momentum over (warned), else warn
+        when DGC's momentum stacks on the optimizer's (:meth:`lr_note`)."""
+        super().setup(ctx)
+        self._params = {n: p for n, p in ctx.named_params}
+        if self.factors:  # set up before (or restored from a checkpoint): keep
+            return
+        taken = self._take_over(ctx) if self.config.momentum is None else []
+        if taken:
+            m = sorted({f"{g['momentum']:g}" for g, _, _ in taken})
+            wd = sorted({f"{g['weight_decay']:g}" for g, _, _ in taken})
+            warnings.warn(
+                f"algorithm 'dgc': took over the optimizer's SGD momentum {'/'.join(m)} "
+                f"(weight decay {'/'.join(wd)}) as DGC's momentum correction, the paper's "
+                "formulation (velocity accumulated before sparsifying); its param_groups "
+                "read momentum=0, weight_decay=0 until the model is closed. Pass "
+                "dgc momentum=<float> with a momentum-free optimizer to set it yourself",
+                UserWarning, stacklevel=2)
+            for group, _, _ in taken:
+                group["momentum"], group["weight_decay"] = 0.0, 0.0
+            self._taken = [(g, m_, wd_) for g, m_, wd_ in taken]
+        note = self.lr_note(ctx.optimizers)
+        if note:
+            warnings.warn(note.message("dgc"), UserWarning, stacklevel=2)
+
+    def _take_over(self, ctx: AlgorithmContext) -> list[tuple[dict[str, Any], float, float]]:
+        """Per parameter, the momentum and weight decay of a plain momentum-SGD group
+        (those groups are returned with their original values); 0 elsewhere."""
+        name_of = {id(p): n for n, p in ctx.named_params}
+        taken = []
+        for opt in ctx.optimizers:
+            for group in opt.param_groups:
+                m = float(group.get("momentum", 0.0) or 0.0)
+                plain = isinstance(opt, torch.optim.SGD) and m > 0 \
+                    and not group.get("nesterov") and not group.get("dampening")
+                if not plain:
+                    continue
+                wd = float(group.get("weight_decay", 0.0) or 0.0)
+                for p in group["params"]:
+                    if id(p) in name_of:
+                        self.factors[name_of[id(p)]] = (m, wd)
+                taken.append((group, m, wd))
+        return taken
+
+    def lr_note(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> LrNote | None:
+        """The lr factor needed with ``optimizers``: an explicit ``momentum`` on top of an
+        optimizer's momentum moves about ``1 / (1 - momentum)`` times as far; else None."""
+        m = self.config.momentum
+        stacked = [float(g.get("momentum", 0.0) or 0.0) for o in optimizers
+                   for g in o.param_groups]
+        if not m or not any(stacked):
+            return None
+        return LrNote(round(1.0 - m, 6), f"momentum={m:g} stacks DGC's momentum correction on "
+                      f"the optimizer's momentum {max(stacked):g} (digits MLP, SGD lr 0.05: "
+                      "37% against 91.5% for allreduce); leave dgc momentum unset (None, the "
+                      "default) to take the optimizer's over, a drop-in")
 
     def density_at(self, step: int) -> float:
         """Density used at ``step`` (see :func:`density_at`)."""
@@ -132,7 +229,7 @@ class DGCAlgorithm(CompressorAlgorithm):
         payload = comp.compress(tensor, self.generator)
         values, indices = payload.tensors
         sent = indices[values != 0].long()  # where decompress(payload) != 0
-        for e, u in zip(segment.entries, moms):  # momentum factor masking
+        for e, u in zip(segment.entries, moms if self.config.masking else []):  # masking
             lo = e.offset - segment.start
             u.index_fill_(0, sent[(sent >= lo) & (sent < lo + e.numel)] - lo, 0.0)
         if len(segment.entries) == 1:  # v - sent: zero where sent
@@ -150,20 +247,32 @@ class DGCAlgorithm(CompressorAlgorithm):
                 grad.mul_(limit / norm)
 
     def _momenta(self, segment: Segment, grad: Tensor) -> list[Tensor]:
-        """u <- momentum * u + g per tensor of the segment, in the stored tensors."""
-        out = []
+        """u <- momentum * u + g (+ wd * w, taken over) per tensor of the segment."""
+        out, default = [], (self.config.momentum or 0.0, 0.0)
         for e in segment.entries:
             u = self.momenta.get(e.name)
             if u is None or u.shape != (e.numel,) or u.dtype != grad.dtype:
                 u = grad.new_zeros(e.numel)
-            self.momenta[e.name] = u.mul_(self.config.momentum).add_(_part(segment, grad, e))
+            m, wd = self.factors.get(e.name, default)
+            u.mul_(m).add_(_part(segment, grad, e))
+            if wd and e.name in self._params:
+                u.add_(self._params[e.name].detach().reshape(-1), alpha=wd)
+            self.momenta[e.name] = u
             out.append(u)
         return out
 
+    def close(self) -> None:
+        """Give the optimizer its momentum and weight decay back (module doc)."""
+        for group, m, wd in self._taken:
+            group["momentum"], group["weight_decay"] = m, wd
+        self._taken = []
+        super().close()
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(),
+        return {**super().state_dict(), "factors": dict(self.factors),
                 "momenta": {n: t.clone() for n, t in self.momenta.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.momenta = {n: t.clone() for n, t in state["momenta"].items()}
+        self.factors.update(state.get("factors", {}))

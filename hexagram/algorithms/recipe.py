@@ -25,16 +25,41 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
+
+import torch
 
 from hexagram import compress
 from hexagram.algorithms.base import AlgorithmContext
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm
 from hexagram.config import check_choice
 
-__all__ = ["Option", "Recipe", "RecipeAlgorithm", "classes"]
+__all__ = ["LrNote", "Option", "Recipe", "RecipeAlgorithm", "classes"]
+
+
+@dataclass(frozen=True)
+class LrNote:
+    """The learning-rate change a configuration needs to train like allreduce with the
+    user's optimizer: machine-readable (``auto`` reads ``factor``), warned at wrap time.
+
+    Attributes:
+        factor: multiply the optimizer's lr by this (about); 1.0 would be a drop-in.
+        why: what makes it necessary and how to avoid it (a drop-in configuration).
+
+    Example:
+        >>> LrNote(0.1, "momentum stacks").message("dgc")
+        "algorithm 'dgc' needs the learning rate multiplied by about 0.1: momentum stacks"
+    """
+
+    factor: float
+    why: str
+
+    def message(self, name: str) -> str:
+        """The wrap-time warning, naming the algorithm and the factor."""
+        return f"algorithm {name!r} needs the learning rate multiplied by about " \
+               f"{self.factor:g}: {self.why}"
 
 
 @dataclass(frozen=True)
@@ -69,9 +94,10 @@ class Recipe:
         granularity: default granularity (``"layer"`` or ``"bucket"``).
         reduction: ``"mean"``, or ``"majority"`` (the sign of the sum: signSGD's vote).
         seeded: pass the config's ``seed`` to the compressor (stochastic compressors).
-        lr_warning: ``lr_warning(config)``: the learning-rate factor a configuration needs
-            and why (warned once at wrap time, :meth:`RecipeAlgorithm.setup`), or ``None``
-            when it is a drop-in for the user's optimizer.
+        lr_warning: ``lr_warning(config)``: the :class:`LrNote` (learning-rate factor and
+            why) a configuration needs (warned once at wrap time,
+            :meth:`RecipeAlgorithm.setup`; read by ``auto`` through
+            :meth:`RecipeAlgorithm.lr_note`), or ``None`` when it is a drop-in.
     """
 
     name: str
@@ -82,7 +108,7 @@ class Recipe:
     granularity: str = "layer"
     reduction: str = "mean"
     seeded: bool = False
-    lr_warning: Callable[[Any], str | None] | None = None
+    lr_warning: Callable[[Any], LrNote | None] | None = None
 
 
 class RecipeAlgorithm(CompressorAlgorithm):
@@ -100,12 +126,16 @@ class RecipeAlgorithm(CompressorAlgorithm):
         self.use_compressor(compress.get(r.compressor, **args),
                             feedback=bool(c.error_feedback))
 
+    def lr_note(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> LrNote | None:
+        """The lr change this configuration needs (None: a drop-in); see :class:`LrNote`."""
+        return self.recipe.lr_warning(self.config) if self.recipe.lr_warning else None
+
     def setup(self, ctx: AlgorithmContext) -> None:
         """Set up (see the base class), warning if this configuration needs another lr."""
         super().setup(ctx)
-        note = self.recipe.lr_warning(self.config) if self.recipe.lr_warning else None
+        note = self.lr_note(ctx.optimizers)
         if note:
-            warnings.warn(f"algorithm {self.recipe.name!r}: {note}", UserWarning, stacklevel=2)
+            warnings.warn(note.message(self.recipe.name), UserWarning, stacklevel=2)
 
 
 def _camel(name: str) -> str:

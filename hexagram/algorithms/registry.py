@@ -28,7 +28,7 @@ from functools import partial
 from typing import Any
 
 from hexagram.algorithms.base import Algorithm
-from hexagram.algorithms.recipe import Option, Recipe, classes
+from hexagram.algorithms.recipe import LrNote, Option, Recipe, classes
 from hexagram.algorithms.wrappers import WRAPPER_OPTIONS, wrap
 from hexagram.config import build_config, check_choice, check_float, check_int
 
@@ -69,13 +69,13 @@ _APPROXIMATE = Option(True, "estimate the top-k threshold from a sample (DGC's t
                       "faster on large tensors, same selection (exact top-k when it misses)")
 
 
-def _pure_vote_lr(config: Any) -> str | None:
+def _pure_vote_lr(config: Any) -> LrNote | None:
     """signsgd's pure vote (scaled=False) moves each element by the whole learning rate."""
     if config.scaled:
         return None
-    return ("scaled=False: the pure majority vote moves every element by the whole learning "
-            "rate; multiply the lr by about 0.015 (digits MLP: lr 0.0015 matched allreduce at "
-            "0.1), or keep scaled=True (the default), a drop-in for the user's lr")
+    return LrNote(0.015, "scaled=False: the pure majority vote moves every element by the "
+                  "whole learning rate (digits MLP: lr 0.0015 matched allreduce at 0.1); or "
+                  "keep scaled=True (the default), a drop-in for the user's lr")
 
 
 _ENTRIES: tuple[Entry, ...] = (

@@ -22,6 +22,12 @@ identical vector). The critical path halves, ``log2 P`` messages instead of ``2 
 (each waits for the merge before it), for ``P log2 P`` messages in all: every rank sends
 ``log2 P`` of them, as many as the tree's busiest rank.
 
+Error feedback needs to know which of a rank's own pairs the result includes: an index can
+win globally while this rank's value for it was dropped in an early merge.
+:func:`gtopk_allreduce_tracked` says so exactly, at no extra bytes (recursive doubling: a
+pair is included when it survived every merge; the tree: each parent flags, in the sign bit
+of the indices it sends down, where the result includes that child's value).
+
 Pairs travel as one uint8 buffer: ``k`` values in their own dtype, then ``k`` int32 indices
 (tensors of up to 2**31 elements).
 
@@ -38,8 +44,8 @@ from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Handle
 
-__all__ = ["butterfly", "gtopk_allreduce", "gtopk_bytes", "merge_topk", "tree_children",
-           "tree_parent"]
+__all__ = ["butterfly", "gtopk_allreduce", "gtopk_allreduce_tracked", "gtopk_bytes",
+           "merge_topk", "tree_children", "tree_parent"]
 
 
 def butterfly(size: int) -> bool:
@@ -119,6 +125,10 @@ def _unpack(buf: Tensor, k: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return buf[:split].view(dtype).clone(), buf[split:].view(torch.int32).long()
 
 
+#: one merge a rank performed: (the peer's pairs' indices it merged in, the kept indices)
+Merge = tuple[Tensor, Tensor]
+
+
 def gtopk_allreduce(comm: Communicator, values: Tensor, indices: Tensor, numel: int
                     ) -> Handle[tuple[Tensor, Tensor]]:
     """Start gTopKAllReduce of ``k`` pairs per rank; the handle gives the global ``k`` pairs.
@@ -133,39 +143,88 @@ def gtopk_allreduce(comm: Communicator, values: Tensor, indices: Tensor, numel: 
         Handle of (values (k,), indices (k,) int64): the sum over ranks restricted to the
         winning indices, identical on every rank. Not averaged: divide by ``comm.size``.
     """
+    return gtopk_allreduce_tracked(comm, values, indices, numel).then(lambda r: (r[0], r[1]))
+
+
+def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor, numel: int
+                            ) -> Handle[tuple[Tensor, Tensor, Tensor]]:
+    """:func:`gtopk_allreduce`, also saying which of this rank's pairs the result includes.
+
+    A pair of this rank is *included* when its value is part of the result's sum: it
+    survived every merge on its way to the root. An index can win globally without this
+    rank's value (dropped in an early merge, the index won through other ranks); error
+    feedback must keep that value (the paper clears every locally selected index that won,
+    which loses it). The invariant, exact: summing each rank's included values at their
+    indices gives the result. Same bytes as :func:`gtopk_allreduce`: on the tree, each
+    child's flag travels in the sign bit of its copy of the int32 indices.
+
+    Returns:
+        Handle of (values (k,), indices (k,) int64, included (k,) bool over ``indices``).
+
+    Example:
+        >>> gv, gi, mine = gtopk_allreduce_tracked(comm, v, i, 1000).wait()  # doctest: +SKIP
+        >>> residual[i[~mine]]  # still to send                              # doctest: +SKIP
+    """
     k = values.numel()
-    if indices.numel() != k or values.dim() != 1:
+    _check(values, indices, numel)
+    values, indices = values.detach().clone(), indices.detach().long().clone()
+    if comm.size == 1:
+        return Handle.completed((values, indices, torch.ones(k, dtype=torch.bool,
+                                                             device=values.device)), "gtopk")
+    up, down = gtopk_bytes(comm.rank, comm.size, k, values.element_size())
+
+    def job() -> tuple[Tensor, Tensor, Tensor]:
+        if butterfly(comm.size):
+            return _recursive_doubling(comm, values, indices, k)
+        v, i, merges = _reduce_up_tracked(comm, values, indices, k)
+        comm.counter.add("gtopk.broadcast", down)
+        gv, gi, mask = _broadcast_down_tracked(comm, v, i, k, merges)
+        return gv, gi, _included(indices, merges, gi[mask])
+
+    return comm.submit("gtopk.reduce", job, up)
+
+
+def _check(values: Tensor, indices: Tensor, numel: int) -> None:
+    if indices.numel() != values.numel() or values.dim() != 1:
         raise ValueError(f"values and indices must be 1-D of equal length, got "
                          f"{tuple(values.shape)} and {tuple(indices.shape)}")
-    if k > 0 and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+    if values.numel() > 0 and (int(indices.min()) < 0 or int(indices.max()) >= numel):
         raise ValueError(f"indices must lie in [0, {numel}), got [{int(indices.min())}, "
                          f"{int(indices.max())}]")
     if numel >= 2**31:
         raise ValueError(f"gtopk_allreduce sends int32 indices; numel={numel} is too large: "
                          "split the tensor (granularity='layer')")
-    values, indices = values.detach().clone(), indices.detach().long().clone()
-    if comm.size == 1:
-        return Handle.completed((values, indices), "gtopk")
-    up, down = gtopk_bytes(comm.rank, comm.size, k, values.element_size())
 
-    def job() -> tuple[Tensor, Tensor]:
-        if butterfly(comm.size):
-            return _recursive_doubling(comm, values, indices, k)
-        v, i = _reduce_up(comm, values, indices, k)
-        comm.counter.add("gtopk.broadcast", down)
-        return _broadcast_down(comm, v, i, k)
 
-    return comm.submit("gtopk.reduce", job, up)
+def _survived(indices: Tensor, merges: list[Merge]) -> Tensor:
+    """Which of ``indices`` are kept by every one of ``merges`` (bool, per index)."""
+    alive = torch.ones(indices.numel(), dtype=torch.bool, device=indices.device)
+    for _, kept in merges:
+        alive &= torch.isin(indices, kept)
+    return alive
+
+
+def _included(own: Tensor, merges: list[Merge], counted: Tensor) -> Tensor:
+    """Own pairs that survived all my merges and whose index my set contributed to the
+    result (``counted``: the result's indices that include my outgoing set's value)."""
+    return _survived(own, merges) & torch.isin(own, counted)
 
 
 def _reduce_up(comm: Communicator, values: Tensor, indices: Tensor, k: int
                ) -> tuple[Tensor, Tensor]:
     """Tree reduction; on return rank 0 holds the global top-k (others: their last state)."""
+    v, i, _ = _reduce_up_tracked(comm, values, indices, k)
+    return v, i
+
+
+def _reduce_up_tracked(comm: Communicator, values: Tensor, indices: Tensor, k: int
+                       ) -> tuple[Tensor, Tensor, list[Merge]]:
+    """:func:`_reduce_up`, also returning the merges this rank performed, in order."""
     rank, size, d = comm.rank, comm.size, 1
+    merges: list[Merge] = []
     while d < size:
         if rank % (2 * d) == d:  # my turn to hand my k pairs to my parent, then I'm done
-            buf = _pack(values, indices)
-            _send(comm, buf, rank - d)
+            _send(comm, _pack(values, indices), rank - d)
             break
         if rank + d < size:  # rank % 2d == 0 here: receive from the child of this round
             buf = torch.empty(k * (values.element_size() + 4), dtype=torch.uint8,
@@ -173,15 +232,17 @@ def _reduce_up(comm: Communicator, values: Tensor, indices: Tensor, k: int
             _recv(comm, buf, rank + d)
             other_v, other_i = _unpack(buf, k, values.dtype)
             values, indices = merge_topk(values, indices, other_v, other_i, k)
+            merges.append((other_i, indices))
         d *= 2
-    return values, indices
+    return values, indices, merges
 
 
 def _recursive_doubling(comm: Communicator, values: Tensor, indices: Tensor, k: int
-                        ) -> tuple[Tensor, Tensor]:
+                        ) -> tuple[Tensor, Tensor, Tensor]:
     """Round d = 1, 2, 4, ...: exchange k pairs with ``rank ^ d`` (both directions at once)
-    and keep the merge; every rank ends with the global top-k (see the module docstring)."""
-    d = 1
+    and keep the merge; every rank ends with the global top-k (see the module docstring)
+    and knows which of its own pairs survived every merge (those the result includes)."""
+    own, alive, d = indices, torch.ones(k, dtype=torch.bool, device=indices.device), 1
     while d < comm.size:
         peer = comm.global_rank(comm.rank ^ d)
         send = _pack(values, indices)
@@ -192,20 +253,43 @@ def _recursive_doubling(comm: Communicator, values: Tensor, indices: Tensor, k: 
             work.wait(comm.timeout)
         other_v, other_i = _unpack(recv, k, values.dtype)
         values, indices = merge_topk(values, indices, other_v, other_i, k)
+        alive &= torch.isin(own, indices)
         d *= 2
-    return values, indices
+    return values, indices, alive
 
 
 def _broadcast_down(comm: Communicator, values: Tensor, indices: Tensor, k: int
                     ) -> tuple[Tensor, Tensor]:
     """Binomial-tree broadcast from rank 0: receive from my parent, send to my children."""
+    v, i, _ = _broadcast_down_tracked(comm, values, indices, k, [])
+    return v, i
+
+
+def _broadcast_down_tracked(comm: Communicator, values: Tensor, indices: Tensor, k: int,
+                            merges: list[Merge]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_broadcast_down`, also returning ``mask`` over the result: where it includes
+    the value this rank sent up (the root: everywhere). Each child's copy flags, in the
+    index's sign bit (``~index``), where it includes that child's value; ``merges`` are
+    this rank's from :func:`_reduce_up_tracked` (empty: children are flagged nowhere)."""
     parent = tree_parent(comm.rank, comm.size)
     if parent is None:
-        buf = _pack(values, indices)
+        mask = torch.ones(k, dtype=torch.bool, device=values.device)
     else:
         buf = torch.empty(k * (values.element_size() + 4), dtype=torch.uint8,
                           device=values.device)
         _recv(comm, buf, parent)
-    for child in tree_children(comm.rank, comm.size):
-        _send(comm, buf, child)
-    return _unpack(buf, k, values.dtype)
+        values, signed = _unpack(buf, k, values.dtype)
+        mask = signed < 0
+        indices = torch.where(mask, ~signed, signed)
+    children = tree_children(comm.rank, comm.size)
+    # merges[t] merged the child of round t: children come farthest (last merged) first
+    by_child = dict(zip(reversed(children), range(len(merges))))
+    for child in children:
+        flag = torch.zeros_like(mask)
+        if child in by_child:
+            t = by_child[child]
+            theirs = merges[t][0]
+            counted = theirs[_survived(theirs, merges[t:])]
+            flag = mask & torch.isin(indices, counted)
+        _send(comm, _pack(values, torch.where(flag, ~indices, indices)), child)
+    return values, indices, mask

@@ -4,7 +4,10 @@ A candidate is a label ``NAME[:FIELD=VALUE...]`` (``"fp16:wire=bf16"``) naming a
 algorithm and its configuration. :func:`resolve` checks a user's list (unknown names, an
 empty set, lossless requested of lossy candidates, delayed ones without ``allow_delay``)
 with errors that say what to change; :func:`predict_all` predicts each at each bucket size
-and :func:`format_table` prints the ranking with the choice and why.
+and :func:`format_table` prints the ranking with the choice and why. :func:`lr_flags` names
+the candidates whose configuration needs another learning rate than the user's optimizer
+has (:meth:`lr_note`, e.g. ``signsgd:scaled=false``): ``auto`` never picks them, and its
+table shows them flagged with the factor.
 
 Example:
     >>> [label for label, _ in resolve(["allreduce", "fp16:wire=bf16"])]
@@ -19,8 +22,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm
+from hexagram.algorithms.recipe import LrNote
 from hexagram.cost.model import MB, Prediction, predict_any
 from hexagram.cost.probe import NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile
@@ -28,7 +34,7 @@ from hexagram.cost.schedule import is_lossy
 from hexagram.errors import ConfigError
 
 __all__ = ["BUCKET_MB", "DEFAULT", "DELAYED", "applicable", "best_per_label", "format_table",
-           "make", "parse_label", "predict_all", "resolve"]
+           "lr_flags", "lr_note", "make", "parse_label", "predict_all", "resolve"]
 
 #: the synchronous gradient algorithms auto considers by default (registry defaults)
 DEFAULT = ("allreduce", "allreduce:hierarchical=true", "fp16", "fp16:wire=bf16", "bytegrad",
@@ -102,6 +108,36 @@ def _checked(label: str, allow_delay: bool) -> Algorithm:
     return algorithm
 
 
+def lr_note(algorithm: Algorithm, optimizers: Sequence[torch.optim.Optimizer] = ()
+            ) -> LrNote | None:
+    """The learning-rate change ``algorithm``'s configuration needs with ``optimizers``
+    (None: a drop-in). Reads the algorithm's ``lr_note`` method, through wrappers.
+
+    >>> lr_note(make("signsgd:scaled=false")).factor, lr_note(make("signsgd"))
+    (0.015, None)
+    """
+    while not hasattr(algorithm, "lr_note") and hasattr(algorithm, "inner"):
+        algorithm = algorithm.inner
+    note = getattr(algorithm, "lr_note", None)
+    return note(optimizers) if callable(note) else None
+
+
+def lr_flags(candidates: Sequence[tuple[str, Algorithm]],
+             optimizers: Sequence[torch.optim.Optimizer] = ()) -> dict[str, str]:
+    """``{label: "needs lr x0.015"}`` for each candidate that is not a drop-in with
+    ``optimizers``; auto excludes them (an lr change the user did not make).
+
+    >>> lr_flags([("signsgd:scaled=false", make("signsgd:scaled=false"))])
+    {'signsgd:scaled=false': 'needs lr x0.015'}
+    """
+    out = {}
+    for label, algorithm in candidates:
+        note = lr_note(algorithm, optimizers)
+        if note is not None and note.factor != 1.0:
+            out[label] = f"needs lr x{note.factor:g}"
+    return out
+
+
 def applicable(label: str, network: NetworkProfile) -> bool:
     """Hierarchical allreduce only differs from the flat one with several ranks on each
     of several hosts."""
@@ -134,13 +170,17 @@ def best_per_label(preds: Sequence[Prediction]) -> list[Prediction]:
 
 
 def format_table(preds: Sequence[Prediction], chosen: str, reason: str,
-                 measured: Mapping[str, float] | None = None) -> str:
-    """A Markdown table of the best configuration per candidate and the choice."""
+                 measured: Mapping[str, float] | None = None,
+                 flags: Mapping[str, str] | None = None) -> str:
+    """A Markdown table of the best configuration per candidate and the choice; a label
+    in ``flags`` (:func:`lr_flags`) is marked excluded, with the reason."""
     rows = ["| candidate | bucket MB | predicted s/step | compute | compression | exposed comm "
             "| wire MB/step |" + (" measured s/step |" if measured else ""),
             "|---|---|---|---|---|---|---|" + ("---|" if measured else "")]
     for p in best_per_label(preds):
         mark = " **<- chosen**" if p.label == chosen else ""
+        if flags and p.label in flags:
+            mark = f" (excluded: {flags[p.label]})"
         extra = ""
         if measured:
             m = measured.get(p.label)
