@@ -60,7 +60,8 @@ def _gradients(ranks: int) -> list[list[Any]]:
         work.model.zero_grad()
         x, y = work.batch(32, torch.Generator().manual_seed(r))
         work.loss(work.model(x), y).backward()
-        grads.append([p.grad.detach().clone() for p in work.model.parameters()])
+        grads.append([p.grad.detach().clone() for p in work.model.parameters()
+                      if p.grad is not None])
     return grads
 
 
@@ -74,7 +75,7 @@ def _pipeline(name: str, grads: list[list[Any]]) -> dict[str, Callable[[], None]
     from hexagram.compress.feedback import ErrorFeedback
 
     algo = hx.algorithms.get(name)
-    comp = algo.compressor
+    comp = algo.compressor  # type: ignore[attr-defined]  # compressed algorithms have one
     feedback = name in ("topk", "dgc", "gtopk", "efsign", "onebit")
     if getattr(algo.config, "granularity", "layer") == "bucket":
         grads = [[torch.cat([g.reshape(-1) for g in rank])] for rank in grads]
