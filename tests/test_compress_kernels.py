@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hexagram.compress.feedback import ErrorFeedback, subtract_pairs
 from hexagram.compress.packing import pack_codes
 from hexagram.compress.quantize import truncate_to
 from hexagram.compress.signs import _signs_numpy, encode_signs
+from hexagram.compress.sparsify import TopKCompressor, TopKConfig
 
 
 def _awkward(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -51,3 +53,20 @@ def test_truncate_to_matches_the_int32_route(dtype: torch.dtype) -> None:
     truncate_to(codes, values, torch.empty(values.numel(), dtype=torch.int32))
     assert torch.equal(codes, values.to(torch.int32).to(torch.uint8))
     assert codes[:4].tolist() == [0, 0, 255, 127]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_topk_residual_matches_decode_then_subtract(dtype: torch.dtype) -> None:
+    x = _awkward(3001, dtype).clamp(-1e3, 1e3)
+    x[:40] = -0.0  # k larger than the nonzeros of this part: -0.0 entries get sent
+    for k in (1, 37, 3001):
+        comp = TopKCompressor(TopKConfig(k=k))
+        payload = comp.compress(x)
+        expected = x - comp.decompress(payload)
+        got = subtract_pairs(payload, x, torch.empty_like(x))
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # signed zeros
+        ef = ErrorFeedback(comp)
+        ef.update_from("w", x, payload)
+        residual = ef.residual("w")
+        assert residual is not None
+        assert torch.equal(residual.view(torch.uint8), expected.view(torch.uint8))
