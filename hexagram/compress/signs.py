@@ -136,7 +136,8 @@ def _signs_numpy(flat: Tensor, block: int, block_sums: Callable[[int, int], None
     """
     arr = flat.numpy()
     n = arr.size
-    out = np.empty(packed_nbytes(n, 1), dtype=np.uint8)
+    packed = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)  # torch's allocator
+    out = packed.numpy()
     mask = np.empty(min(block, n), dtype=bool)
     for start, stop in blocks(n, block):
         m = mask[: stop - start]
@@ -146,7 +147,7 @@ def _signs_numpy(flat: Tensor, block: int, block_sums: Callable[[int, int], None
         if counts is not None:
             counts[start // block] = int(np.count_nonzero(m))
         block_sums(start, stop)
-    return torch.from_numpy(out)
+    return packed
 
 
 def _sign_values(payload: Payload, scale: Tensor) -> Tensor:
