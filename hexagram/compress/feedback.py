@@ -39,8 +39,9 @@ import torch
 from torch import Tensor
 
 from hexagram.compress.base import Compressor, Payload
+from hexagram.compress.sparsify import TopKCompressor
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "subtract_pairs"]
 
 
 class ErrorFeedback:
@@ -88,9 +89,12 @@ class ErrorFeedback:
         if residual is None or residual.shape != corrected.shape \
                 or residual.dtype != corrected.dtype:
             residual = torch.empty_like(corrected)
-        flat = residual.view(-1)
-        self.compressor.decompress_into(payload, flat)
-        torch.sub(corrected.detach().reshape(-1), flat, out=flat)
+        flat, src = residual.view(-1), corrected.detach().reshape(-1)
+        if isinstance(self.compressor, TopKCompressor):
+            subtract_pairs(payload, src, flat)
+        else:
+            self.compressor.decompress_into(payload, flat)
+            torch.sub(src, flat, out=flat)
         self._residuals[key] = residual
 
     def update_selected(self, key: Hashable, corrected: Tensor, sent: Tensor) -> None:
@@ -154,3 +158,21 @@ class ErrorFeedback:
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.compressor!r}, keys={len(self._residuals)})"
+
+
+def subtract_pairs(payload: Payload, src: Tensor, out: Tensor) -> Tensor:
+    """``out`` (1-D) := ``src - decompress(payload)`` for a top-k payload (distinct
+    indices), in two passes instead of three: ``src`` copied, then each sent value
+    subtracted at its index. Bit-identical to decoding into ``out`` (zeros, then
+    ``0.0 + v`` at each index) and subtracting: the values get the same ``+ 0.0`` (it
+    turns -0.0 into +0.0, as adding to the zeroed buffer does). Returns ``out``.
+
+    Example:
+        >>> import hexagram.compress as hc
+        >>> c, x = hc.get("topk", k=1), torch.tensor([3.0, 1.0, -2.0])
+        >>> subtract_pairs(c.compress(x), x, torch.empty(3)).tolist()
+        [0.0, 1.0, -2.0]
+    """
+    values, indices = payload.tensors
+    out.copy_(src)
+    return out.index_add_(0, indices, values.to(payload.dtype) + 0.0, alpha=-1)

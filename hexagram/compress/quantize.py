@@ -192,9 +192,16 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
 
 
 def truncate_to(codes: Tensor, values: Tensor, ints: Tensor) -> Tensor:
-    """``codes`` (uint8) := ``trunc(values)`` for values in [0, 256), through ``ints`` (an
-    int32 buffer at least as long): float -> int32 -> uint8 is 3x faster than float ->
-    uint8, which is not vectorized on CPU."""
+    """``codes`` (uint8) := ``trunc(values)`` for values in [0, 256).
+
+    On the CPU numpy casts float32/float64 to uint8 in one vectorized pass (0.08 ms per
+    508K float32 values, one thread); torch's float -> uint8 is not vectorized (0.30 ms),
+    so elsewhere it goes through ``ints`` (an int32 buffer at least as long), float ->
+    int32 -> uint8 (0.19 ms there). Both truncate toward zero: the same codes.
+    """
+    if codes.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
+        np.copyto(codes.numpy(), values.numpy(), casting="unsafe")
+        return codes
     return codes.copy_(ints[: values.numel()].copy_(values))
 
 
