@@ -8,11 +8,13 @@ rest is copied as is. Run after editing a page:
 
 from __future__ import annotations
 
+import posixpath
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ("engine", "compression", "compressed-algorithms", "relaxations", "network", "planner",
-         "integrations")
+PAGES = ("engine", "compression", "compress_cpu", "compressed-algorithms", "relaxations",
+         "network", "auto", "simulate", "robust", "planner", "integrations")
 HEADER = """# Benchmarks
 
 Every figure below was produced by the command shown next to it, on this project's 2-core
@@ -29,7 +31,9 @@ def section(page: str) -> str:
     text = (ROOT / "docs" / "benchmarks" / f"{page}.md").read_text().strip()
     if text.startswith("# "):
         text = "#" + text
-    return text
+    # images sit next to the pages: point at them from the repository root
+    return re.sub(r"\]\((?!http|/)([^)]+\.png)\)",
+                  lambda m: f"]({posixpath.normpath('docs/benchmarks/' + m[1])})", text)
 
 
 def main() -> None:
