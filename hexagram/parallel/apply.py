@@ -4,9 +4,12 @@
 - :func:`apply_sharding`: ``parallelize_module`` with Colwise/Rowwise styles on the stage's
   ``tp`` mesh (DTensor does the plan's reshardings at the linears' edges).
 - :func:`apply_pipeline`: a ``torch.distributed.pipelining`` stage and a GPipe / 1F1B schedule.
-- :func:`sync_gradients`: average gradients over the stage's ``dp`` ranks (allreduce; the
-  ZeRO communication pattern reduce-scatter + all-gather for ``+zero`` parameters. This
-  executor keeps full parameters, so ZeRO's memory saving is planned, not realised).
+- :func:`apply_zero`: real ZeRO: every module the plan marks ``+zero`` is sharded over the
+  stage's ``dp`` mesh with FSDP2 (``fully_shard``): parameters, gradients and optimizer
+  state live as ``1/dp`` shards; parameters are all-gathered for forward and backward and
+  gradients reduce-scattered (ZeRO-3, as the cost model prices it; ``zero_stage=2`` keeps
+  parameters unsharded between forward and backward).
+- :func:`sync_gradients`: average the other gradients over the stage's ``dp`` ranks.
 
 Every rank calls :func:`parallelize` (process groups are created collectively).
 
@@ -41,9 +44,10 @@ from hexagram.comm.device import group_device
 from hexagram.errors import HexagramError
 from hexagram.parallel.plans import Plan, StagePlan
 from hexagram.parallel.runner import ParallelModel
+from hexagram.parallel.zero import apply_zero, fsdp_managed
 from hexagram.runtime import get_runtime, is_initialized
 
-__all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "check_executable",
+__all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "apply_zero", "check_executable",
            "default_loss", "parallelize", "sync_gradients"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -131,24 +135,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def sync_gradients(module: nn.Module, stage: StagePlan, group: dist.ProcessGroup) -> None:
-    """Average gradients over the stage's data-parallel ranks (``group``)."""
+    """Average gradients over the stage's data-parallel ranks (``group``); parameters
+    sharded by :func:`apply_zero` are skipped (FSDP2 already reduce-scattered them)."""
     if stage.dp == 1:
         return
-    zero = {p for p, kind in stage.shardings.items() if kind.endswith("+zero")}
-    for name, p in module.named_parameters():
-        if p.grad is None:
+    managed = fsdp_managed(module)
+    for p in module.parameters():
+        if p.grad is None or id(p) in managed:
             continue
         g = _local(p.grad)
-        if name.rsplit(".", 1)[0] in zero:  # ZeRO pattern: reduce-scatter, then all-gather
-            flat = g.detach().reshape(-1)
-            pad = (-flat.numel()) % stage.dp
-            full = torch.cat([flat, flat.new_zeros(pad)])
-            shard = full.new_empty(full.numel() // stage.dp)
-            dist.reduce_scatter_single(shard, full, group=group)
-            dist.all_gather_single(full, shard, group=group)
-            g.copy_(full[: flat.numel()].view_as(g))
-        else:
-            dist.all_reduce(g, group=group)
+        dist.all_reduce(g, group=group)
         g.div_(stage.dp)
 
 
@@ -170,9 +166,11 @@ def _groups(plan: Plan, rank: int, device: torch.device
     return mine, my_mesh, my_pp
 
 
-def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss) -> ParallelModel:
+def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss,
+                zero_stage: int = 3) -> ParallelModel:
     """Apply ``plan`` to ``model`` on this rank (all ranks call it with the same plan).
 
+    ``zero_stage`` (3 or 2): how :func:`apply_zero` shards the plan's ``+zero`` modules.
     Returns a :class:`~hexagram.parallel.runner.ParallelModel` whose ``train_step(inputs,
     targets)`` runs forward and backward of one global batch and averages gradients.
     """
@@ -186,6 +184,7 @@ def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss) ->
     stage = plan.stages[index]
     assert isinstance(model, nn.Sequential)
     module = apply_sharding(apply_stage(model, stage).to(device), stage, mesh["tp"])
+    apply_zero(module, stage, mesh["dp"], zero_stage)
     schedule = apply_pipeline(module, plan, index, pp_group, loss_fn, device) \
         if pp_group is not None else None
     dp_rank = stage.ranks.index(rank) // stage.tp

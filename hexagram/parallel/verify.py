@@ -46,6 +46,7 @@ class ParitySpec:
     cluster: Cluster | None = None
     reference: bool = True
     dtype: torch.dtype = torch.float64
+    optimizer: str = "sgd"
 
 
 def build(spec: ParitySpec) -> tuple[nn.Sequential, Any, Any]:
@@ -75,6 +76,18 @@ def _plan(model: nn.Module, x: torch.Tensor, spec: ParitySpec) -> Any:
     return box[0]
 
 
+def _optimizer(spec: ParitySpec, params: Any) -> torch.optim.Optimizer:
+    """SGD or Adam (elementwise state: sharded by ZeRO exactly like the parameters)."""
+    if spec.optimizer == "adam":
+        return torch.optim.Adam(params, lr=spec.lr)
+    return torch.optim.SGD(params, lr=spec.lr)
+
+
+def _local_elems(module: nn.Module) -> int:
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+               for p in module.parameters())
+
+
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
@@ -90,11 +103,13 @@ def parity_worker(spec: ParitySpec) -> dict[str, Any]:
     ref.load_state_dict(model.state_dict())
     p = _plan(model, x, spec)
     pm = parallelize(model, p)
-    opt = torch.optim.SGD(pm.parameters(), lr=spec.lr)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=spec.lr)
+    opt = _optimizer(spec, pm.parameters())
+    ref_opt = _optimizer(spec, ref.parameters())
     ref_params = dict(ref.named_parameters())
     out: dict[str, Any] = {"grad_diff": 0.0, "loss_diff": 0.0, "losses": [], "times": [],
-                           "plan": p.to_json(indent=None), "stage": pm.stage_index}
+                           "plan": p.to_json(indent=None), "stage": pm.stage_index,
+                           "local_params": _local_elems(pm.module),
+                           "stage_params": sum(q.numel() for q in pm.module.parameters())}
     for step in range(spec.steps):
         xs, ys = (x, y) if step == 0 else build(ParitySpec(**{
             **spec.__dict__, "seed": spec.seed + step}))[1:]
