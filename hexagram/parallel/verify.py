@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.parallel.cluster import Cluster, Constraints
-from hexagram.parallel.models import gpt, mlp_stack
+from hexagram.parallel.models import ResidualMLP, gpt, mlp_stack
 
 __all__ = ["ParitySpec", "build", "parity_worker"]
 
@@ -49,19 +49,31 @@ class ParitySpec:
     optimizer: str = "sgd"
 
 
-def build(spec: ParitySpec) -> tuple[nn.Sequential, Any, Any]:
-    """(model, inputs, targets) of one step, the same on every rank (seeded)."""
+def build(spec: ParitySpec) -> tuple[nn.Module, Any, Any]:
+    """(model, inputs, targets) of one step, the same on every rank (seeded). Models:
+    ``mlp``, ``gpt`` (``nn.Sequential``), ``residual`` (:class:`ResidualMLP`), ``refgpt``
+    (:class:`hexagram.models.gpt.GPT`, a plain module) and ``cnn`` (8x8 images)."""
     torch.manual_seed(spec.seed)
-    if spec.model == "gpt":
-        vocab, seq = spec.vocab, spec.seq
-        model = gpt(layers=spec.layers, hidden=spec.hidden, heads=spec.heads, vocab=vocab,
-                    seq=seq, dtype=spec.dtype)
-        return model, torch.randint(0, vocab, (spec.batch, seq)), \
-            torch.randint(0, vocab, (spec.batch, seq))
-    model = mlp_stack(layers=spec.layers, hidden=spec.hidden, in_features=12, classes=5,
-                      dtype=spec.dtype)
-    return model, torch.randn(spec.batch, 12, dtype=spec.dtype), \
-        torch.randint(0, 5, (spec.batch,))
+    vocab, seq, b = spec.vocab, spec.seq, spec.batch
+    if spec.model in ("gpt", "refgpt"):
+        if spec.model == "gpt":
+            model: nn.Module = gpt(layers=spec.layers, hidden=spec.hidden, heads=spec.heads,
+                                   vocab=vocab, seq=seq, dtype=spec.dtype)
+        else:
+            from hexagram.models.gpt import GPT, GPTConfig
+            model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=spec.layers,
+                                  n_head=spec.heads, n_embd=spec.hidden)).to(spec.dtype)
+        return model, torch.randint(0, vocab, (b, seq)), torch.randint(0, vocab, (b, seq))
+    if spec.model == "cnn":
+        from hexagram.models.cnn import cnn
+        model = cnn(image_size=8, channels=2, hidden=spec.hidden, classes=5).to(spec.dtype)
+        return model, torch.randn(b, 1, 8, 8, dtype=spec.dtype), torch.randint(0, 5, (b,))
+    if spec.model == "residual":
+        model = ResidualMLP(12, spec.hidden, 5, blocks=spec.layers).to(spec.dtype)
+    else:
+        model = mlp_stack(layers=spec.layers, hidden=spec.hidden, in_features=12, classes=5,
+                          dtype=spec.dtype)
+    return model, torch.randn(b, 12, dtype=spec.dtype), torch.randint(0, 5, (b,))
 
 
 def _plan(model: nn.Module, x: torch.Tensor, spec: ParitySpec) -> Any:
@@ -102,7 +114,7 @@ def parity_worker(spec: ParitySpec) -> dict[str, Any]:
     ref = build(spec)[0]
     ref.load_state_dict(model.state_dict())
     p = _plan(model, x, spec)
-    pm = parallelize(model, p)
+    pm = parallelize(model, p, example_inputs=x)
     opt = _optimizer(spec, pm.parameters())
     ref_opt = _optimizer(spec, ref.parameters())
     ref_params = dict(ref.named_parameters())
