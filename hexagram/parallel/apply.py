@@ -205,4 +205,4 @@ def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss,
     dp_rank = stage.ranks.index(rank) // stage.tp
     return ParallelModel(module=module, plan=plan, stage_index=index, dp_rank=dp_rank,
                          dp_group=mesh.get_group("dp"), schedule=schedule, loss_fn=loss_fn,
-                         sync=sync_gradients)
+                         sync=sync_gradients, device=device)

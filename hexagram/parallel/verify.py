@@ -101,7 +101,7 @@ def _local_elems(module: nn.Module) -> int:
 
 
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[n] - b[n]).abs().max().item() for n in a)
+    return max((a[n].cpu() - b[n].cpu()).abs().max().item() for n in a)
 
 
 def parity_worker(spec: ParitySpec) -> dict[str, Any]:
