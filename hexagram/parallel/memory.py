@@ -132,7 +132,8 @@ def memory_plan(spec: MemorySpec) -> Plan:
     model, x, _ = _build(spec)
     params = sum(p.numel() for p in model.parameters())
     state = params * 8 * 4  # float64 params, grads, Adam's two moments
-    budget = (0.5 if spec.zero else 4.0) * state  # half: replicated cannot fit; 4x: roomy
+    # ZeRO: between the sharded state (1/dp) and the replicated one, so only ZeRO fits
+    budget = ((1 + 1 / spec.dp) / 2 if spec.zero else 4.0) * state
     cluster = Cluster(hosts=1, devices_per_host=spec.dp, dtype_bytes=8, optimizer_bytes=16,
                       device_memory_gb=budget / 1e9)
     return plan(model, x, cluster, Constraints(dp=spec.dp, tp=1, pp=1))
