@@ -132,8 +132,8 @@ def memory_plan(spec: MemorySpec) -> Plan:
     model, x, _ = _build(spec)
     params = sum(p.numel() for p in model.parameters())
     state = params * 8 * 4  # float64 params, grads, Adam's two moments
-    # ZeRO: between the sharded state (1/dp) and the replicated one, so only ZeRO fits
-    budget = ((1 + 1 / spec.dp) / 2 if spec.zero else 4.0) * state
+    # ZeRO: a quarter of the state above the sharded one (1/dp), so only ZeRO fits
+    budget = (1 / spec.dp + 0.25 if spec.zero else 4.0) * state
     cluster = Cluster(hosts=1, devices_per_host=spec.dp, dtype_bytes=8, optimizer_bytes=16,
                       device_memory_gb=budget / 1e9)
     return plan(model, x, cluster, Constraints(dp=spec.dp, tp=1, pp=1))
