@@ -109,8 +109,8 @@ def measure_links(world_size: int = 2, timeout: float = 120.0) -> dict[str, floa
 def calibrated_cluster(devices: int, dtype: torch.dtype = torch.float64) -> Cluster:
     """A one-host :class:`Cluster` of ``devices`` CPU ranks with this machine's rates."""
     comp = measure_compute(dtype)
-    links = measure_links(min(devices, 4)) if devices > 1 else {"latency_us": 0.0,
-                                                               "gbps": 100.0}
+    links = measure_links(min(devices, 4), timeout=300) if devices > 1 \
+        else {"latency_us": 0.0, "gbps": 100.0}
     return Cluster(hosts=1, devices_per_host=devices, intra_host_gbps=links["gbps"],
                    inter_host_gbps=links["gbps"], intra_latency_us=links["latency_us"],
                    inter_latency_us=links["latency_us"], device_tflops=comp["device_tflops"],
