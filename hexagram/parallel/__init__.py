@@ -23,6 +23,7 @@ from hexagram.parallel.apply import (
     parallelize,
     sync_gradients,
 )
+from hexagram.parallel.auto import auto, measure_cluster
 from hexagram.parallel.baselines import Baseline, baselines, evaluate_fixed
 from hexagram.parallel.cluster import Cluster, Constraints, Submesh
 from hexagram.parallel.graph import ModelGraph, capture
@@ -44,11 +45,13 @@ __all__ = [
     "apply_pipeline",
     "apply_sharding",
     "apply_stage",
+    "auto",
     "baselines",
     "capture",
     "default_loss",
     "evaluate_fixed",
     "gpt",
+    "measure_cluster",
     "mlp_stack",
     "parallelize",
     "plan",

@@ -1,12 +1,16 @@
 """Run a :class:`~hexagram.parallel.plans.Plan` on PyTorch's own engine, step by step.
 
-- :func:`apply_stage`: this rank's contiguous slice of the ``nn.Sequential`` (names kept).
+- :func:`apply_stage`: this rank's part of the model (names kept): a slice of an
+  ``nn.Sequential``, or the stage's graph of any fx-traceable model.
 - :func:`apply_sharding`: ``parallelize_module`` with Colwise/Rowwise styles on the stage's
   ``tp`` mesh (DTensor does the plan's reshardings at the linears' edges).
 - :func:`apply_pipeline`: a ``torch.distributed.pipelining`` stage and a GPipe / 1F1B schedule.
-- :func:`sync_gradients`: average gradients over the stage's ``dp`` ranks (allreduce; the
-  ZeRO communication pattern reduce-scatter + all-gather for ``+zero`` parameters. This
-  executor keeps full parameters, so ZeRO's memory saving is planned, not realised).
+- :func:`apply_zero`: real ZeRO: every module the plan marks ``+zero`` is sharded over the
+  stage's ``dp`` mesh with FSDP2 (``fully_shard``): parameters, gradients and optimizer
+  state live as ``1/dp`` shards; parameters are all-gathered for forward and backward and
+  gradients reduce-scattered (ZeRO-3, as the cost model prices it; ``zero_stage=2`` keeps
+  parameters unsharded between forward and backward).
+- :func:`sync_gradients`: average the other gradients over the stage's ``dp`` ranks.
 
 Every rank calls :func:`parallelize` (process groups are created collectively).
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,9 +46,11 @@ from hexagram.comm.device import group_device
 from hexagram.errors import HexagramError
 from hexagram.parallel.plans import Plan, StagePlan
 from hexagram.parallel.runner import ParallelModel
+from hexagram.parallel.split import split_stages
+from hexagram.parallel.zero import apply_zero, fsdp_managed
 from hexagram.runtime import get_runtime, is_initialized
 
-__all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "check_executable",
+__all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "apply_zero", "check_executable",
            "default_loss", "parallelize", "sync_gradients"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -54,13 +61,16 @@ def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
-def check_executable(model: nn.Module, plan: Plan, world_size: int) -> None:
+def check_executable(model: nn.Module, plan: Plan, world_size: int,
+                     example_inputs: Any = None) -> None:
     """Clear errors for plans this executor cannot run on this model and job."""
-    if not isinstance(model, nn.Sequential):
-        raise HexagramError("parallelize needs an nn.Sequential of layers (stages are slices "
-                            f"of its children), got {type(model).__name__}")
     n_layers = plan.stages[-1].layers[1]
-    if len(model) != n_layers:
+    if not isinstance(model, nn.Sequential):
+        if len(plan.stages) > 1 and example_inputs is None:
+            raise HexagramError(f"{type(model).__name__} is not an nn.Sequential: splitting it "
+                                f"into {len(plan.stages)} pipeline stages traces it, so pass "
+                                f"parallelize(model, plan, example_inputs=...)")
+    elif len(model) != n_layers:
         raise HexagramError(f"the plan covers {n_layers} layers but the model has "
                             f"{len(model)} children: plan the same model")
     if plan.devices != world_size:
@@ -74,10 +84,17 @@ def check_executable(model: nn.Module, plan: Plan, world_size: int) -> None:
                             f"executor cannot place: {plan.blockers[:3]}")
 
 
-def apply_stage(model: nn.Sequential, stage: StagePlan) -> nn.Sequential:
-    """The stage's layers as an ``nn.Sequential`` keeping the model's parameter names."""
-    start, end = stage.layers
-    return nn.Sequential(OrderedDict((str(k), model[k]) for k in range(start, end)))
+def apply_stage(model: nn.Module, stage: StagePlan, plan: Plan | None = None,
+                example_inputs: Any = None) -> nn.Module:
+    """The stage's part of ``model``, keeping the model's parameter names: a slice of an
+    ``nn.Sequential``; the model itself for a one-stage plan; else the stage's fx graph
+    (:func:`~hexagram.parallel.split.split_stages`, needs ``plan`` and ``example_inputs``)."""
+    if isinstance(model, nn.Sequential):
+        start, end = stage.layers
+        return nn.Sequential(OrderedDict((str(k), model[k]) for k in range(start, end)))
+    if plan is None or len(plan.stages) == 1:
+        return model
+    return split_stages(model, example_inputs, plan)[plan.stages.index(stage)]
 
 
 def _layout(code: str) -> Shard | Replicate:
@@ -131,24 +148,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def sync_gradients(module: nn.Module, stage: StagePlan, group: dist.ProcessGroup) -> None:
-    """Average gradients over the stage's data-parallel ranks (``group``)."""
+    """Average gradients over the stage's data-parallel ranks (``group``); parameters
+    sharded by :func:`apply_zero` are skipped (FSDP2 already reduce-scattered them)."""
     if stage.dp == 1:
         return
-    zero = {p for p, kind in stage.shardings.items() if kind.endswith("+zero")}
-    for name, p in module.named_parameters():
-        if p.grad is None:
+    managed = fsdp_managed(module)
+    for p in module.parameters():
+        if p.grad is None or id(p) in managed:
             continue
         g = _local(p.grad)
-        if name.rsplit(".", 1)[0] in zero:  # ZeRO pattern: reduce-scatter, then all-gather
-            flat = g.detach().reshape(-1)
-            pad = (-flat.numel()) % stage.dp
-            full = torch.cat([flat, flat.new_zeros(pad)])
-            shard = full.new_empty(full.numel() // stage.dp)
-            dist.reduce_scatter_single(shard, full, group=group)
-            dist.all_gather_single(full, shard, group=group)
-            g.copy_(full[: flat.numel()].view_as(g))
-        else:
-            dist.all_reduce(g, group=group)
+        dist.all_reduce(g, group=group)
         g.div_(stage.dp)
 
 
@@ -170,9 +179,13 @@ def _groups(plan: Plan, rank: int, device: torch.device
     return mine, my_mesh, my_pp
 
 
-def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss) -> ParallelModel:
+def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss,
+                zero_stage: int = 3, example_inputs: Any = None) -> ParallelModel:
     """Apply ``plan`` to ``model`` on this rank (all ranks call it with the same plan).
 
+    ``model``: any module torch.fx traces (an ``nn.Sequential`` is sliced by children;
+    other models are split into stages by tracing on ``example_inputs``, which may be on
+    ``"meta"``). ``zero_stage`` (3 or 2): how :func:`apply_zero` shards ``+zero`` modules.
     Returns a :class:`~hexagram.parallel.runner.ParallelModel` whose ``train_step(inputs,
     targets)`` runs forward and backward of one global batch and averages gradients.
     """
@@ -180,15 +193,16 @@ def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss) ->
         raise HexagramError("parallelize runs on the ranks torchrun started: call "
                             "hexagram.init() first")
     rank = dist.get_rank()
-    check_executable(model, plan, dist.get_world_size())
+    check_executable(model, plan, dist.get_world_size(), example_inputs)
     device = get_runtime().device if is_initialized() else group_device(None)
     index, mesh, pp_group = _groups(plan, rank, device)
     stage = plan.stages[index]
-    assert isinstance(model, nn.Sequential)
-    module = apply_sharding(apply_stage(model, stage).to(device), stage, mesh["tp"])
+    part = apply_stage(model, stage, plan, example_inputs).to(device)
+    module = apply_sharding(part, stage, mesh["tp"])
+    apply_zero(module, stage, mesh["dp"], zero_stage)
     schedule = apply_pipeline(module, plan, index, pp_group, loss_fn, device) \
         if pp_group is not None else None
     dp_rank = stage.ranks.index(rank) // stage.tp
     return ParallelModel(module=module, plan=plan, stage_index=index, dp_rank=dp_rank,
                          dp_group=mesh.get_group("dp"), schedule=schedule, loss_fn=loss_fn,
-                         sync=sync_gradients)
+                         sync=sync_gradients, device=device)

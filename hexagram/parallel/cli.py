@@ -4,6 +4,8 @@ Example:
     $ hexagram plan --model gpt --layers 24 --hidden 1024 --cluster 2x8 --json plan.json
     $ hexagram plan --model mlp --layers 16 --hidden 4096 --cluster 1x8 --memory-gb 16 \\
           --baselines
+    $ hexagram plan --model gpt --layers 2 --hidden 64 --heads 4 --vocab 128 --seq 16 \\
+          --batch 8 --cluster 1x2 --execute --steps 5
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the plan as JSON to this file")
     parser.add_argument("--baselines", action="store_true",
                         help="also evaluate hand-made strategies with the same cost model")
+    parser.add_argument("--execute", action="store_true",
+                        help="calibrate this machine as a 1xN cluster (N from --cluster), plan "
+                             "for it, run the plan on N local ranks for --steps steps (float64) "
+                             "and print measured vs predicted step time")
+    parser.add_argument("--steps", type=int, default=5, help="steps of --execute")
 
 
 def build_graph(args: argparse.Namespace) -> ModelGraph:
@@ -62,8 +69,47 @@ def build_graph(args: argparse.Namespace) -> ModelGraph:
     return capture(model, x)
 
 
+def execute(args: argparse.Namespace, cluster: Cluster, cons: Constraints) -> int:
+    """``--execute``: calibrate, plan and run on local ranks; print measured vs predicted."""
+    import statistics
+
+    from hexagram.launch import run_local
+    from hexagram.parallel.calibrate import calibrated_cluster
+    from hexagram.parallel.plans import Plan
+    from hexagram.parallel.verify import ParitySpec, parity_worker
+
+    if cluster.hosts != 1:
+        raise HexagramError(f"--execute runs on this machine's local ranks: use --cluster "
+                            f"1x{cluster.devices}, not {args.cluster}")
+    local = calibrated_cluster(cluster.devices)
+    spec = ParitySpec(model=args.model, layers=args.layers, hidden=args.hidden,
+                      heads=args.heads, vocab=args.vocab, seq=args.seq, batch=args.batch,
+                      steps=max(args.steps, 2), constraints={
+                          k: v for k, v in cons.__dict__.items() if v is not None},
+                      cluster=local, reference=False)
+    res = run_local(parity_worker, cluster.devices, args=(spec,), timeout=600)
+    executed = Plan.from_json(res[0]["plan"])
+    measured = statistics.median(max(r["times"][k] for r in res)
+                                 for k in range(1, spec.steps))
+    print(executed)
+    print(f"  executed {spec.steps} steps on {cluster.devices} local ranks: measured "
+          f"{measured * 1e3:.1f} ms/step (median after the first), predicted "
+          f"{executed.step_time_s * 1e3:.1f} ms/step, ratio "
+          f"{measured / executed.step_time_s:.2f}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    """Plan, print, optionally compare with baselines and save; 2 on bad input."""
+    """Plan, print, optionally compare with baselines, save or execute; 2 on bad input."""
+    if args.execute:
+        try:
+            cluster = Cluster.parse(args.cluster)
+            cons = Constraints(pp=args.pp, tp=args.tp, dp=args.dp,
+                               microbatches=args.microbatches, schedule=args.schedule)
+            return execute(args, cluster, cons)
+        except (ConfigError, HexagramError) as exc:
+            print(f"hexagram plan: {exc}", file=sys.stderr)
+            return 2
     try:
         cluster = Cluster.parse(args.cluster, intra_host_gbps=args.intra_gbps,
                                 inter_host_gbps=args.inter_gbps,

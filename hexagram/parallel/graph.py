@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from hexagram.parallel.trace import trace
+
 __all__ = ["Layer", "ModelGraph", "Op", "capture"]
 
 _ELEMENTWISE_MODULES = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity)
@@ -175,20 +177,47 @@ def _make_op(node: fx.Node, modules: dict[str, nn.Module], batch: int) -> Op | N
               flops=_flops(kind, node, mod, elems) / batch, params=params)
 
 
-def capture(model: nn.Module, example_inputs: Any, warn: bool = True) -> ModelGraph:
+def capture(model: nn.Module, example_inputs: Any, warn: bool = True,
+            leaf_modules: tuple[type, ...] = ()) -> ModelGraph:
     """Trace ``model`` on ``example_inputs`` (a tensor or tuple; "meta" is fine).
 
     Operators the planner does not know are kept (replicated, costed as elementwise) and a
-    warning names each of them once.
+    warning names each of them once. ``leaf_modules``: module types traced as one operator.
+
+    Raises:
+        UntraceableModelError: fx cannot capture the model (names the operation).
     """
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    _gm, where, first = group_nodes(model, example_inputs, leaf_modules)
+    layers: dict[str, list[tuple[fx.Node, Op]]] = {}
+    for node, (key, op) in where.items():
+        layers.setdefault(key, [(node, first[key])]).append((node, op))
+    batch = int(_as_tuple(example_inputs)[0].shape[0])
+    return _finish(layers, batch, warn)
+
+
+def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+
+Grouped = tuple[fx.GraphModule, dict[fx.Node, tuple[str, Op]], dict[str, Op]]
+
+
+def group_nodes(model: nn.Module, example_inputs: Any,
+                leaf_modules: tuple[type, ...] = ()) -> Grouped:
+    """The traced model; per tensor-producing node (its layer key, its :class:`Op`): a node
+    belongs to its outermost module, else to its first producer's layer, else to the
+    previous node's (nodes without one tensor output are left out); per layer key, the
+    layer's input op (op 0: the tensors entering it)."""
+    inputs = _as_tuple(example_inputs)
     batch = int(inputs[0].shape[0])
-    gm = fx.symbolic_trace(model)
+    gm = trace(model, inputs, leaf_modules)
     ShapeProp(gm).propagate(*inputs)
     modules = dict(gm.named_modules())
-    layers: dict[str, list[tuple[fx.Node, Op]]] = {}
-    where: dict[fx.Node, tuple[str, int]] = {}
+    where: dict[fx.Node, tuple[str, Op]] = {}
+    index: dict[fx.Node, int] = {}
+    sizes: dict[str, int] = {}
     entering: set[tuple[str, fx.Node]] = set()  # tensors already counted as a layer's input
+    first: dict[str, Op] = {}
     last_key = None
     for node in gm.graph.nodes:
         op = _make_op(node, modules, batch)
@@ -196,19 +225,19 @@ def capture(model: nn.Module, example_inputs: Any, warn: bool = True) -> ModelGr
             continue
         producers = [a for a in node.all_input_nodes if a in where]
         key = _layer_key(node) or (where[producers[0]][0] if producers else last_key) or "input"
-        if key not in layers:
-            layers[key] = [(node, Op(kind="input", target=f"{key}.input"))]
-        ops = layers[key]
+        if key not in sizes:
+            sizes[key] = 1
+            first[key] = Op(kind="input", target=f"{key}.input")
         for a in producers:
-            src_key, src_idx = where[a]
-            op.inputs.append(src_idx if src_key == key else 0)
+            src_key = where[a][0]
+            op.inputs.append(index[a] if src_key == key else 0)
             if src_key != key and (key, a) not in entering:  # part of the layer's input
                 entering.add((key, a))
-                ops[0][1].out_elems += layers[src_key][src_idx][1].out_elems
-        where[node] = (key, len(ops))
-        ops.append((node, op))
+                first[key].out_elems += where[a][1].out_elems
+        where[node], index[node] = (key, op), sizes[key]
+        sizes[key] += 1
         last_key = key
-    return _finish(layers, batch, warn)
+    return gm, where, first
 
 
 def _finish(layers: dict[str, list[tuple[fx.Node, Op]]], batch: int, warn: bool) -> ModelGraph:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "Embed", "Head", "MLPBlock", "gpt", "mlp_stack"]
+__all__ = ["Block", "Embed", "Head", "MLPBlock", "ResidualMLP", "gpt", "mlp_stack"]
 
 
 class Embed(nn.Module):
@@ -121,3 +121,23 @@ def mlp_stack(layers: int, hidden: int, in_features: int, classes: int,
         mods += [MLPBlock(hidden) for _ in range(layers)]
         mods.append(nn.Linear(hidden, classes))
         return nn.Sequential(*mods).to(dtype)
+
+
+class ResidualMLP(nn.Module):
+    """A plain (not ``nn.Sequential``) model with residual connections, for the executor:
+    ``h = relu(inp(x))``, ``h = h + fc2_i(relu(fc1_i(h)))`` per block, and a long skip from
+    the first ``h`` to the output layer (it crosses every pipeline stage)."""
+
+    def __init__(self, in_features: int, hidden: int, classes: int, blocks: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_features, hidden)
+        self.fc1 = nn.ModuleList(nn.Linear(hidden, 2 * hidden) for _ in range(blocks))
+        self.fc2 = nn.ModuleList(nn.Linear(2 * hidden, hidden) for _ in range(blocks))
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        skip = h
+        for up, down in zip(self.fc1, self.fc2):
+            h = h + down(torch.relu(up(h)))
+        return self.out(h + skip)  # type: ignore[no-any-return]

@@ -131,20 +131,22 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, constraints: Constraints | N
 
 
 def plan(model: nn.Module, example_inputs: Any, cluster: Cluster,
-         constraints: Constraints | None = None) -> Plan:
+         constraints: Constraints | None = None, leaf_modules: tuple[type, ...] = ()) -> Plan:
     """Plan intra- and inter-operator parallelism of ``model`` for ``cluster``.
 
     Args:
-        model: an ``nn.Module`` traceable by torch.fx (an ``nn.Sequential`` of layers to
-            execute the plan); may live on the ``"meta"`` device.
+        model: an ``nn.Module`` torch.fx can trace; may live on the ``"meta"`` device.
         example_inputs: the inputs of one training step (its batch is the global batch).
         cluster: the devices and links to plan for.
         constraints: degrees to impose (pipeline stages, tp, dp, micro-batches, schedule).
+        leaf_modules: module types fx keeps whole (replicated, never split).
 
     Raises:
         NoPlanFitsError: nothing fits in memory (needed vs available bytes per device).
+        UntraceableModelError: fx cannot capture the model (names the operation).
     """
     if not isinstance(cluster, Cluster):
         raise HexagramError(f"cluster must be a hexagram.parallel.Cluster, got "
                             f"{type(cluster).__name__}")
-    return plan_graph(capture(model, example_inputs), cluster, constraints)
+    return plan_graph(capture(model, example_inputs, leaf_modules=leaf_modules), cluster,
+                      constraints)

@@ -9,7 +9,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,10 @@ class ParallelModel:
     schedule: Any
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     sync: Callable[..., None]
+    #: where the stage runs (the runtime's: CPU with gloo, the rank's GPU with NCCL)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    #: what :func:`hexagram.parallel.auto` planned and measured (printable)
+    report: str = ""
 
     @property
     def is_last(self) -> bool:
@@ -83,8 +87,10 @@ class ParallelModel:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Forward + backward of the global batch (every rank passes the same one), then
-        average gradients over dp. Returns the mean loss on the last stage, else None."""
-        x, y = self._my_share(inputs), self._my_share(targets)
+        average gradients over dp; the batch is moved to the stage's device. Returns the
+        mean loss on the last stage, else None."""
+        x = self._my_share(inputs).to(self.device)
+        y = self._my_share(targets).to(self.device)
         loss = self._single_stage(x, y) if self.schedule is None else self._pipelined(x, y)
         self.sync(self.module, self.plan.stages[self.stage_index], self.dp_group)
         if loss is None:

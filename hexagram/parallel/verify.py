@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.parallel.cluster import Cluster, Constraints
-from hexagram.parallel.models import gpt, mlp_stack
+from hexagram.parallel.models import ResidualMLP, gpt, mlp_stack
 
 __all__ = ["ParitySpec", "build", "parity_worker"]
 
@@ -46,21 +46,34 @@ class ParitySpec:
     cluster: Cluster | None = None
     reference: bool = True
     dtype: torch.dtype = torch.float64
+    optimizer: str = "sgd"
 
 
-def build(spec: ParitySpec) -> tuple[nn.Sequential, Any, Any]:
-    """(model, inputs, targets) of one step, the same on every rank (seeded)."""
+def build(spec: ParitySpec) -> tuple[nn.Module, Any, Any]:
+    """(model, inputs, targets) of one step, the same on every rank (seeded). Models:
+    ``mlp``, ``gpt`` (``nn.Sequential``), ``residual`` (:class:`ResidualMLP`), ``refgpt``
+    (:class:`hexagram.models.gpt.GPT`, a plain module) and ``cnn`` (8x8 images)."""
     torch.manual_seed(spec.seed)
-    if spec.model == "gpt":
-        vocab, seq = spec.vocab, spec.seq
-        model = gpt(layers=spec.layers, hidden=spec.hidden, heads=spec.heads, vocab=vocab,
-                    seq=seq, dtype=spec.dtype)
-        return model, torch.randint(0, vocab, (spec.batch, seq)), \
-            torch.randint(0, vocab, (spec.batch, seq))
-    model = mlp_stack(layers=spec.layers, hidden=spec.hidden, in_features=12, classes=5,
-                      dtype=spec.dtype)
-    return model, torch.randn(spec.batch, 12, dtype=spec.dtype), \
-        torch.randint(0, 5, (spec.batch,))
+    vocab, seq, b = spec.vocab, spec.seq, spec.batch
+    if spec.model in ("gpt", "refgpt"):
+        if spec.model == "gpt":
+            model: nn.Module = gpt(layers=spec.layers, hidden=spec.hidden, heads=spec.heads,
+                                   vocab=vocab, seq=seq, dtype=spec.dtype)
+        else:
+            from hexagram.models.gpt import GPT, GPTConfig
+            model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=spec.layers,
+                                  n_head=spec.heads, n_embd=spec.hidden)).to(spec.dtype)
+        return model, torch.randint(0, vocab, (b, seq)), torch.randint(0, vocab, (b, seq))
+    if spec.model == "cnn":
+        from hexagram.models.cnn import cnn
+        model = cnn(image_size=8, channels=2, hidden=spec.hidden, classes=5).to(spec.dtype)
+        return model, torch.randn(b, 1, 8, 8, dtype=spec.dtype), torch.randint(0, 5, (b,))
+    if spec.model == "residual":
+        model = ResidualMLP(12, spec.hidden, 5, blocks=spec.layers).to(spec.dtype)
+    else:
+        model = mlp_stack(layers=spec.layers, hidden=spec.hidden, in_features=12, classes=5,
+                          dtype=spec.dtype)
+    return model, torch.randn(b, 12, dtype=spec.dtype), torch.randint(0, 5, (b,))
 
 
 def _plan(model: nn.Module, x: torch.Tensor, spec: ParitySpec) -> Any:
@@ -75,8 +88,20 @@ def _plan(model: nn.Module, x: torch.Tensor, spec: ParitySpec) -> Any:
     return box[0]
 
 
+def _optimizer(spec: ParitySpec, params: Any) -> torch.optim.Optimizer:
+    """SGD or Adam (elementwise state: sharded by ZeRO exactly like the parameters)."""
+    if spec.optimizer == "adam":
+        return torch.optim.Adam(params, lr=spec.lr)
+    return torch.optim.SGD(params, lr=spec.lr)
+
+
+def _local_elems(module: nn.Module) -> int:
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+               for p in module.parameters())
+
+
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[n] - b[n]).abs().max().item() for n in a)
+    return max((a[n].cpu() - b[n].cpu()).abs().max().item() for n in a)
 
 
 def parity_worker(spec: ParitySpec) -> dict[str, Any]:
@@ -89,12 +114,14 @@ def parity_worker(spec: ParitySpec) -> dict[str, Any]:
     ref = build(spec)[0]
     ref.load_state_dict(model.state_dict())
     p = _plan(model, x, spec)
-    pm = parallelize(model, p)
-    opt = torch.optim.SGD(pm.parameters(), lr=spec.lr)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=spec.lr)
+    pm = parallelize(model, p, example_inputs=x)
+    opt = _optimizer(spec, pm.parameters())
+    ref_opt = _optimizer(spec, ref.parameters())
     ref_params = dict(ref.named_parameters())
     out: dict[str, Any] = {"grad_diff": 0.0, "loss_diff": 0.0, "losses": [], "times": [],
-                           "plan": p.to_json(indent=None), "stage": pm.stage_index}
+                           "plan": p.to_json(indent=None), "stage": pm.stage_index,
+                           "local_params": _local_elems(pm.module),
+                           "stage_params": sum(q.numel() for q in pm.module.parameters())}
     for step in range(spec.steps):
         xs, ys = (x, y) if step == 0 else build(ParitySpec(**{
             **spec.__dict__, "seed": spec.seed + step}))[1:]

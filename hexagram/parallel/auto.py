@@ -1,0 +1,103 @@
+"""One call: measure the cluster this job runs on, plan the model for it, apply the plan.
+
+Every rank of a ``torchrun`` job calls :func:`auto` with the same model and example batch.
+The cluster is measured in the job itself (compute rate, memory bandwidth and per-operator
+cost of this rank's device; allreduce latency and rate over all ranks, on the runtime's
+device: CPU/gloo or GPU/NCCL); rank 0 plans and broadcasts the plan, so every rank applies
+the very same one.
+
+Example:
+    >>> import torch, hexagram.parallel as hp
+    >>> model = hp.gpt(layers=2, hidden=64, heads=4, vocab=100, seq=16)
+    >>> x = torch.randint(0, 100, (8, 16))
+    >>> pm = hp.auto(model, x)                      # on every rank   # doctest: +SKIP
+    >>> print(pm.report)                            # the plan, predicted time  # doctest: +SKIP
+    >>> loss = pm.train_step(x, y)                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hexagram.errors import HexagramError
+from hexagram.parallel.apply import LossFn, default_loss, parallelize
+from hexagram.parallel.calibrate import fit_links, measure_compute
+from hexagram.parallel.cluster import Cluster, Constraints
+from hexagram.parallel.planner import plan
+from hexagram.parallel.plans import Plan
+from hexagram.parallel.runner import ParallelModel
+
+__all__ = ["auto", "measure_cluster"]
+
+
+def _dtype_of(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None = None
+                    ) -> Cluster:
+    """The running job as a :class:`Cluster` (collective: every rank calls it).
+
+    Hosts from the runtime (``world / local_world``); the same measured link for inside and
+    between hosts (one allreduce fit over all ranks). ``memory_gb``: per device (default:
+    the GPU's total memory, or 4 GB per CPU rank).
+    """
+    import hexagram as hx
+
+    rt = hx.init()
+    per_host = rt.local_world_size
+    if rt.world_size % per_host or per_host & (per_host - 1):
+        raise HexagramError(f"auto needs the same power-of-two number of ranks on every "
+                            f"host, got {rt.world_size} ranks with {per_host} on this one; "
+                            f"build a Cluster by hand and pass cluster=")
+    comp = measure_compute(dtype, device=rt.device)
+    links = fit_links()
+    box = [(comp, links)]
+    dist.broadcast_object_list(box, src=0)  # rank 0's figures, so every rank agrees
+    comp, links = box[0]
+    if memory_gb is None:
+        memory_gb = (torch.cuda.get_device_properties(rt.device).total_memory / 1e9
+                     if rt.device.type == "cuda" else 4.0)
+    return Cluster(hosts=rt.world_size // per_host, devices_per_host=per_host,
+                   intra_host_gbps=links["gbps"], inter_host_gbps=links["gbps"],
+                   intra_latency_us=links["latency_us"], inter_latency_us=links["latency_us"],
+                   device_tflops=comp["device_tflops"], memory_gbps=comp["memory_gbps"],
+                   op_overhead_us=comp["op_overhead_us"],
+                   dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+                   device_memory_gb=memory_gb)
+
+
+def auto(model: nn.Module, example_inputs: Any, constraints: Constraints | None = None,
+         cluster: Cluster | None = None, loss_fn: LossFn = default_loss,
+         leaf_modules: tuple[type, ...] = (), zero_stage: int = 3) -> ParallelModel:
+    """Measure the job's cluster (unless ``cluster`` is given), plan, apply; returns the
+    :class:`ParallelModel` with ``plan`` and a printable ``report``.
+
+    Raises:
+        HexagramError: ``cluster`` is for another number of devices than the job runs
+            (the message names both); NoPlanFitsError, UntraceableModelError from planning.
+    """
+    import hexagram as hx
+
+    rt = hx.init()
+    cluster = cluster or measure_cluster(_dtype_of(model))
+    if cluster.devices != rt.world_size:
+        raise HexagramError(f"the cluster has {cluster.devices} devices but this job runs "
+                            f"{rt.world_size} ranks: plan for the running job (cluster=None) "
+                            f"or launch {cluster.devices} ranks")
+    box: list[Plan | None] = [None]
+    if rt.rank == 0:
+        box[0] = plan(model, example_inputs, cluster, constraints, leaf_modules)
+    dist.broadcast_object_list(box, src=0)
+    chosen = box[0]
+    assert chosen is not None
+    pm = parallelize(model, chosen, loss_fn, zero_stage, example_inputs=example_inputs)
+    c = cluster
+    pm.report = (f"{chosen}\n  measured cluster: {c.device_tflops * 1e3:.1f} GFLOP/s, "
+                 f"{c.memory_gbps:.1f} GB/s, {c.op_overhead_us:.1f} us/op, links "
+                 f"{c.intra_latency_us:.0f} us + {c.intra_host_gbps:.2f} Gbit/s")
+    return pm
