@@ -163,13 +163,12 @@ class DistributedDataParallel(nn.Module):
     # -- training-time hooks -----------------------------------------------------------
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The engine's pre-forward work (eager), then the wrapped module's forward.
-
-        Under ``torch.compile(wrapper)`` this frame runs eagerly, as PyTorch DDP's forward
-        does, and the module's forward is compiled whole (no graph break from the engine:
-        its collectives, locks and hook bookkeeping never reach Dynamo); gradients then
-        arrive together at the end of the compiled backward, so buckets launch after it.
-        """
+        # The engine's pre-forward work (eager), then the wrapped module's forward. Under
+        # torch.compile(wrapper) this frame runs eagerly, as PyTorch DDP's forward does, and
+        # the module's forward is compiled whole (no graph break from the engine: its
+        # collectives, locks and hook bookkeeping never reach Dynamo); gradients then arrive
+        # together at the end of the compiled backward, so buckets launch after it. (No
+        # docstring: the exposed forward shows the wrapped module's.)
         self._before_module_forward()
         return _run_module(self.module, args, kwargs)
 
