@@ -74,7 +74,7 @@ def _worker(tmp: str) -> dict[str, Any]:
                               algorithm="powersgd", hexagram_config={"rank": 2}),
            "local_sgd": _train(HexagramTrainer, os.path.join(tmp, "lsgd"), 3,
                                algorithm="local_sgd", hexagram_config={"period": 2})}
-    resumable = {"algorithm": "powersgd", "hexagram_config": {"rank": 2}}
+    resumable = {"algorithm": "powersgd", "hexagram_config": {"rank": 2, "start_iter": 0}}
     ckpt_dir = os.path.join(tmp, "resume")
     out["uninterrupted"] = _train(HexagramTrainer, ckpt_dir, 3, save_steps=2, **resumable)
     torch.distributed.barrier()
