@@ -37,6 +37,16 @@ __all__ = ["DistributedDataParallel"]
 _MB = 1024 * 1024
 
 
+def _run_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``module(*args, **kwargs)`` from a frame Dynamo compiles under ``torch.compile``.
+
+    The wrapper's forward is skipped by Dynamo; a module called straight from it would start
+    a frame in ``torch.nn`` (Dynamo's skip list: a ``nn.Sequential`` would run eagerly).
+    This frame is Hexagram's, so Dynamo traces it and inlines the whole module.
+    """
+    return module(*args, **kwargs)
+
+
 class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper whose communication is chosen by ``algorithm``.
 
@@ -151,7 +161,19 @@ class DistributedDataParallel(nn.Module):
             self.algorithm.reset(self._ctx)
 
     # -- training-time hooks -----------------------------------------------------------
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # The engine's pre-forward work (eager), then the wrapped module's forward. Under
+        # torch.compile(wrapper) this frame runs eagerly, as PyTorch DDP's forward does, and
+        # the module's forward is compiled whole (no graph break from the engine: its
+        # collectives, locks and hook bookkeeping never reach Dynamo); gradients then arrive
+        # together at the end of the compiled backward, so buckets launch after it. (No
+        # docstring: the exposed forward shows the wrapped module's.)
+        self._before_module_forward()
+        return _run_module(self.module, args, kwargs)
+
+    @torch.compiler.disable
+    def _before_module_forward(self) -> None:
         if self._joining:
             syncing = torch.is_grad_enabled() and (self._reducer is None
                                                    or self._reducer.enabled)
@@ -163,7 +185,6 @@ class DistributedDataParallel(nn.Module):
                 "optimizers=[opt] to hexagram.DistributedDataParallel or call "
                 "model.attach_optimizers(opt) before the first forward")
         self._prepare_forward()
-        return self.module(*args, **kwargs)
 
     def _prepare_forward(self) -> None:
         """The collectives and hooks that precede every forward (also shadowed by joined

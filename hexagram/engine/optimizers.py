@@ -112,4 +112,7 @@ def expose_forward_signature(wrapper: nn.Module, module: nn.Module) -> None:
 
     forward.__signature__ = signature  # type: ignore[attr-defined]
     forward.__doc__ = type(wrapper).forward.__doc__ or module.forward.__doc__
-    object.__setattr__(wrapper, "forward", forward)
+    # torch.compile enters here first: run this frame eagerly so that Dynamo compiles the
+    # module's forward, not the engine's pre-forward work (see DistributedDataParallel)
+    skipped = torch.compiler.disable(forward, recursive=False)
+    object.__setattr__(wrapper, "forward", skipped)

@@ -16,20 +16,70 @@ Pass the user's model as ``model=``. The Trainer wraps it with
 optimizer and data loaders), attaches the optimizer it creates, skips communication in
 accumulation micro-batches (``no_sync``), and at the end of training calls ``synchronize()``
 (consensus weights for weight algorithms) and ``close()``, then unwraps.
+
+Checkpoints: every rank writes its algorithm state (PowerSGD's Q and error-feedback
+residuals, counters, generators) as ``hexagram_state_<rank>.pt`` into each
+``checkpoint-<step>`` folder the Trainer saves, and ``train(resume_from_checkpoint=...)``
+loads it back, so a gradient algorithm resumes exactly where it stopped. Resume with the
+same algorithm and world size. Weight algorithms (local SGD, ...) resume from the saved
+model, rank 0's replica (save at a synchronization step for an exact resume).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hexagram.engine.ddp import DistributedDataParallel
+from hexagram.errors import ConfigError
 from hexagram.integrations import wrap
 from hexagram.integrations.accelerate import install_unwrap
 
-__all__ = ["HexagramTrainer"]
+__all__ = ["HexagramTrainer", "load_algorithm_state", "save_algorithm_state"]
+
+#: per-rank algorithm state inside a Trainer checkpoint folder
+STATE_FILE = "hexagram_state_{rank}.pt"
+
+
+def save_algorithm_state(wrapped: DistributedDataParallel, folder: str) -> str:
+    """Write this rank's algorithm state into checkpoint ``folder``; return the file path.
+
+    Call on every rank (each writes its own file). Example:
+    ``save_algorithm_state(model, "out/checkpoint-100")``.
+    """
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, STATE_FILE.format(rank=wrapped.comm.rank))
+    torch.save({"algorithm": wrapped.algorithm.name, "world_size": wrapped.comm.size,
+                "state": wrapped.algorithm_state_dict()}, path)
+    return path
+
+
+def load_algorithm_state(wrapped: DistributedDataParallel, folder: str) -> bool:
+    """Restore this rank's state written by :func:`save_algorithm_state`.
+
+    Returns False (with a warning: the algorithm starts afresh) when ``folder`` holds no
+    Hexagram state; raises :class:`ConfigError` when it was saved by another algorithm or
+    world size.
+    """
+    path = os.path.join(folder, STATE_FILE.format(rank=wrapped.comm.rank))
+    if not os.path.exists(path):
+        warnings.warn(f"{folder} holds no Hexagram algorithm state ({os.path.basename(path)})"
+                      f": {wrapped.algorithm.name!r} starts with fresh state", stacklevel=2)
+        return False
+    saved = torch.load(path, weights_only=True)
+    if saved["algorithm"] != wrapped.algorithm.name or saved["world_size"] != wrapped.comm.size:
+        raise ConfigError(
+            f"{path} holds {saved['algorithm']!r} state of {saved['world_size']} ranks; this "
+            f"run uses {wrapped.algorithm.name!r} on {wrapped.comm.size} ranks: resume with the "
+            f"same algorithm and world size, or delete the {STATE_FILE.format(rank='*')} files")
+    wrapped.load_algorithm_state_dict(saved["state"])
+    return True
 
 
 class _EndOfTraining(TrainerCallback):  # type: ignore[misc]
@@ -75,11 +125,24 @@ class HexagramTrainer(Trainer):  # type: ignore[misc]
             return super()._wrap_model(model, training=training, dataloader=dataloader)
         return wrap(model, self.hexagram_algorithm, dict(self.hexagram_config))
 
-    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
-        out = super()._prepare_for_training(*args, **kwargs)
-        if self.hexagram_model is not None:  # the optimizer exists (Accelerate-wrapped) now
-            self.hexagram_model.attach_optimizers(self.optimizer)
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any,
+                              resume_from_checkpoint: str | None) -> Any:
+        out = super()._prepare_for_training(max_steps, train_dataloader,
+                                            resume_from_checkpoint)
+        wrapped = self.hexagram_model
+        if wrapped is not None:  # the optimizer exists (Accelerate-wrapped) now
+            wrapped.attach_optimizers(self.optimizer)
+            if resume_from_checkpoint is not None:  # after set-up, which may reset state
+                load_algorithm_state(wrapped, resume_from_checkpoint)
         return out
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        wrapped = self.hexagram_model
+        if wrapped is not None:  # every rank: its own state next to the Trainer's files
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            save_algorithm_state(wrapped, os.path.join(self._get_output_dir(trial=trial),
+                                                       folder))
 
     def _finish_hexagram(self) -> None:
         wrapped = self.hexagram_model
