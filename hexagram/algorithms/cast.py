@@ -33,7 +33,7 @@ from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
 from hexagram.errors import ConfigError, NonFiniteGradientError
 
-__all__ = ["CASTS", "INCOMPATIBLE", "Cast", "check_cast"]
+__all__ = ["CASTS", "INCOMPATIBLE", "Cast", "check_cast", "check_fp16_range"]
 
 #: wire name -> dtype
 CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -47,6 +47,19 @@ INCOMPATIBLE = {
 }
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def check_fp16_range(tensor: Tensor, scale: float, what: str) -> None:
+    """Raise :class:`NonFiniteGradientError` when ``tensor``'s largest magnitude times
+    ``scale`` passes fp16's 65504: ``1 / P`` where values are divided by the world size
+    before the cast (the ``fp16`` algorithm), ``P`` where P of them are summed in fp16
+    (the cast wrapper). ``what`` opens the message."""
+    lo, hi = torch.aminmax(tensor)  # one pass, no |x| temporary
+    peak = max(-float(lo), float(hi))
+    if peak * scale > _FP16_MAX:
+        raise NonFiniteGradientError(
+            f"{what} reaches {peak:.3g}, x {scale:.3g} on the wire passes fp16's "
+            f"{_FP16_MAX:.0f} and would become Inf. Use bf16 or clip gradients")
 
 
 def check_cast(algorithm: Algorithm, cast: Any) -> torch.dtype | None:
@@ -79,18 +92,10 @@ class Cast(Forwarding):
         if bucket.dtype == self.dtype or not bucket.dtype.is_floating_point:
             return self.inner.bucket_ready(bucket)
         if self.dtype == torch.float16:
-            self._check_range(bucket)
+            check_fp16_range(bucket.flat, self.ctx.comm.size,
+                             f"cast='fp16' around {self.inner.name!r}: gradient of "
+                             f"{', '.join(bucket.names)}")
         low = bucket.over(bucket.flat.to(self.dtype))
         handle = self.inner.bucket_ready(low) or Handle.completed(low.flat)
         # the result may be the 16-bit buffer or one of the algorithm's own
         return handle.then(lambda result: bucket.flat.copy_(result))
-
-    def _check_range(self, bucket: Bucket) -> None:
-        lo, hi = torch.aminmax(bucket.flat)
-        peak = max(-float(lo), float(hi))
-        if peak > _FP16_MAX / self.ctx.comm.size:
-            raise NonFiniteGradientError(
-                f"cast='fp16' around {self.inner.name!r}: gradient of "
-                f"{', '.join(bucket.names)} reaches {peak:.3g}; its sum over "
-                f"{self.ctx.comm.size} ranks could pass fp16's {_FP16_MAX:.0f} and become Inf. "
-                "Use cast='bf16' or clip gradients")

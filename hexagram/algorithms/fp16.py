@@ -19,19 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from hexagram import compress
+from hexagram.algorithms.cast import check_fp16_range
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, Segment
 from hexagram.compress.base import Payload
 from hexagram.config import check_choice
-from hexagram.errors import NonFiniteGradientError
 
 __all__ = ["Fp16Algorithm", "Fp16Config"]
-
-_FP16_MAX = float(torch.finfo(torch.float16).max)
-
 
 @dataclass(frozen=True, kw_only=True)
 class Fp16Config(CompressedConfig):
@@ -69,11 +65,6 @@ class Fp16Algorithm(CompressorAlgorithm):
         """Check fp16's range after the division by P, then cast (the sum is reduced in
         16 bits by :func:`hexagram.comm.reduce.reduce_many`: its ``SUM`` route)."""
         if self.config.wire == "fp16":
-            lo, hi = torch.aminmax(tensor)  # one pass, no |x| temporary
-            peak = max(-float(lo), float(hi)) / self.ctx.comm.size
-            if peak > _FP16_MAX:
-                raise NonFiniteGradientError(
-                    f"fp16: gradient of {', '.join(segment.names)} at step {self.step} reaches "
-                    f"{peak:.3g} after division by the world size, beyond fp16's {_FP16_MAX:.0f}"
-                    "; it would become Inf on the wire. Use wire='bf16' or clip gradients")
+            check_fp16_range(tensor, 1 / self.ctx.comm.size, f"fp16: gradient of "
+                             f"{', '.join(segment.names)} at step {self.step}")
         return super().encode_segment(segment, tensor, divisor)
