@@ -122,8 +122,23 @@ def _decide_switch_resume() -> dict[str, Any]:
         time.sleep(0.3)  # the job's step time drifts (as when a link slows down)
     out["reprobes"] = (quiet, algo3.reprobes)
     model3.close()
+    out["warmup"] = _tuned_after_warmup(rank)
     hx.shutdown()
     return out
+
+
+def _tuned_after_warmup(rank: int) -> tuple[bool, bool]:
+    """PowerSGD with its 10 allreduce warm-up steps: buckets are timed after them."""
+    net = Probe()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    algo = hx.algorithms.get("auto", **{**FAST, "candidates": ["powersgd"]})
+    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo)
+    _train(model, opt, range(10), rank)
+    during = "tuned" in (algo.decision or {})
+    _train(model, opt, range(10, 20), rank)
+    after = "tuned" in (algo.decision or {})
+    model.close()
+    return during, after
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +175,16 @@ def test_drift_triggers_a_new_probe(three_ranks: list[dict[str, Any]]) -> None:
     for result in three_ranks:
         quiet, after = result["reprobes"]
         assert after > quiet
+
+
+def test_buckets_timed_after_warmup(three_ranks: list[dict[str, Any]]) -> None:
+    """Timing PowerSGD's allreduce warm-up steps would tune for (and expect) the wrong
+    step time; auto waits for the steps the model predicts."""
+    for result in three_ranks:
+        assert result["warmup"] == (False, True)
+
+
+def test_default_powersgd_compresses_at_once() -> None:
+    assert not choose.warming_up(choose.make("powersgd:start_iter=0"))
+    assert choose.warming_up(choose.make("powersgd"))
+    assert "powersgd:start_iter=0" in choose.DEFAULT

@@ -322,6 +322,8 @@ class AutoAlgorithm(Algorithm):
     def _advance(self) -> None:
         if self._phase == "profile" and self._steps >= self.config.profile_steps:
             self._finish_profile()
+        elif choose.warming_up(self.delegate):  # not the predicted steps: time them later
+            self._mark = self._steps
         elif self._phase == "tune" and self._steps > self._mark \
                 and (self._steps - self._mark) % 2 == 0:
             self._tune_step()

@@ -34,11 +34,16 @@ from hexagram.cost.schedule import is_lossy
 from hexagram.errors import ConfigError
 
 __all__ = ["BUCKET_MB", "DEFAULT", "DELAYED", "applicable", "best_per_label", "format_table",
-           "lr_flags", "lr_note", "make", "parse_label", "predict_all", "resolve"]
+           "lr_flags", "lr_note", "make", "parse_label", "predict_all", "resolve",
+           "warming_up"]
 
-#: the synchronous gradient algorithms auto considers by default (registry defaults)
+#: the synchronous gradient algorithms auto considers by default (registry defaults, but
+#: PowerSGD compresses from its first step: its default 10 allreduce warm-up steps would run
+#: at allreduce's speed after the decision, 30 s at 100 Mbit/s for the 6.3M MLP, while
+#: digits accuracy is the same without them: 91.1 % vs 91.3 %, allreduce 91.5 %)
 DEFAULT = ("allreduce", "allreduce:hierarchical=true", "fp16", "fp16:wire=bf16", "bytegrad",
-           "qsgd", "terngrad", "onebit", "efsign", "topk", "gtopk", "dgc", "powersgd")
+           "qsgd", "terngrad", "onebit", "efsign", "topk", "gtopk", "dgc",
+           "powersgd:start_iter=0")
 #: added by ``allow_delay=True``
 DELAYED = ("local_sgd", "diloco", "decentralized", "low_precision_decentralized", "async")
 #: bucket capacities (MB) the model compares; the best few are then timed
@@ -65,6 +70,19 @@ def make(label: str) -> Algorithm:
     """A fresh algorithm instance for a candidate label."""
     name, config = parse_label(label)
     return registry.get(name, **config)
+
+
+def warming_up(algorithm: Algorithm) -> bool:
+    """True while ``algorithm`` runs a full-precision warm-up (PowerSGD's ``start_iter``
+    steps of allreduce): its steps then are not the ones the model predicts.
+
+    >>> warming_up(make("powersgd")), warming_up(make("powersgd:start_iter=0"))
+    (True, False)
+    """
+    while hasattr(algorithm, "inner") and not hasattr(algorithm.config, "start_iter"):
+        algorithm = algorithm.inner
+    start = getattr(algorithm.config, "start_iter", 0)
+    return bool(getattr(algorithm, "step", 0) < start)
 
 
 def resolve(candidates: Sequence[str] | None = None, allow_delay: bool = False,
