@@ -1,32 +1,23 @@
 """``algorithm="auto"``: measure the job, predict every candidate, run the fastest.
 
-Timeline (every step below happens on every rank at the same step, so collectives match):
+Timeline (on every rank at the same step, so collectives match):
 
-- wrap time (``setup``): a network probe (:func:`hexagram.cost.probe.probe`, about 3 s)
-  and each candidate compressor's CPU cost on this device; a *provisional* choice from
-  them alone (communication and compression, no compute yet) runs the first steps;
-- steps ``0 .. profile_steps-1``: the job's own forward, backward (when each gradient is
-  ready, compression time taken out) and update are recorded;
-- then every candidate at every bucket size is predicted (:mod:`hexagram.cost.model`,
-  slowest rank's profile); rank 0's choice is broadcast; one table is printed on rank 0
-  (candidates, predicted step time, wire bytes, the choice and why);
-- bucket autotune: the best ``tune_buckets`` bucket sizes predicted for the chosen
-  algorithm run ``2`` steps each, and the fastest measured one is kept (slowest rank);
-- watch: when ``drift_steps`` consecutive steps differ from the expected step time (the
-  tuned measurement: the prediction calibrated on this machine) by more than ``drift``, the
+- wrap time: a network probe (:func:`hexagram.cost.probe.probe`, about 3 s) and each
+  candidate compressor's CPU cost on this device give a *provisional* choice;
+- steps ``0 .. profile_steps-1``: forward, backward (when each gradient is ready) and the
+  update are recorded; then every candidate at every bucket size is predicted
+  (:mod:`hexagram.cost.model`, slowest rank), rank 0's choice is broadcast and one table
+  printed (candidates, predicted step, wire bytes, the choice and why);
+- the best ``tune_buckets`` predicted bucket sizes run 2 steps each (after any warm-up of
+  the chosen algorithm, e.g. PowerSGD's ``start_iter``); the fastest measured is kept;
+- watch: after ``drift_steps`` steps off the tuned step time by more than ``drift``, the
   network is probed again and the choice redone; a switch is logged.
 
-Switching algorithms keeps training correct: error-feedback residuals of the old algorithm
-are added into the next step's gradients (flushed, so nothing accumulated is lost); other
-per-algorithm state (DGC's momenta, PowerSGD's warm-start factors, QAdam's optimizer-side
-state) is dropped, which the log says; leaving a weight algorithm first synchronizes the
-replicas. ``state_dict`` holds the decision: a resumed run keeps it (``redecide=True``
-decides again).
-
-Learning rate: a candidate whose configuration needs another lr than the user's optimizer
-has (:func:`hexagram.cost.choose.lr_flags`, e.g. ``signsgd:scaled=false`` needs about
-x0.015) is never chosen; the table lists it as ``(excluded: needs lr x0.015)``. Only such
-candidates: a :class:`~hexagram.errors.ConfigError` at wrap time.
+A switch flushes the old algorithm's error-feedback residuals into the next gradients;
+other state (DGC momenta, PowerSGD factors) is dropped, as the log says; a weight algorithm
+synchronizes the replicas first. ``state_dict`` holds the decision (kept on resume unless
+``redecide=True``). A candidate that needs another learning rate than the user's optimizer
+(:func:`hexagram.cost.choose.lr_flags`) is never chosen (listed as excluded).
 
 Example:
     >>> import hexagram as hx
@@ -58,7 +49,7 @@ from hexagram.cost import choose, measure
 from hexagram.cost.model import MB, Prediction
 from hexagram.cost.probe import NetworkProfile, probe
 from hexagram.cost.profile import CompressorCost, ComputeProfile
-from hexagram.cost.recorder import StepRecorder
+from hexagram.cost.recorder import DriftWatch, StepRecorder
 from hexagram.errors import ConfigError
 
 __all__ = ["AutoAlgorithm", "AutoConfig"]
@@ -142,8 +133,7 @@ class AutoAlgorithm(Algorithm):
         self._phase = "profile"
         self._tune: list[int] = []
         self._tuned: list[float] = []
-        self._expected: float | None = None
-        self._drifting = 0
+        self._watcher = DriftWatch(self.config.drift)
         self._recorder: StepRecorder | None = None
         self._control: Communicator | None = None
         self._retired_bytes = 0  # bytes of retired delegates' own communicators
@@ -194,21 +184,15 @@ class AutoAlgorithm(Algorithm):
                 if not provisional or a.kind == "grad"]
         preds = choose.predict_all(pool, compute, self.network, self.costs,
                                    self.config.bucket_mb)
-        labels = [label for label, _ in self.candidates]
         best = next((p for p in preds if p.label not in self.flags), None)
         if best is None:
             raise ConfigError(f"auto: no applicable candidate is a drop-in for the optimizer's "
                               f"learning rate ({self.flags}); add 'allreduce' to candidates")
         sizes = [p.bucket_bytes for p in preds if p.label == best.label]
-        sizes = sizes[:self.config.tune_buckets]
-        pad = len(self.config.bucket_mb) - len(sizes)
-        msg = torch.tensor([labels.index(best.label), *sizes, *[0] * pad], dtype=torch.int64)
-        primitives.broadcast(self._control, [msg], src=0).wait()
-        chosen = labels[int(msg[0])]
-        self._tune = [int(b) for b in msg[1:].tolist() if b > 0]
+        chosen, self._tune = self._agree(best.label, sizes[:self.config.tune_buckets])
         pick = next(p for p in preds if p.label == chosen)
         if not provisional:
-            why = self._reason(pick, preds)
+            why = choose.reason(pick, preds, self.network.notes)
             self.table = choose.format_table(preds, chosen, why, flags=self.flags)
             self.decision = {"label": chosen, "predicted_s": pick.step_s, "reason": why,
                              "wire_bytes": pick.wire_bytes, "bucket_bytes": pick.bucket_bytes,
@@ -216,15 +200,14 @@ class AutoAlgorithm(Algorithm):
             self._say("auto: decision\n" + self.table)
         return pick
 
-    def _reason(self, pick: Prediction, preds: Sequence[Prediction]) -> str:
-        others = [p for p in choose.best_per_label(preds) if p.label != pick.label]
-        why = f"fastest predicted: {pick.step_s:.3f} s/step, {pick.describe_schedule()}"
-        if others:
-            why += f"; next {others[0].label} {others[0].step_s:.3f} s"
-        assert self.network is not None
-        if self.network.notes:
-            why += "; " + "; ".join(self.network.notes)
-        return why
+    def _agree(self, label: str, sizes: list[int]) -> tuple[str, list[int]]:
+        """Rank 0's label and bucket sizes, on every rank (probes differ a little)."""
+        assert self._control is not None
+        labels = [lb for lb, _ in self.candidates]
+        pad = [0] * (len(self.config.bucket_mb) - len(sizes))
+        msg = torch.tensor([labels.index(label), *sizes, *pad], dtype=torch.int64)
+        primitives.broadcast(self._control, [msg], src=0).wait()
+        return labels[int(msg[0])], [int(b) for b in msg[1:].tolist() if b > 0]
 
     def switch(self, label: str, bucket_bytes: int | None = None) -> None:
         """Run ``label`` (a candidate) from the next forward, with ``bucket_bytes`` buckets
@@ -339,7 +322,8 @@ class AutoAlgorithm(Algorithm):
         self._adopt(pick.label, self._tune[0])
         self._mark = self._steps
         if self.delegate.kind == "weight" or len(self._tune) == 1:
-            self._phase, self._expected = "watch", None
+            self._phase = "watch"
+            self._watcher.restart()
             return
         self._phase, self._tuned = "tune", []
 
@@ -358,24 +342,22 @@ class AutoAlgorithm(Algorithm):
         assert self.decision is not None
         self.decision.update(bucket_bytes=self._tune[best], tuned={
             f"{b / MB:g} MB": round(float(t), 4) for b, t in zip(self._tune, times)})
-        self._expected = float(times[best])
+        self._watcher.restart(float(times[best]))
         self._say(f"auto: buckets timed {self.decision['tuned']} s/step -> "
                   f"{self._tune[best] / MB:g} MB")
         self._phase, self._mark = "watch", self._steps
 
     def _watch(self) -> None:
-        """Count drifting steps; every 10 steps the ranks agree whether to re-probe."""
+        """Count drifting steps; every 5 steps the ranks agree whether to re-probe."""
         assert self._recorder is not None and self._control is not None
-        rows = self._recorder.rows
-        if self._expected is None:  # not tuned: 3 steps after the decision set it
-            if self._steps - self._mark >= 4:
-                self._expected = statistics.median(r.step_s for r in rows[-3:])
+        watcher, rows = self._watcher, self._recorder.rows
+        if not rows:  # resumed: no step timed yet
             return
-        off = abs(rows[-1].step_s / self._expected - 1.0) > self.config.drift
-        self._drifting = self._drifting + 1 if off else 0
-        if self._steps % 10:
+        watcher.observe(rows[-1].step_s)
+        # ranks agree every 5 steps (a 1-float allreduce): a switch is at most 5 steps late
+        if watcher.expected is None or self._steps % 5:
             return
-        flag = torch.tensor([float(self._drifting)], dtype=torch.float64)
+        flag = torch.tensor([float(watcher.drifting)], dtype=torch.float64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control.group)
         if flag.item() >= self.config.drift_steps:
             self._reprobe()
@@ -384,17 +366,18 @@ class AutoAlgorithm(Algorithm):
         assert self.compute is not None and self._recorder is not None
         measured = statistics.median(r.step_s for r in self._recorder.rows[-5:])
         self._say(f"auto: step {self._steps}: step time {measured:.3f} s drifted from "
-                  f"{self._expected:.3f} s for {self._drifting} steps: probing again")
+                  f"{self._watcher.expected:.3f} s for {self._watcher.drifting} steps: "
+                  "probing again")
         self._measure_network()
         self.reprobes += 1
         before = self.label
         pick = self._decide(self.compute)
-        self._drifting = 0
         if pick.label == before:
-            self._expected = measured  # same choice: the new normal
+            self._watcher.restart(measured)  # same choice: the new normal
             return
         self._adopt(pick.label, pick.bucket_bytes)
-        self._expected, self._mark = None, self._steps
+        self._watcher.restart()
+        self._mark = self._steps
 
     # -- accounting, checkpoints ---------------------------------------------------------
     def bytes_sent(self) -> int:
@@ -419,7 +402,8 @@ class AutoAlgorithm(Algorithm):
         vars(self)["kind"] = self.delegate.kind
         self.delegate.load_state_dict(state["delegate"])
         self._bucket, self._pending, self._rebuild = state["bucket_bytes"], False, True
-        self._phase, self._expected, self._mark = "watch", None, self._steps
+        self._phase, self._mark = "watch", self._steps
+        self._watcher.restart()
 
     def close(self) -> None:
         self.delegate.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import re
 import shutil
@@ -243,11 +244,29 @@ class NetworkLab:
             self._shape(self.switch, port, rate)
 
     @staticmethod
-    def _shape(ns: str, dev: str, rate: float) -> None:
+    def _shape(ns: str, dev: str, rate: float, verb: str = "add") -> None:
         # burst: at least 64 KiB (a GSO segment) or 2 ms at line rate; queue up to 100 ms.
         burst = max(64 * 1024, int(rate / 8 * 0.002))
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "root", "tbf",
             "rate", f"{int(rate)}bit", "burst", str(burst), "latency", "100ms")
+
+    def set_rate(self, bandwidth: str) -> None:
+        """Change every link's rate now, while ranks run (``tc qdisc replace``): the lab's
+        way to make the network change under a job. ``"unshaped"`` removes the shaping.
+
+        >>> lab.set_rate("20mbit")  # doctest: +SKIP
+        """
+        if not self.started:
+            raise LabError("the lab is not started; use `with NetworkLab(...) as lab:`")
+        rate = parse_rate(bandwidth)
+        for i, ns in enumerate(self.host_ns):
+            for where, dev in ((ns, IFNAME), (self.switch, f"p{i}")):
+                if rate is None:
+                    _sh("ip", "netns", "exec", where, "tc", "qdisc", "del", "dev", dev, "root",
+                        check=False)
+                else:
+                    self._shape(where, dev, rate, verb="replace")
+        self.config = dataclasses.replace(self.config, bandwidth=bandwidth)
 
     def close(self) -> None:
         """Kill the ranks and delete every namespace of this lab (idempotent)."""

@@ -34,7 +34,7 @@ from hexagram.cost.schedule import is_lossy
 from hexagram.errors import ConfigError
 
 __all__ = ["BUCKET_MB", "DEFAULT", "DELAYED", "applicable", "best_per_label", "format_table",
-           "lr_flags", "lr_note", "make", "parse_label", "predict_all", "resolve",
+           "lr_flags", "lr_note", "make", "parse_label", "predict_all", "reason", "resolve",
            "warming_up"]
 
 #: the synchronous gradient algorithms auto considers by default (registry defaults, but
@@ -185,6 +185,15 @@ def best_per_label(preds: Sequence[Prediction]) -> list[Prediction]:
     for p in sorted(preds, key=lambda p: p.step_s):
         seen.setdefault(p.label, p)
     return list(seen.values())
+
+
+def reason(pick: Prediction, preds: Sequence[Prediction], notes: Sequence[str] = ()) -> str:
+    """Why ``pick``: its predicted step and messages, the runner-up, the probe's notes."""
+    others = [p for p in best_per_label(preds) if p.label != pick.label]
+    why = f"fastest predicted: {pick.step_s:.3f} s/step, {pick.describe_schedule()}"
+    if others:
+        why += f"; next {others[0].label} {others[0].step_s:.3f} s"
+    return "; ".join([why, *notes])
 
 
 def format_table(preds: Sequence[Prediction], chosen: str, reason: str,

@@ -29,7 +29,7 @@ from torch import nn
 from hexagram.cost.profile import ComputeProfile
 from hexagram.cost.schedule import TensorSpec
 
-__all__ = ["StepRecorder", "StepRow"]
+__all__ = ["DriftWatch", "StepRecorder", "StepRow"]
 
 
 @dataclass
@@ -108,3 +108,35 @@ class StepRecorder:
         order = sorted(self.specs, key=lambda s: ready[s.name])
         backward = max(ready.values(), default=0.0)
         return ComputeProfile(fwd, backward, upd, order, [ready[s.name] for s in order])
+
+
+class DriftWatch:
+    """Counts consecutive steps whose time is off ``expected`` by more than ``drift``
+    (relative). Without an expected time, the median of the 2nd-4th steps observed sets it
+    (the first after a rebuild is not typical).
+
+    >>> w = DriftWatch(0.25, expected=1.0)
+    >>> for s in (1.1, 1.5, 1.6, 0.9, 2.0, 2.0):
+    ...     w.observe(s)
+    >>> w.drifting
+    2
+    """
+
+    def __init__(self, drift: float, expected: float | None = None) -> None:
+        self.drift = drift
+        self.restart(expected)
+
+    def restart(self, expected: float | None = None) -> None:
+        """A new normal (None: learn it from the next steps); the count starts over."""
+        self.expected = expected
+        self.drifting = 0
+        self._seen: list[float] = []
+
+    def observe(self, step_s: float) -> None:
+        if self.expected is None:
+            self._seen.append(step_s)
+            if len(self._seen) >= 4:
+                self.expected = statistics.median(self._seen[-3:])
+            return
+        off = abs(step_s / self.expected - 1.0) > self.drift
+        self.drifting = self.drifting + 1 if off else 0
