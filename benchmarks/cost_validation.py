@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hexagram.algorithms import registry
-from hexagram.bench.harness import LoopbackLab, machine_info, run_task
+from hexagram.bench.harness import LoopbackLab, machine_info, run_series
 from hexagram.bench.lab import LabConfig, NetworkLab
 from hexagram.bench.report import summarize_outcome
 from hexagram.bench.workload import ModelSpec, build_workload
@@ -83,19 +83,17 @@ def bucket_study(args: argparse.Namespace, lab: Any, cfg: LabConfig, model: str
     """allreduce and powersgd at 1, 4, 25 and 100 MB fixed buckets, and auto restricted to
     the same algorithm (it tunes the bucket size)."""
     out: dict[str, Any] = {}
+    sizes = (1.0, 4.0, 25.0, 100.0)
     for name in ("allreduce", "powersgd"):
-        row: dict[str, Any] = {}
-        for mb in (1.0, 4.0, 25.0, 100.0):
-            print(f"buckets {model} {name} {mb:g} MB", file=sys.stderr, flush=True)
-            o = run_task(lab, _spec(args, model, name, CONFIG.get(name, {}), args.warmup, mb),
-                         timeout=args.timeout)
-            r = summarize_outcome(o, cfg.rate, args.batch, cfg.world_size)
-            row[f"{mb:g}"] = r.get("step_s")
-        o = run_task(lab, _spec(args, model, "auto", {"candidates": [name], "verbose": False},
-                                12), timeout=args.timeout)
-        r = summarize_outcome(o, cfg.rate, args.batch, cfg.world_size)
-        row["auto"] = r.get("step_s")
-        out[name] = row
+        label = "powersgd:start_iter=0" if name == "powersgd" else name
+        specs = [_spec(args, model, name, CONFIG.get(name, {}), args.warmup, mb)
+                 for mb in sizes]
+        specs.append(_spec(args, model, "auto", {"candidates": [label], "verbose": False}, 12))
+        print(f"buckets {model} {name}", file=sys.stderr, flush=True)
+        outcomes = run_series(lab, specs, timeout=args.timeout)
+        steps = [summarize_outcome(o, cfg.rate, args.batch, cfg.world_size).get("step_s")
+                 for o in outcomes]
+        out[name] = {**{f"{mb:g}": t for mb, t in zip(sizes, steps)}, "auto": steps[-1]}
     return out
 
 
@@ -136,18 +134,18 @@ def run_setting(args: argparse.Namespace, bandwidth: str) -> dict[str, Any]:
         for model in args.models.split(","):
             work = build_workload(ModelSpec(name=model, **MODELS[model]))
             shapes = [tuple(p.shape) for p in work.model.parameters() if p.requires_grad]
-            cells = []
-            for name in args.algorithms.split(",") if args.algorithms else sync_algorithms():
-                print(f"{bandwidth} {model} {name}", file=sys.stderr, flush=True)
-                outcome = run_task(lab, _spec(args, model, name, CONFIG.get(name, {}),
-                                              args.warmup), timeout=args.timeout)
-                cells.append(_cell(name, outcome, args, cfg, shapes, network, costs))
+            names = args.algorithms.split(",") if args.algorithms else sync_algorithms()
+            specs = [_spec(args, model, n, CONFIG.get(n, {}), args.warmup) for n in names]
+            if args.auto:  # 12 untimed steps: profile, decide, time the buckets
+                specs.append(_spec(args, model, "auto", {"verbose": False}, 12))
+            print(f"{bandwidth} {model}: {', '.join(s['label'] for s in specs)}",
+                  file=sys.stderr, flush=True)
+            outcomes = run_series(lab, specs, timeout=args.timeout)
+            cells = [_cell(n, o, args, cfg, shapes, network, costs)
+                     for n, o in zip(names, outcomes)]
             auto = None
             if args.auto:
-                print(f"{bandwidth} {model} auto", file=sys.stderr, flush=True)
-                outcome = run_task(lab, _spec(args, model, "auto", {"verbose": False}, 12),
-                                   timeout=args.timeout)
-                row = summarize_outcome(outcome, cfg.rate, args.batch, cfg.world_size)
+                row = summarize_outcome(outcomes[-1], cfg.rate, args.batch, cfg.world_size)
                 auto = {"error": row["error"]} if "error" in row else \
                     {"measured_s": row["step_s"]}
             out["models"][model] = {"cells": cells, "auto": auto}

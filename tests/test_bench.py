@@ -138,3 +138,24 @@ def test_train_ddp_and_allreduce_follow_the_same_curve(tmp_path: Path) -> None:
     assert curves[0] == pytest.approx(curves[1], abs=2e-3)
     assert curves[0][-1] > 0.85 > 0.3 > curves[0][0]  # from chance to > 85% in 3 epochs
     assert (tmp_path / "tta.png").stat().st_size > 1000
+
+
+def test_series_runs_every_spec_in_one_launch() -> None:
+    """Several step benchmarks in one launch of the ranks: each gets its own figures (the
+    ring's bytes for allreduce, half of them for fp16); an unknown name gets its error."""
+    from hexagram.bench.harness import LoopbackLab, run_series
+    from hexagram.bench.lab import LabConfig
+
+    base = {"task": "step", "model": {"name": "mlp", "params": 100_000, "layers": 2},
+            "steps": 2, "min_steps": 2, "warmup": 1, "time_limit": 30, "batch": 8,
+            "lr": 0.01, "seed": 0, "bucket_mb": None, "stall_timeout": 60, "config": {}}
+    specs = [{**base, "algorithm": n, "label": n} for n in ("allreduce", "nope", "fp16")]
+    with LoopbackLab(LabConfig(hosts=2, bandwidth="unshaped")) as lab:
+        outcomes = run_series(lab, specs, timeout=120)
+    assert [o.algorithm for o in outcomes] == ["allreduce", "nope", "fp16"]
+    assert outcomes[1].error and "not registered" in outcomes[1].error
+    allreduce, fp16 = outcomes[0], outcomes[2]
+    assert allreduce.ok and fp16.ok and [r["rank"] for r in allreduce.ranks] == [0, 1]
+    params = allreduce.ranks[0]["num_params"]
+    assert allreduce.ranks[0]["reported_bytes"] == 2 * ring_bytes(4 * params, 2)
+    assert fp16.ranks[1]["reported_bytes"] == 2 * ring_bytes(2 * params, 2)

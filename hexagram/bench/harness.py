@@ -177,3 +177,33 @@ def machine_info() -> dict[str, Any]:
             "load_average": _load(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def run_series(lab: NetworkLab | LoopbackLab, specs: Sequence[Mapping[str, Any]],
+               timeout: float = 600.0, threads: int = 1) -> list[Outcome]:
+    """Like :func:`run_task` for each of ``specs`` (step benchmarks), in one launch of the
+    ranks: start-up (importing torch on every rank, connecting) is paid once, which on a
+    2-core machine is most of a short benchmark's time. Specs the series left without a
+    result on every rank (a hang or crash stopped it) are rerun one by one."""
+    labels = [str(s.get("label", s["algorithm"])) for s in specs]
+    runnable = [i for i, s in enumerate(specs) if not check_algorithms([str(s["algorithm"])])]
+    with tempfile.TemporaryDirectory(prefix="hexagram-series-") as tmp:
+        spec = {**specs[runnable[0]], "task": "series",
+                "stall_timeout": max(s.get("stall_timeout", 150.0) for s in specs),
+                "runs": [dict(specs[i]) for i in runnable]} if runnable else None
+        if spec is not None:
+            (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+            lab.run([*WORKER, str(Path(tmp) / "spec.json"), tmp],
+                    timeout=timeout * len(runnable), threads=threads)
+        done = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.series.json"))]
+    world = lab.config.world_size
+    out = []
+    for i, s in enumerate(specs):
+        pos = runnable.index(i) if i in runnable else -1
+        ranks = [r[pos] for r in done if 0 <= pos < len(r)]
+        if pos >= 0 and len(ranks) == world:
+            ranks.sort(key=lambda r: r["rank"])
+            out.append(Outcome(labels[i], ranks, _failure([], ranks)))
+        else:
+            out.append(run_task(lab, s, timeout=timeout, threads=threads))
+    return out

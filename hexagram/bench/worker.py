@@ -1,9 +1,10 @@
 """What every rank runs in the lab: ``python -m hexagram.bench.worker SPEC.json OUT_DIR``.
 
 The spec (JSON) names the task (``"step"``: step-time benchmark, ``"train"``: time to
-accuracy), the algorithm or PyTorch peer, the model and the settings. Each rank writes
-``OUT_DIR/rank<r>.json``: its figures, or ``{"error": ...}`` when the algorithm failed (the
-process then exits with code 3, after which the lab stops its peers).
+accuracy, ``"series"``: several step benchmarks in one launch, ``spec["runs"]`` each
+overriding the spec's fields), the algorithm or PyTorch peer, the model and the settings.
+Each rank writes ``OUT_DIR/rank<r>.json``: its figures, or ``{"error": ...}`` when the
+algorithm failed (the process then exits with code 3, after which the lab stops its peers).
 
 Step benchmark, per rank: local compute time of a step (all ranks computing at once, no
 communication) with the moment each parameter's gradient is ready in it, then ``warmup``
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from hexagram.bench import watchdog
 from hexagram.bench.watchdog import beat
 
-__all__ = ["interface_tx_bytes", "main", "run_step_benchmark"]
+__all__ = ["interface_tx_bytes", "main", "run_series", "run_step_benchmark"]
 
 
 def interface_tx_bytes() -> int | None:
@@ -143,6 +144,24 @@ def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
             "num_params": work.num_params, "finite": bool(finite)}
 
 
+def run_series(spec: dict[str, Any], out: Path, rank: int) -> dict[str, Any]:
+    """Each of ``spec["runs"]`` as a step benchmark, one after the other, in this process:
+    the ranks start (import torch, connect) once for all of them. An algorithm's error is
+    its result; ``rank<r>.series.json`` holds the results so far (the harness reruns, one by
+    one, what a hang or crash left without a result)."""
+    runs: list[dict[str, Any]] = []
+    for sub in spec["runs"]:
+        try:
+            result = run_step_benchmark({**spec, **sub, "task": "step"})
+        except Exception as exc:  # this algorithm failed; the next ones still run
+            result = {"error": f"{type(exc).__name__}: {exc}", "time": time.time(),
+                      "traceback": traceback.format_exc()}
+        runs.append({**result, "rank": rank})
+        (out / f"rank{rank}.series.json").write_text(json.dumps(runs))
+        dist.barrier()
+    return {"runs": runs}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; see the module docstring."""
     args = sys.argv[1:] if argv is None else argv
@@ -158,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         hx.init(timeout=spec.get("comm_timeout", 120))
         if spec["task"] == "step":
             result = run_step_benchmark(spec)
+        elif spec["task"] == "series":
+            result = run_series(spec, out, rank)
         else:
             from hexagram.bench.trainloop import run_training
 
