@@ -102,7 +102,8 @@ def _compute(ranks: list[dict[str, Any]], shapes: list[tuple[int, ...]]) -> Comp
     slow = {"compute_s": max(r["compute_s"] for r in ranks),
             "backward_s": max(r["backward_s"] for r in ranks),
             "ready_s": [max(col) for col in zip(*(r["ready_s"] for r in ranks))],
-            "ready_numel": ranks[0]["ready_numel"]}
+            "ready_numel": ranks[0]["ready_numel"],
+            "compute_cpu_s": max(r["compute_cpu_s"] for r in ranks)}
     return ComputeProfile.from_worker(slow, shapes)
 
 
@@ -118,7 +119,8 @@ def _cell(name: str, outcome: Any, args: argparse.Namespace, lab_cfg: LabConfig,
             "error": None, "rel_error": pred.step_s / row["step_s"] - 1.0,
             "wire_predicted": pred.wire_bytes, "wire_reported": row["reported_bytes_per_step"],
             "parts": [pred.compute_s, pred.compress_s, pred.exposed_s],
-            "schedule": pred.describe_schedule()}
+            "schedule": pred.describe_schedule(),
+            "cpu": {k: row.get(k) for k in ("cpu_s", "cpu_sys_s", "compute_cpu_s", "compute_s")}}
 
 
 def run_setting(args: argparse.Namespace, bandwidth: str) -> dict[str, Any]:

@@ -123,3 +123,21 @@ def test_hierarchical_bytes_by_hand() -> None:
     assert wire_bytes(algo, layout, world=4, hosts=2, rank=0) == 4000 + 4000
     assert wire_bytes(algo, layout, world=4, hosts=2, rank=1) == 4000
     assert wire_bytes(algo, layout, world=4, hosts=4, rank=1) == 2 * 3 * 4000 // 4
+
+
+def test_cpu_floor_where_ranks_share_cores_by_hand() -> None:
+    """One 1 MB bucket ready at 10 ms, 4 ranks. chain = 10 ms fwd + (10 ms + 1 ms +
+    1.5e6 B / 1e7 B/s) + 2 ms update = 173 ms. CPU: 60 ms compute + 1 ms + 1.5e6 / 1e9 =
+    1.5 ms for the allreduce -> floor = 2 * 62.5 ms = 125 ms (no compressor); the step
+    is hypot(173, 125) ms. Not shared (share 1) or unmeasured CPU: the chain alone."""
+    c = compute([250_000], [0.010])
+    c.cpu_s = 0.060
+    shared = net()
+    shared.cpu, shared.share = {"allreduce": Fit(0.001, 1e9)}, 2.0
+    p = predict(hx.algorithms.get("allreduce"), c, shared)
+    assert p.cpu_floor_s == pytest.approx(0.125)
+    assert p.step_s == pytest.approx((0.173 ** 2 + 0.125 ** 2) ** 0.5)
+    shared.share = 1.0
+    assert predict(hx.algorithms.get("allreduce"), c, shared).step_s == pytest.approx(0.173)
+    shared.share, c.cpu_s = 2.0, None
+    assert predict(hx.algorithms.get("allreduce"), c, shared).step_s == pytest.approx(0.173)

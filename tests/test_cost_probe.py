@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -10,7 +11,7 @@ import torch.distributed as dist
 
 import hexagram as hx
 from hexagram.comm.communicator import Communicator
-from hexagram.cost.probe import COLLECTIVES, ProbeError, probe
+from hexagram.cost.probe import COLLECTIVES, NetworkProfile, ProbeError, probe
 from hexagram.launch import run_local
 
 
@@ -31,6 +32,12 @@ def test_probe_fits_every_collective_identically_on_all_ranks() -> None:
     for fit in a["fits"].values():
         assert fit["rate_bps"] > 0 and fit["latency_s"] >= 0
     assert a["world"] == 2 and a["asymmetry"] >= 1.0
+    # CPU: fitted per collective, agreed; both ranks run on this machine's cores
+    assert a["cpu"] == b["cpu"] and set(a["cpu"]) == set(COLLECTIVES)
+    for fit in a["cpu"].values():
+        assert fit["rate_bps"] > 0 and fit["latency_s"] >= 0
+    assert a["share"] == b["share"] == 2 / len(os.sched_getaffinity(0))
+    assert NetworkProfile.from_json(a).to_json() == a  # the probe file keeps everything
 
 
 def _peer_gone() -> str:

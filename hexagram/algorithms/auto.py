@@ -289,11 +289,12 @@ class AutoAlgorithm(Algorithm):
             return self.delegate.bucket_ready(bucket)
 
     def after_backward(self) -> None:
-        self.delegate.after_backward()
+        assert self._recorder is not None
+        with self._recorder.communicating():  # decoding, waiting: not the model's compute
+            self.delegate.after_backward()
         self._flush = None
         self._steps += 1
-        if self._recorder is not None:
-            self._recorder.backward_done()
+        self._recorder.backward_done()
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.delegate.after_step(optimizer)

@@ -76,10 +76,11 @@ def slowest(profile: ComputeProfile, group: Any) -> ComputeProfile:
     names = [s.name for s in profile.tensors]
     ready = dict(zip(names, profile.ready_s))
     spec = sorted(names)
-    vec = torch.tensor([profile.forward_s, profile.backward_s, profile.update_s,
+    cpu = -1.0 if profile.cpu_s is None else profile.cpu_s
+    vec = torch.tensor([profile.forward_s, profile.backward_s, profile.update_s, cpu,
                         *[ready[n] for n in spec]], dtype=torch.float64)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    merged = dict(zip(spec, vec[3:].tolist()))
+    merged = dict(zip(spec, vec[4:].tolist()))
     order = sorted(profile.tensors, key=lambda s: merged[s.name])
     return ComputeProfile(float(vec[0]), float(vec[1]), float(vec[2]), order,
-                          [merged[s.name] for s in order])
+                          [merged[s.name] for s in order], float(vec[3]) if vec[3] >= 0 else None)

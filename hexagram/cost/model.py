@@ -12,7 +12,18 @@ A gradient algorithm's step (``predict``), per bucket in launch order:
 - decoding (once per payload received for gathered formats) follows its messages;
 - the update starts when backward and the last bucket are both done.
 
-``step = forward + max(backward end, last bucket done) + update``; the parts reported are
+``chain = forward + max(backward end, last bucket done) + update``.
+
+Where ranks share cores (:attr:`NetworkProfile.share` > 1: emulated hosts on one box, or
+more ranks than cores), every rank's CPU work competes with the others': the step cannot be
+shorter than ``floor = share * CPU seconds per rank`` (compute CPU and each message's CPU
+from the probe's CPU fits) plus the compression time (its costs are measured on all ranks at
+once, so they carry the sharing already). When both bounds bind, contention adds to the
+chain, so ``step = sqrt(chain**2 + floor**2)``: a smooth maximum; its exponent 2 was chosen
+on one lab run (100 Mbit/s, MLP) and is validated on the others (docs/benchmarks/auto.md).
+With ``share <= 1`` or no CPU figures, ``step = chain``.
+
+The parts reported are
 compute (forward + backward + update, measured), compression CPU (encode + decode) and the
 exposed communication (what is left). Weight algorithms (local SGD, DiLoCo, decentralized,
 async) are amortized per step (:func:`amortized`).
@@ -48,8 +59,8 @@ from hexagram.cost.schedule import (
     payload_of,
 )
 
-__all__ = ["MB", "Prediction", "amortized", "bucket_layout", "gathered_decodes", "predict",
-           "predict_any"]
+__all__ = ["MB", "Prediction", "amortized", "bucket_layout", "cpu_floor", "gathered_decodes",
+           "predict", "predict_any"]
 
 MB = 1024 * 1024
 
@@ -67,6 +78,7 @@ class Prediction:
     bucket_bytes: int
     schedule: list[list[Message]] = field(default_factory=list)
     note: str = ""
+    cpu_floor_s: float = 0.0  # share * CPU per rank (0: cores not shared, or unmeasured)
 
     def describe_schedule(self) -> str:
         """``"3 buckets: allreduce 12.0 MB, ..."``: the messages assumed, summed by kind."""
@@ -154,11 +166,35 @@ def predict(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfi
         enc_total, dec_total = enc_total + enc, dec_total + dec
         schedule.append(msgs)
     end = max(compute.backward_s + shift, free)
-    step_s = compute.forward_s + end + compute.update_s
+    chain = compute.forward_s + end + compute.update_s
     compress = enc_total + dec_total
+    floor = cpu_floor(compute, network, compress, schedule)
+    step_s = math.hypot(chain, floor) if floor > 0 else chain
     return Prediction(label or algorithm.name, step_s, compute.step_s, compress,
                       max(0.0, step_s - compute.step_s - compress),
-                      sum(m.sent for msgs in schedule for m in msgs), bucket_bytes, schedule)
+                      sum(m.sent for msgs in schedule for m in msgs), bucket_bytes, schedule,
+                      cpu_floor_s=floor)
+
+
+def cpu_floor(compute: ComputeProfile, network: NetworkProfile, compress_s: float,
+              schedule: Sequence[Sequence[Message]]) -> float:
+    """``share * (compute CPU + messages' CPU) + compression`` seconds where ranks share
+    cores (``network.share > 1``), else 0 (see the module doc).
+
+    >>> from hexagram.cost.probe import Fit, NetworkProfile
+    >>> net = NetworkProfile(4, 4, {}, cpu={"allreduce": Fit(0.001, 1e8)}, share=2.0)
+    >>> comp = ComputeProfile(0.0, 0.1, 0.0, [], [], cpu_s=0.05)
+    >>> round(cpu_floor(comp, net, 0.01, [[Message("allreduce", 10**6)]]), 4)
+    0.132
+    """
+    if network.share <= 1.0 or compute.cpu_s is None or not network.cpu:
+        return 0.0
+    comm = 0.0
+    for msgs in schedule:
+        for m in msgs:
+            fit = network.cpu.get({"hierarchical": "allreduce", "tree": "p2p"}.get(m.op, m.op))
+            comm += fit.time(m.sent, m.rounds) if fit is not None else 0.0
+    return network.share * (compute.cpu_s + comm) + compress_s
 
 
 def _message_time(network: NetworkProfile, m: Message) -> float:

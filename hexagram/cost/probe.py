@@ -9,6 +9,13 @@ port (all-to-all, two-neighbour exchange) move fewer bytes per second than one r
 is measured rather than assumed. With several ranks per host and several hosts, the
 allreduce inside a host is fitted too (``intra``), for hierarchical allreduce.
 
+CPU: the process CPU seconds of each run (all of its threads: gloo's, the kernel's work
+done on its behalf) get their own fit per collective (:attr:`NetworkProfile.cpu`), and
+:attr:`NetworkProfile.share` is how many ranks share each core of the busiest machine
+(ranks of one machine found by its boot id). Where ranks share cores (``share > 1``, e.g.
+emulated hosts on one box), the CPU that communication costs competes with compute, and
+the model adds a CPU floor (:mod:`hexagram.cost.model`).
+
 Ranks disagree when links differ: every rank fits its own timings, then the slowest rate
 and largest latency of each collective are taken (allreduce MIN/MAX) and
 :attr:`NetworkProfile.asymmetry` says by how much the fastest rank saw more.
@@ -22,8 +29,10 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,6 +77,8 @@ class NetworkProfile:
     asymmetry: float = 1.0  # fastest rank's allreduce rate / slowest rank's
     seconds: float = 0.0  # how long the probe took
     notes: list[str] = field(default_factory=list)
+    cpu: dict[str, Fit] = field(default_factory=dict)  # CPU seconds per collective
+    share: float = 0.0  # ranks per core on the busiest machine (0: unknown, or GPUs)
 
     def fit(self, op: str) -> Fit:
         """The fit for a message kind; ``hierarchical`` and trees use allreduce / p2p."""
@@ -76,7 +87,8 @@ class NetworkProfile:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "fits": {k: asdict(v) for k, v in self.fits.items()},
-                "intra": None if self.intra is None else asdict(self.intra)}
+                "intra": None if self.intra is None else asdict(self.intra),
+                "cpu": {k: asdict(v) for k, v in self.cpu.items()}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NetworkProfile:
@@ -84,7 +96,9 @@ class NetworkProfile:
                    {k: Fit(**v) for k, v in data["fits"].items()},
                    None if data.get("intra") is None else Fit(**data["intra"]),
                    data.get("asymmetry", 1.0), data.get("seconds", 0.0),
-                   list(data.get("notes", [])))
+                   list(data.get("notes", [])),
+                   {k: Fit(**v) for k, v in data.get("cpu", {}).items()},
+                   data.get("share", 0.0))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -139,15 +153,18 @@ def _raw_allgather(comm: Communicator, x: torch.Tensor) -> None:
     _wait(dist.all_gather(out, x, group=comm.group, async_op=True), comm)
 
 
-def _timed(comm: Communicator, run: Callable[[], object], reps: int) -> float:
-    """Fastest of ``reps`` runs, each started together (a tiny allreduce first)."""
-    best = float("inf")
+def _timed(comm: Communicator, run: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Fastest of ``reps`` runs, each started together (a tiny allreduce first), and the
+    process CPU seconds of that run."""
+    best, cpu = float("inf"), 0.0
     for _ in range(reps):
         _sync(comm)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         run()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        took = time.perf_counter() - t0
+        if took < best:
+            best, cpu = took, time.process_time() - c0
+    return best, cpu
 
 
 def _sync(comm: Communicator) -> None:
@@ -160,18 +177,37 @@ def _agree(comm: Communicator, value: float, op: Any) -> float:
     return float(t.item())
 
 
-def _probe_one(comm: Communicator, name: str, slot_s: float) -> Fit:
-    """Three sizes: 4 Ki and 64 Ki floats, then one sized to last about ``slot_s``."""
-    points = []
+def _probe_one(comm: Communicator, name: str, slot_s: float) -> tuple[Fit, Fit]:
+    """Three sizes: 4 Ki and 64 Ki floats, then one sized to last about ``slot_s``; the
+    fits of time and of process CPU seconds."""
+    points, cpu = [], []
     for numel in (4096, 65536):
         run, sent = _op(comm, name, numel)
-        points.append((float(sent), _timed(comm, run, 2)))
+        took, used = _timed(comm, run, 2)
+        points.append((float(sent), took))
+        cpu.append((float(sent), used))
     rough = fit_line(points)
     big = rough.rate_bps * slot_s / max(points[1][0] / 65536, 1.0)
     numel = int(_agree(comm, min(max(big, 65536 * 4), 8 * 2**20), dist.ReduceOp.MIN))
     run, sent = _op(comm, name, numel)
-    points.append((float(sent), _timed(comm, run, 1)))
-    return fit_line(points)
+    took, used = _timed(comm, run, 1)
+    return fit_line([*points, (float(sent), took)]), fit_line([*cpu, (float(sent), used)])
+
+
+def _share(comm: Communicator) -> float:
+    """Ranks per usable core on the busiest machine (ranks grouped by the kernel's boot
+    id); 0 on GPUs, where compute does not compete with communication for cores."""
+    if group_device(comm).type != "cpu":
+        return 0.0
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = os.uname().nodename
+    key = torch.tensor([zlib.crc32(boot.encode())], dtype=torch.int64)
+    keys = [torch.zeros_like(key) for _ in range(comm.size)]
+    dist.all_gather(keys, key, group=comm.group)
+    mine = sum(int(k.item() == key.item()) for k in keys)
+    return _agree(comm, mine / max(1, len(os.sched_getaffinity(0))), dist.ReduceOp.MAX)
 
 
 def probe(comm: Communicator, hosts: int = 1, budget_s: float = 4.0,
@@ -191,13 +227,16 @@ def probe(comm: Communicator, hosts: int = 1, budget_s: float = 4.0,
     """
     t0 = time.perf_counter()
     fits: dict[str, Fit] = {}
+    cpu: dict[str, Fit] = {}
     slot = budget_s / 16
     try:
         _sync(comm)
         for name in COLLECTIVES:
-            fits[name] = _probe_one(comm, name, slot)
-        intra_fit = _probe_one(intra, "allreduce", slot) if intra is not None else None
+            fits[name], cpu[name] = _probe_one(comm, name, slot)
+        intra_fit = _probe_one(intra, "allreduce", slot)[0] if intra is not None else None
         worst, asym = _worst_case(comm, fits)
+        cpu_worst, _ = _worst_case(comm, cpu)
+        share = _share(comm)
     except (RuntimeError, HexagramError) as exc:
         raise ProbeError(
             f"network probe failed on rank {comm.rank} of {comm.size} ({len(fits)} of "
@@ -209,7 +248,7 @@ def probe(comm: Communicator, hosts: int = 1, budget_s: float = 4.0,
         notes.append(f"links differ across ranks (fastest allreduce rate {asym:.1f}x the "
                      "slowest): deciding on the slowest link")
     return NetworkProfile(comm.size, hosts, worst, intra_fit, asym,
-                          time.perf_counter() - t0, notes)
+                          time.perf_counter() - t0, notes, cpu_worst, share)
 
 
 def _worst_case(comm: Communicator, fits: dict[str, Fit]) -> tuple[dict[str, Fit], float]:

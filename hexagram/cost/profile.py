@@ -44,6 +44,8 @@ class ComputeProfile:
         update_s: from the end of backward to the next forward (optimizer step, data).
         tensors: the gradients in the order they become ready.
         ready_s: for each of ``tensors``, seconds after backward started.
+        cpu_s: CPU seconds the step's compute takes on its thread (None: not measured);
+            the model's CPU floor, where ranks share cores, starts from it.
     """
 
     forward_s: float
@@ -51,6 +53,7 @@ class ComputeProfile:
     update_s: float
     tensors: list[TensorSpec]
     ready_s: list[float]
+    cpu_s: float | None = None
 
     @property
     def step_s(self) -> float:
@@ -58,7 +61,7 @@ class ComputeProfile:
 
     def to_json(self) -> dict[str, Any]:
         return {"forward_s": self.forward_s, "backward_s": self.backward_s,
-                "update_s": self.update_s, "ready_s": self.ready_s,
+                "update_s": self.update_s, "ready_s": self.ready_s, "cpu_s": self.cpu_s,
                 "tensors": [asdict(t) for t in self.tensors]}
 
     @classmethod
@@ -66,7 +69,7 @@ class ComputeProfile:
         specs = [TensorSpec(t["name"], tuple(t["shape"]), t.get("itemsize", 4))
                  for t in data["tensors"]]
         return cls(data["forward_s"], data["backward_s"], data["update_s"], specs,
-                   list(data["ready_s"]))
+                   list(data["ready_s"]), data.get("cpu_s"))
 
     @classmethod
     def from_worker(cls, figures: dict[str, Any], shapes: Sequence[tuple[int, ...]] | None
@@ -80,7 +83,7 @@ class ComputeProfile:
         order = sorted(range(len(ready)), key=lambda i: (ready[i], -i))
         specs = [TensorSpec(f"p{i}", tuple(shapes[i])) for i in order]
         return cls(0.0, figures["backward_s"], figures["compute_s"] - figures["backward_s"],
-                   specs, [ready[i] for i in order])
+                   specs, [ready[i] for i in order], figures.get("compute_cpu_s"))
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class StepRow:
     after_backward_s: float  # since the forward started
     step_s: float  # forward start to next forward start
     update_s: float = field(default=0.0)
+    cpu_s: float = field(default=0.0)  # the training thread's CPU, communication left out
 
 
 class StepRecorder:
@@ -51,6 +52,8 @@ class StepRecorder:
         self.specs = [TensorSpec(n, tuple(p.shape), p.element_size()) for n, p in named]
         self.rows: list[StepRow] = []
         self._inside = 0.0
+        self._inside_cpu = 0.0
+        self._cpu0 = 0.0
         self._start: float | None = None
         self._fwd_end: float | None = None
         self._after: float | None = None
@@ -74,23 +77,25 @@ class StepRecorder:
 
     @contextmanager
     def communicating(self) -> Iterator[None]:
-        """Time inside this block is not backward compute (a delegate's bucket_ready)."""
-        t0 = time.perf_counter()
+        """Time inside this block is not compute (a delegate's hooks: compression,
+        starting and finishing communication)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self._inside += time.perf_counter() - t0
+            self._inside_cpu += time.thread_time() - c0
 
     def forward_start(self) -> None:
         """Called before every forward: closes the previous step's row."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         if self._start is not None and self._after is not None and self._fwd_end is not None:
             fwd = self._fwd_end - self._start
             ready = {n: t - (self._fwd_end - 0.0) for n, t in self._marks.items()}
             self.rows.append(StepRow(fwd, ready, self._after - self._start, now - self._start,
-                                     now - self._after))
-        self._start, self._fwd_end, self._after = now, None, None
-        self._marks, self._inside = {}, 0.0
+                                     now - self._after, cpu - self._cpu0 - self._inside_cpu))
+        self._start, self._fwd_end, self._after, self._cpu0 = now, None, None, cpu
+        self._marks, self._inside, self._inside_cpu = {}, 0.0, 0.0
 
     def backward_done(self) -> None:
         """Called after backward's communication finished."""
@@ -107,7 +112,8 @@ class StepRecorder:
                  for s in self.specs}
         order = sorted(self.specs, key=lambda s: ready[s.name])
         backward = max(ready.values(), default=0.0)
-        return ComputeProfile(fwd, backward, upd, order, [ready[s.name] for s in order])
+        cpu = statistics.median(r.cpu_s for r in rows)
+        return ComputeProfile(fwd, backward, upd, order, [ready[s.name] for s in order], cpu)
 
 
 class DriftWatch:
