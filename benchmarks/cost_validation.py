@@ -123,37 +123,49 @@ def _cell(name: str, outcome: Any, args: argparse.Namespace, lab_cfg: LabConfig,
             "cpu": {k: row.get(k) for k in ("cpu_s", "cpu_sys_s", "compute_cpu_s", "compute_s")}}
 
 
-def run_setting(args: argparse.Namespace, bandwidth: str) -> dict[str, Any]:
-    """Probe, then every model x algorithm (and auto) on one fresh lab."""
+def run_setting(args: argparse.Namespace, bandwidth: str, report: dict[str, Any]
+                ) -> dict[str, Any]:
+    """Probe, then every model x algorithm (and auto) on one fresh lab; the report is
+    saved after each model."""
     cfg = LabConfig(hosts=args.hosts, bandwidth="unshaped" if args.loopback else bandwidth)
     lab_cls: Any = LoopbackLab if args.loopback else NetworkLab
     out: dict[str, Any] = {"bandwidth": bandwidth, "models": {}}
+    report["settings"].append(out)
     with lab_cls(cfg) as lab:
         probe_dir = Path(args.out) / f"probe-{bandwidth}"
         probe_dir.mkdir(parents=True, exist_ok=True)
         network, costs = run_in_lab(lab, probe_dir)
         out["network"] = network.to_json()
         for model in args.models.split(","):
-            work = build_workload(ModelSpec(name=model, **MODELS[model]))
-            shapes = [tuple(p.shape) for p in work.model.parameters() if p.requires_grad]
-            names = args.algorithms.split(",") if args.algorithms else sync_algorithms()
-            specs = [_spec(args, model, n, CONFIG.get(n, {}), args.warmup) for n in names]
-            if args.auto:  # 12 untimed steps: profile, decide, time the buckets
-                specs.append(_spec(args, model, "auto", {"verbose": False}, 12))
-            print(f"{bandwidth} {model}: {', '.join(s['label'] for s in specs)}",
-                  file=sys.stderr, flush=True)
-            outcomes = run_series(lab, specs, timeout=args.timeout)
-            cells = [_cell(n, o, args, cfg, shapes, network, costs)
-                     for n, o in zip(names, outcomes)]
-            auto = None
-            if args.auto:
-                row = summarize_outcome(outcomes[-1], cfg.rate, args.batch, cfg.world_size)
-                auto = {"error": row["error"]} if "error" in row else \
-                    {"measured_s": row["step_s"]}
-            out["models"][model] = {"cells": cells, "auto": auto}
-            if args.buckets:
-                out["models"][model]["buckets"] = bucket_study(args, lab, cfg, model)
+            res: dict[str, Any] = {"cells": [], "auto": None}
+            if not args.only_buckets:
+                res = _run_model(args, lab, cfg, bandwidth, model, network, costs)
+            if args.buckets or args.only_buckets:
+                res["buckets"] = bucket_study(args, lab, cfg, model)
+            out["models"][model] = res
+            (Path(args.out) / "validation.json").write_text(json.dumps(report, indent=1))
     return out
+
+
+def _run_model(args: argparse.Namespace, lab: Any, cfg: LabConfig, bandwidth: str, model: str,
+               network: NetworkProfile, costs: dict[str, CompressorCost]) -> dict[str, Any]:
+    """Every algorithm (and auto) on ``model`` in one series: predicted vs measured."""
+    work = build_workload(ModelSpec(name=model, **MODELS[model]))
+    shapes = [tuple(p.shape) for p in work.model.parameters() if p.requires_grad]
+    names = args.algorithms.split(",") if args.algorithms else sync_algorithms()
+    specs = [_spec(args, model, n, CONFIG.get(n, {}), args.warmup) for n in names]
+    if args.auto:  # 12 untimed steps: profile, decide, time the buckets
+        specs.append({**_spec(args, model, "auto", {"verbose": False}, 12),
+                      "steps": max(args.steps, 10), "min_steps": 10})
+    print(f"{bandwidth} {model}: {', '.join(s['label'] for s in specs)}", file=sys.stderr,
+          flush=True)
+    outcomes = run_series(lab, specs, timeout=args.timeout)
+    cells = [_cell(n, o, args, cfg, shapes, network, costs) for n, o in zip(names, outcomes)]
+    auto = None
+    if args.auto:
+        row = summarize_outcome(outcomes[-1], cfg.rate, args.batch, cfg.world_size)
+        auto = {"error": row["error"]} if "error" in row else {"measured_s": row["step_s"]}
+    return {"cells": cells, "auto": auto}
 
 
 def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -234,6 +246,8 @@ def main() -> int:
     a.add_argument("--auto", action="store_true", help="also run algorithm='auto'")
     a.add_argument("--buckets", action="store_true",
                    help="also the bucket study (allreduce, powersgd: fixed sizes vs auto)")
+    a.add_argument("--only-buckets", action="store_true",
+                   help="the bucket study alone (no model validation)")
     a.add_argument("--loopback", action="store_true")
     a.add_argument("--out", required=True)
     args = a.parse_args()
@@ -241,8 +255,7 @@ def main() -> int:
     report: dict[str, Any] = {"machine": machine_info(), "args": vars(args), "settings": [],
                               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     for bw in args.bandwidth.split(","):
-        report["settings"].append(run_setting(args, bw))
-        (Path(args.out) / "validation.json").write_text(json.dumps(report, indent=1))
+        run_setting(args, bw, report)
     report["machine"]["load_average_end"] = machine_info()["load_average"]
     text = markdown(report)
     (Path(args.out) / "validation.json").write_text(json.dumps(report, indent=1))
