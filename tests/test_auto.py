@@ -188,3 +188,24 @@ def test_default_powersgd_compresses_at_once() -> None:
     assert not choose.warming_up(choose.make("powersgd:start_iter=0"))
     assert choose.warming_up(choose.make("powersgd"))
     assert "powersgd:start_iter=0" in choose.DEFAULT
+
+
+def _single() -> tuple[str, dict[str, Any] | None, float]:
+    hx.init()
+    net = Probe()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    algo = hx.algorithms.get("auto", **FAST)
+    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo)
+    _train(model, opt, range(6), 0)
+    out = (algo.label, algo.decision, net.b.detach().abs().sum().item())
+    model.close()
+    hx.shutdown()
+    return out
+
+
+def test_one_rank_needs_no_probe() -> None:
+    """A single process (the README's example without torchrun) runs allreduce, a no-op,
+    without probing a network it does not have or printing a table."""
+    label, decision, moved = run_local(_single, 1, timeout=120)[0]
+    assert label == "allreduce" and decision == {"label": "allreduce", "reason": "one rank"}
+    assert moved > 0  # it trained

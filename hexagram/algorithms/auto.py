@@ -146,6 +146,9 @@ class AutoAlgorithm(Algorithm):
         self._control = Communicator(group, rt.timeout, name="auto.control")
         self._recorder = StepRecorder(ctx.module, ctx.named_params)
         self._flag_lr(ctx)
+        if ctx.comm.size == 1 and self.decision is None:  # nothing to choose between
+            self.decision, self._phase = {"label": "allreduce", "reason": "one rank"}, "single"
+            self._say("auto: one rank, nothing to communicate: allreduce (a no-op)")
         if self.decision is None:
             self._measure_network()
             static = measure.static_profile(ctx.buckets, self._recorder.specs)
