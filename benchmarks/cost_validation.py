@@ -114,13 +114,15 @@ def _cell(name: str, outcome: Any, args: argparse.Namespace, lab_cfg: LabConfig,
     if "error" in row:
         return {"algorithm": name, "error": row["error"]}
     algorithm = registry.get(name, **CONFIG.get(name, {}))
-    pred = predict(algorithm, _compute(outcome.ranks, shapes), network, costs.get(name))
+    compute = _compute(outcome.ranks, shapes)
+    pred = predict(algorithm, compute, network, costs.get(name))
     return {"algorithm": name, "measured_s": row["step_s"], "predicted_s": pred.step_s,
             "error": None, "rel_error": pred.step_s / row["step_s"] - 1.0,
             "wire_predicted": pred.wire_bytes, "wire_reported": row["reported_bytes_per_step"],
             "parts": [pred.compute_s, pred.compress_s, pred.exposed_s],
             "schedule": pred.describe_schedule(),
-            "cpu": {k: row.get(k) for k in ("cpu_s", "cpu_sys_s", "compute_cpu_s", "compute_s")}}
+            "cpu": {k: row.get(k) for k in ("cpu_s", "cpu_sys_s", "compute_cpu_s", "compute_s")},
+            "compute": compute.to_json()}  # the model's input: predictions can be redone
 
 
 def run_setting(args: argparse.Namespace, bandwidth: str, report: dict[str, Any]

@@ -126,18 +126,23 @@ def test_hierarchical_bytes_by_hand() -> None:
 
 
 def test_cpu_floor_where_ranks_share_cores_by_hand() -> None:
-    """One 1 MB bucket ready at 10 ms, 4 ranks. chain = 10 ms fwd + (10 ms + 1 ms +
-    1.5e6 B / 1e7 B/s) + 2 ms update = 173 ms. CPU: 60 ms compute + 1 ms + 1.5e6 / 1e9 =
-    1.5 ms for the allreduce -> floor = 2 * 62.5 ms = 125 ms (no compressor); the step
-    is hypot(173, 125) ms. Not shared (share 1) or unmeasured CPU: the chain alone."""
+    """One 1 MB bucket ready at 10 ms, 4 ranks, 2 per core, compute 22 ms wall and 22 ms
+    CPU -> in lockstep 44 ms (every time x2: fwd 20, ready 20, backward 20, update 4 ms).
+    Slow link (1e7 B/s): chain = 20 + (20 + 1 + 1.5e6 / 1e7 * 1000) + 4 = 195 ms; floor =
+    2 * (22 + 1 + 1.5) = 49 ms -> 195 ms. Fast link (1e12 B/s): chain = 20 + 21 + 4 = 45 ms
+    < floor 49 ms. Not shared, or CPU unmeasured: the measured compute, the chain alone."""
     c = compute([250_000], [0.010])
-    c.cpu_s = 0.060
+    c.cpu_s = 0.022
     shared = net()
     shared.cpu, shared.share = {"allreduce": Fit(0.001, 1e9)}, 2.0
-    p = predict(hx.algorithms.get("allreduce"), c, shared)
-    assert p.cpu_floor_s == pytest.approx(0.125)
-    assert p.step_s == pytest.approx((0.173 ** 2 + 0.125 ** 2) ** 0.5)
+    allreduce = hx.algorithms.get("allreduce")
+    p = predict(allreduce, c, shared)
+    assert p.compute_s == pytest.approx(0.044) and p.cpu_floor_s == pytest.approx(0.049)
+    assert p.step_s == pytest.approx(0.195)
+    fast = net(rate=1e12)
+    fast.cpu, fast.share = shared.cpu, 2.0
+    assert predict(allreduce, c, fast).step_s == pytest.approx(0.049)
     shared.share = 1.0
-    assert predict(hx.algorithms.get("allreduce"), c, shared).step_s == pytest.approx(0.173)
+    assert predict(allreduce, c, shared).step_s == pytest.approx(0.173)
     shared.share, c.cpu_s = 2.0, None
-    assert predict(hx.algorithms.get("allreduce"), c, shared).step_s == pytest.approx(0.173)
+    assert predict(allreduce, c, shared).step_s == pytest.approx(0.173)

@@ -15,13 +15,14 @@ A gradient algorithm's step (``predict``), per bucket in launch order:
 ``chain = forward + max(backward end, last bucket done) + update``.
 
 Where ranks share cores (:attr:`NetworkProfile.share` > 1: emulated hosts on one box, or
-more ranks than cores), every rank's CPU work competes with the others': the step cannot be
-shorter than ``floor = share * CPU seconds per rank`` (compute CPU and each message's CPU
-from the probe's CPU fits) plus the compression time (its costs are measured on all ranks at
-once, so they carry the sharing already). When both bounds bind, contention adds to the
-chain, so ``step = sqrt(chain**2 + floor**2)``: a smooth maximum; its exponent 2 was chosen
-on one lab run (100 Mbit/s, MLP) and is validated on the others (docs/benchmarks/auto.md).
-With ``share <= 1`` or no CPU figures, ``step = chain``.
+more ranks than cores), the ranks of a synchronous algorithm run in lockstep: they compute
+at the same moments, so the compute is taken as ``share`` times its CPU seconds
+(:func:`lockstep`; the wall time measured alone depends on how the ranks happened to
+overlap). Compression costs and the network fits are measured on all ranks at once, so
+they carry the sharing already. The step also cannot be shorter than the CPU the ranks
+need in all: ``floor = share * (compute CPU + messages' CPU from the probe's CPU fits) +
+compression`` (:func:`cpu_floor`), so ``step = max(chain, floor)``. With ``share <= 1``
+or no CPU figures, ``step = chain``.
 
 The parts reported are
 compute (forward + backward + update, measured), compression CPU (encode + decode) and the
@@ -60,7 +61,7 @@ from hexagram.cost.schedule import (
 )
 
 __all__ = ["MB", "Prediction", "amortized", "bucket_layout", "cpu_floor", "gathered_decodes",
-           "predict", "predict_any"]
+           "lockstep", "predict", "predict_any"]
 
 MB = 1024 * 1024
 
@@ -156,6 +157,7 @@ def predict(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfi
     compressor's measured cost (None: no compression CPU counted)."""
     world, free, shift, enc_total, dec_total = network.world, 0.0, 0.0, 0.0, 0.0
     schedule: list[list[Message]] = []
+    compute = lockstep(compute, network)
     for specs, ready in bucket_layout(compute, bucket_bytes, first_bucket_bytes):
         msgs = bucket_schedule(algorithm, specs, world, step, network.hosts, rank)
         enc, dec = _cpu(algorithm, specs, world, cost) if msgs else (0.0, 0.0)
@@ -169,11 +171,28 @@ def predict(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfi
     chain = compute.forward_s + end + compute.update_s
     compress = enc_total + dec_total
     floor = cpu_floor(compute, network, compress, schedule)
-    step_s = math.hypot(chain, floor) if floor > 0 else chain
+    step_s = max(chain, floor)
     return Prediction(label or algorithm.name, step_s, compute.step_s, compress,
                       max(0.0, step_s - compute.step_s - compress),
                       sum(m.sent for msgs in schedule for m in msgs), bucket_bytes, schedule,
                       cpu_floor_s=floor)
+
+
+def lockstep(compute: ComputeProfile, network: NetworkProfile) -> ComputeProfile:
+    """``compute`` with its times scaled so the step's compute lasts ``share`` times its
+    CPU seconds, where ranks share cores and the CPU is known (else ``compute`` itself);
+    never faster than measured (other jobs may slow it more).
+
+    >>> from hexagram.cost.probe import NetworkProfile
+    >>> c = ComputeProfile(0.01, 0.02, 0.01, [], [], cpu_s=0.04)
+    >>> lockstep(c, NetworkProfile(4, 4, {}, share=2.0)).step_s
+    0.08
+    """
+    if network.share <= 1.0 or compute.cpu_s is None or compute.step_s <= 0:
+        return compute
+    k = max(1.0, network.share * compute.cpu_s / compute.step_s)
+    return ComputeProfile(compute.forward_s * k, compute.backward_s * k, compute.update_s * k,
+                          compute.tensors, [t * k for t in compute.ready_s], compute.cpu_s)
 
 
 def cpu_floor(compute: ComputeProfile, network: NetworkProfile, compress_s: float,
