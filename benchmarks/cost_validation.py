@@ -36,7 +36,7 @@ from hexagram.bench.workload import ModelSpec, build_workload
 from hexagram.cost.model import predict
 from hexagram.cost.probe import NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile
-from hexagram.cost.task import run_in_lab
+from hexagram.cost.task import load_probe, run_in_lab
 
 #: the bench's settings for the short window: PowerSGD compresses from step 0
 CONFIG = {"powersgd": {"start_iter": 0}}
@@ -234,6 +234,24 @@ def _bucket_lines(study: dict[str, Any] | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def repredict(folder: Path) -> dict[str, Any]:
+    """Redo every cell's prediction of a saved run (``validation.json`` and the probe files
+    beside it) with the current model: the measurements stay, the model may change."""
+    report = json.loads((folder / "validation.json").read_text())
+    for setting in report["settings"]:
+        network, costs = load_probe(folder / f"probe-{setting['bandwidth']}" / "probe.json")
+        for res in setting["models"].values():
+            for c in res["cells"]:
+                if c.get("error") is not None or "compute" not in c:
+                    continue
+                algorithm = registry.get(c["algorithm"], **CONFIG.get(c["algorithm"], {}))
+                pred = predict(algorithm, ComputeProfile.from_json(c["compute"]), network,
+                               costs.get(c["algorithm"]))
+                c.update(predicted_s=pred.step_s, rel_error=pred.step_s / c["measured_s"] - 1,
+                         parts=[pred.compute_s, pred.compress_s, pred.exposed_s])
+    return report
+
+
 def main() -> int:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--bandwidth", default="10mbit,100mbit,1gbit,unshaped")
@@ -252,7 +270,14 @@ def main() -> int:
                    help="the bucket study alone (no model validation)")
     a.add_argument("--loopback", action="store_true")
     a.add_argument("--out", required=True)
+    a.add_argument("--repredict", action="store_true",
+                   help="no lab: redo the predictions of the run saved in --out")
     args = a.parse_args()
+    if args.repredict:
+        text = markdown(repredict(Path(args.out)))
+        (Path(args.out) / "validation-repredicted.md").write_text(text)
+        print(text)
+        return 0
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"machine": machine_info(), "args": vars(args), "settings": [],
                               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
