@@ -5,7 +5,10 @@ sends in each (the same formulas the primitives count with, so the sum equals th
 algorithm's ``bytes_sent()`` per step; ``tests/test_cost_wire.py`` checks it for every
 registered gradient algorithm). Payload sizes are not guessed: each segment is compressed
 once with a copy of the algorithm's own compressor, so the bytes follow its configuration
-(density, levels, chunking, rank) whatever class implements it.
+(density, levels, chunking, rank) whatever class implements it. Inside
+:func:`analytic_payloads` (the simulator) sizes come from the formulas of
+:mod:`hexagram.cost.payload_size` instead, equal to the compressed ones (tested) and
+thousands of times cheaper; classes without a formula are still compressed.
 
 How a compressed algorithm communicates is read from its compressor's ``aggregation``:
 ``SUM`` (element-wise summable) -> an allreduce of each payload tensor; ``SUM`` not
@@ -30,7 +33,9 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +44,11 @@ import torch
 from hexagram.algorithms.base import Algorithm
 from hexagram.algorithms.delay import Delayed
 from hexagram.compress.base import Aggregation, Compressor, Payload
+from hexagram.cost.payload_size import meta_payload
 
-__all__ = ["CUSTOM", "Message", "TensorSpec", "bucket_schedule", "is_lossy", "layout_of",
-           "payload_of", "sizing_times", "step_schedule", "wire_bytes"]
+__all__ = ["CUSTOM", "Message", "TensorSpec", "analytic_payloads", "bucket_schedule",
+           "is_lossy", "layout_of", "payload_of", "sizing_times", "step_schedule",
+           "wire_bytes"]
 
 
 @dataclass(frozen=True)
@@ -92,13 +99,43 @@ def _ring(nbytes: int, world: int) -> int:
 
 
 _PAYLOADS: dict[tuple[str, str, tuple[int, ...]], Payload] = {}
+_ANALYTIC: ContextVar[bool] = ContextVar("hexagram_analytic_payloads", default=False)
+_META: dict[tuple[type, str, tuple[int, ...]], Payload | None] = {}
+
+
+@contextmanager
+def analytic_payloads() -> Iterator[None]:
+    """Within the block, :func:`payload_of` derives sizes from shapes and configs
+    (:func:`hexagram.cost.payload_size.meta_payload`: tensors on the ``meta`` device, the
+    same shapes and dtypes as real payloads) instead of compressing random tensors, and
+    records no timings for :func:`sizing_times`. What the simulator uses; ``auto`` keeps
+    compressing, since it times the job's compressors on the way.
+
+    Example:
+        >>> import hexagram.compress as hc
+        >>> with analytic_payloads():
+        ...     payload_of(hc.get("fp16"), (1000, 100)).tensors[0].device.type
+        'meta'
+    """
+    token = _ANALYTIC.set(True)
+    try:
+        yield
+    finally:
+        _ANALYTIC.reset(token)
 
 
 def payload_of(compressor: Compressor, shape: Sequence[int]) -> Payload:
-    """The payload ``compressor`` makes of a tensor of ``shape`` (a copy compresses random
-    data, so the live compressor's state is untouched; sizes depend only on shape and
-    config)."""
+    """The payload ``compressor`` makes of a float32 tensor of ``shape`` (a copy compresses
+    random data, so the live compressor's state is untouched; sizes depend only on shape
+    and config). Inside :func:`analytic_payloads`: the same layout on the ``meta`` device,
+    from formulas, where the compressor's class has one."""
     name = (type(compressor).__qualname__, repr(getattr(compressor, "config", None)))
+    if _ANALYTIC.get():
+        meta_key = (type(compressor), name[1], tuple(shape))
+        if meta_key not in _META:
+            _META[meta_key] = meta_payload(compressor, shape)
+        if (meta := _META[meta_key]) is not None:
+            return meta
     key = (*name, tuple(shape))
     if key not in _PAYLOADS:
         gen = torch.Generator().manual_seed(0)

@@ -52,7 +52,7 @@ from hexagram.cost.devices import EFFICIENCY, Device, device, link
 from hexagram.cost.model import MB, predict_any
 from hexagram.cost.probe import Fit, NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile
-from hexagram.cost.schedule import Message, TensorSpec, is_lossy
+from hexagram.cost.schedule import Message, TensorSpec, analytic_payloads, is_lossy
 from hexagram.errors import ConfigError
 
 __all__ = ["Cluster", "ClusterNetwork", "Row", "ScheduleFit", "device_compressor_cost",
@@ -232,13 +232,14 @@ def device_compressor_cost(dev: Device, algorithm: Algorithm | None = None,
     rank decodes (P for an allgather, one per tree round for gTop-k) is the model's
     :func:`hexagram.cost.model.gathered_decodes`."""
     from hexagram.compress.base import Aggregation
-    from hexagram.cost.schedule import _compressor, payload_of
+    from hexagram.cost.schedule import _compressor, analytic_payloads, payload_of
 
     per, launch = 4 * passes / dev.hbm_bps, 10e-6
     dec = 2 * 4 / dev.hbm_bps
     comp = None if algorithm is None else _compressor(algorithm)
     if comp is not None and comp.aggregation is Aggregation.GATHER:
-        dec *= payload_of(comp, (1 << 16,)).nbytes / (4 << 16)
+        with analytic_payloads():
+            dec *= payload_of(comp, (1 << 16,)).nbytes / (4 << 16)
     return CompressorCost((launch, per), (launch, dec))
 
 
@@ -288,9 +289,19 @@ def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfi
     get :func:`device_compressor_cost` of ``dev``. ``dev`` may be None: then no memory
     check and no compression CPU for labels without a cost.
 
+    Payload sizes come from shapes and configs (:func:`hexagram.cost.schedule.analytic_payloads`),
+    nothing is compressed.
+
     Raises:
         ConfigError: unknown algorithm or preset, a world size that is not whole hosts.
     """
+    with analytic_payloads():
+        return _simulate(labels, worlds, compute, cluster, dev, bucket_mb, costs)
+
+
+def _simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfile,
+              cluster: Cluster, dev: Device | None, bucket_mb: float,
+              costs: Mapping[str, CompressorCost] | None) -> list[Row]:
     if not labels or not worlds:
         raise ConfigError("simulate: give at least one algorithm and one world size")
     algos = {lb: (None if skip_reason(lb) else make(lb)) for lb in [*labels, "allreduce"]}
