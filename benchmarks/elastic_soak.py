@@ -123,6 +123,27 @@ def run_torchft(world: int, steps: int, kill: str, dataset: str, batch: int, lr:
     return row
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The results as a table: one line per engine, algorithm and failure setting."""
+    lines = ["| engine | algorithm | kills | steps lost | dropped attempts | stall per failure "
+             "(s) | longest step (s) | healing (s) | median step (ms) | final accuracy | "
+             "replicas agree | rejoined | wall (s) |", "|" + "---|" * 13]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | {r['algorithm']} | {r['kill'] or 'none'} | "
+                         f"{r['error']} |" + " |" * 9)
+            continue
+        stall = ", ".join(f"{s:.2f}" for s in r["stall_s"]) or "-"
+        heal = ", ".join(f"{s:.2f}" for s in r["heal_s"]) or "-"
+        lines.append(
+            f"| {r['engine']} | {r['algorithm']} | {r['kill'] or 'none'} | {r['steps_lost']} | "
+            f"{r['dropped_attempts']} | {stall} | {r['longest_step_s']:.2f} | {heal} | "
+            f"{r['median_step_ms']:.1f} | {r['accuracy']:.4f} | "
+            f"{'yes' if r['accuracy_spread'] == 0 else r['accuracy_spread']} | "
+            f"{r['rejoined']} | {r['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
 def _torchft_available() -> str | None:
     try:
         import torchft  # noqa: F401
@@ -145,6 +166,7 @@ def main() -> None:
     parser.add_argument("--no-torchft", action="store_true")
     parser.add_argument("--deadline", type=float, default=900.0)
     parser.add_argument("--json")
+    parser.add_argument("--markdown", help="also write the table here")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
 
@@ -168,6 +190,9 @@ def main() -> None:
         record("torchft", "allreduce", kill, run_torchft(
             args.world, args.steps, kill, args.dataset, args.batch, args.lr,
             args.torchft_heartbeat_ms, args.deadline))
+    print(markdown(rows))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows) + "\n")
 
 
 if __name__ == "__main__":

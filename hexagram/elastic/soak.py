@@ -168,10 +168,9 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
 def summarize(reports: dict[str, dict[str, Any]], steps: int, kill: str,
               wall_s: float) -> dict[str, Any]:
     """One summary of the replicas' reports (keys ``"<replica>_<restarted>"``)."""
-    survivors = [r for key, r in reports.items() if key.endswith("_0")]
-    finished = [r for r in reports.values() if "step" in r]
-    lost = max((r["step"] - len(r["log"]) for r in survivors if not r["restarted"]),
-               default=0)
+    finished = [r for r in reports.values() if "step" in r]  # others: "error"
+    survivors = [r for key, r in reports.items() if key.endswith("_0") and "step" in r]
+    lost = max((r["step"] - len(r["log"]) for r in survivors), default=0)
     stalls = sorted(s for r in survivors for s in r.get("stats", {}).get("stall_s", []))
     heals = sorted(s for r in reports.values() for s in r.get("stats", {}).get("heal_s", []))
     times = [t for r in survivors for t in r["times"]]
