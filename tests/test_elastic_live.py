@@ -105,3 +105,34 @@ def test_local_sgd_votes_only_on_rounds_and_survives_a_kill() -> None:
         # rounds every 3 steps (+ the aborted round): far fewer votes than steps
         assert rep["stats"]["votes"] <= rep["step"] // 3 + 2, rep["stats"]
     assert results[2]["stats"]["heal_s"] and results[2]["step"] == results[0]["step"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("action", ["sigstop", "sigkill"])
+def test_a_rank_failing_inside_a_local_sgd_round_does_not_hang_the_survivors(
+        action: str) -> None:
+    """Replica 2 issues the weight allreduce of a local-SGD round (period 3, the round at
+    step 8), then fails: frozen (SIGSTOP: its sockets stay open, so the survivors block in
+    the round; it stays frozen to the end, then is SIGKILLed), or SIGKILLed (then
+    restarted: it heals). The survivors are woken by Communicator.abort (the watcher saw the
+    stale heartbeat or a peer's abort vote), re-form the quorum and finish with identical
+    replicas. The collective timeout is 600 s, beyond the run's 90 s deadline: waiting it
+    out (what a group abort alone does with gloo's async work) fails the run."""
+    restart = action == "sigkill"
+    results = run_live(world=3, steps=12, kill=f"2@8:{action}", kill_inside="all_reduce:2",
+                       restart=restart, sleep=0.01, together=2, algorithm="local_sgd",
+                       config={"period": 3}, collective_timeout=600.0, timeout=90.0,
+                       align=3)  # ends right after a round: replicas equal
+    survivors = [results[0], results[1]]
+    assert survivors[0]["log"] == survivors[1]["log"]
+    for rep in survivors:
+        assert _committed(rep) == list(range(rep["step"])) and rep["step"] % 3 == 0
+        assert rep["stats"]["failures"] == 1
+        # the round at step 8 was dropped with replica 2 in it, then redone by the two
+        assert dict(rep["log"])[8] == [0, 1] and dict(rep["log"])[7] == [0, 1, 2]
+    assert torch.equal(survivors[0]["params"], survivors[1]["params"])
+    if restart:
+        assert results[2]["stats"]["heal_s"] and results[2]["step"] == results[0]["step"]
+        assert torch.equal(results[2]["params"], results[0]["params"])
+    else:
+        assert sorted(results) == [0, 1]  # the frozen replica never reported

@@ -57,8 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--loopback", action="store_true", help="no lab: ranks on 127.0.0.1, unshaped")
     a("--kill", default="", metavar="RANK@STEP[:ACTION][,...]",
       help="fault injection: RANK fails at training STEP (action sigkill by default; exit, "
-      "sigstop, raise); the report shows how the run ended (no live mode: restart with "
+      "sigstop, raise); without --live the report shows how the run ended (restart with "
       "torchrun --max-restarts and hexagram.load_checkpoint)")
+    a("--live", action="store_true",
+      help="live mode (hexagram.elastic.live) on loopback: the survivors keep training "
+      "when --kill fails a replica, which restarts and heals; reports steps lost, stall, "
+      "healing and final accuracy (hexagram.elastic.soak)")
+    a("--steps", type=int, default=300, help="training steps with --live")
     a("--json")
     a("--plot")
     a("--markdown")
@@ -174,6 +179,10 @@ def plot_curves(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hexagram train``; 1 if an algorithm failed, 2 if the lab is unavailable."""
+    if args.live:
+        from hexagram.elastic.soak import train_cli
+
+        return train_cli(args)
     try:
         report = run_train(args)
     except LabUnavailableError as exc:

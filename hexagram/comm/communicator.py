@@ -13,12 +13,20 @@ Example:
     >>> handle = comm.submit("allreduce", lambda: Deferred(dist.all_reduce(t, async_op=True),
     ...                      lambda: t), nbytes_sent=comm.ring_allreduce_bytes(t))  # +SKIP
     >>> handle.wait()  # doctest: +SKIP
+
+Abort: :meth:`Communicator.abort` (or :func:`abort_all` for every live communicator of
+the process) marks a communicator failed and wakes every thread blocked in
+:meth:`Handle.wait` with a :class:`CommError` at once, abandoning the work in flight.
+Live elastic training calls it when a peer died, because gloo's asynchronous work is not
+woken by ``ProcessGroup.abort()`` and would otherwise wait out the collective timeout.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +38,7 @@ from torch import Tensor
 
 from hexagram.errors import CommError, CommTimeoutError
 
-__all__ = ["ByteCounter", "Communicator", "Deferred", "Handle"]
+__all__ = ["ByteCounter", "Communicator", "Deferred", "Handle", "abort_all"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -136,9 +144,9 @@ class Handle(Generic[T]):
         assert self._future is not None and self._comm is not None
         comm = self._comm
         try:
-            result = self._future.result(timeout=comm.timeout.total_seconds() + 5.0)
+            result = comm.await_future(self._future, comm.timeout.total_seconds() + 5.0)
             if isinstance(result, Deferred):
-                result.work.wait(comm.timeout)
+                comm.await_work(result.work)
                 result = result.finish()
         except BaseException as exc:  # re-raised with context
             raise comm.wrap_error(self._op, exc) from exc
@@ -170,6 +178,13 @@ class Communicator:
         self._broken: BaseException | None = None
         self._lock = threading.Lock()
         self._queued = 0  # jobs handed to the issuing thread and not finished
+        # abort: resolved by abort(); waits race their work against it. NCCL work waits
+        # on the stream, not the host, so it keeps torch's own wait (ncclCommAbort wakes it).
+        self._aborted: cf.Future[None] = cf.Future()
+        self._pg = group if group is not None else dist.group.WORLD
+        self._abortable = dist.get_backend(group) != "nccl"
+        with _REGISTRY_LOCK:
+            _REGISTRY.add(self)
 
     def submit(self, op: str, job: Callable[[], Any], nbytes_sent: int = 0,
                inline: bool = False) -> Handle[Any]:
@@ -230,8 +245,69 @@ class Communicator:
         return err
 
     def close(self) -> None:
-        """Stop the issuing thread (waits for queued jobs)."""
-        self._executor.shutdown(wait=True)
+        """Stop the issuing thread (waits for queued jobs, unless aborted)."""
+        self._executor.shutdown(wait=not self._aborted.done())
+
+    # -- abort ---------------------------------------------------------------------------
+    @property
+    def aborted(self) -> bool:
+        """True once :meth:`abort` ran."""
+        return self._aborted.done()
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Fail this communicator now: every pending and future :meth:`Handle.wait` raises
+        :class:`CommError` naming ``reason`` at once, and :meth:`submit` refuses new work.
+
+        The work in flight is abandoned, not completed: the process group is aborted
+        (``ProcessGroup.abort()``) and kept referenced until its own timeout has surely
+        ended that work (destroying a gloo group joins its threads, which would block on
+        the stuck collective). Idempotent; safe from any thread. A communicator is not
+        usable after this: build a new group (live elastic mode does).
+
+        Example:
+            >>> comm.abort("peer 2 died")     # doctest: +SKIP
+            >>> handle.wait()                 # doctest: +SKIP
+            Traceback (most recent call last):
+            hexagram.errors.CommError: ... was aborted: peer 2 died
+        """
+        with self._lock:
+            if self._aborted.done():
+                return
+            if self._broken is None:
+                self._broken = CommError(f"communicator '{self.name}' was aborted: {reason}")
+            self._aborted.set_result(None)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pg is not None:
+            try:
+                self._pg.abort()
+            except (AttributeError, RuntimeError):  # a backend without abort: timeout ends it
+                pass
+            _hold(self._pg, self.timeout.total_seconds() + 5.0)
+
+    def _raise_if_aborted(self) -> None:
+        if self._aborted.done():
+            raise CommError(str(self._broken))
+
+    def await_future(self, future: cf.Future[Any], timeout: float) -> Any:
+        """``future.result()``, but raise at once when aborted and ``cf.TimeoutError``
+        after ``timeout`` s."""
+        if not future.done():
+            cf.wait([future, self._aborted], timeout, cf.FIRST_COMPLETED)
+            if not future.done():
+                self._raise_if_aborted()
+                raise cf.TimeoutError(f"no result within {timeout:.0f}s")
+        return future.result()
+
+    def await_work(self, work: Any) -> None:
+        """``work.wait(timeout)`` (a torch ``Work``, or an object with ``works``), woken by
+        :meth:`abort`. Works without a future (gloo's point-to-point sends and receives)
+        wait as torch waits: they end with the backend's timeout or connection error."""
+        self._raise_if_aborted()
+        if self._abortable and not _completed(work):
+            signal = _done_signal(work)
+            if signal is not None:
+                self.await_future(signal, self.timeout.total_seconds())
+        work.wait(self.timeout)
 
     # -- byte formulas (what this rank sends), shared by the primitives -----------------
     def ring_allreduce_bytes(self, t: Tensor) -> int:
@@ -246,3 +322,63 @@ class Communicator:
     def alltoall_bytes(self, nbytes_total: int) -> int:
         """All-to-all of a buffer split into P chunks: P-1 chunks leave this rank."""
         return (self.size - 1) * nbytes_total // self.size if self.size > 1 else 0
+
+
+# -- every live communicator of the process, for abort_all ---------------------------------
+_REGISTRY: weakref.WeakSet[Communicator] = weakref.WeakSet()
+_REGISTRY_LOCK = threading.Lock()
+
+
+def abort_all(reason: str = "aborted") -> int:
+    """:meth:`Communicator.abort` every communicator of this process not yet aborted;
+    returns how many were aborted (live elastic mode calls it when a peer died)."""
+    with _REGISTRY_LOCK:
+        comms = [c for c in _REGISTRY if not c.aborted]
+    for comm in comms:
+        comm.abort(reason)
+    return len(comms)
+
+
+def _completed(work: Any) -> bool:
+    works = getattr(work, "works", None)
+    if works is not None:
+        return all(_completed(w) for w in works)
+    is_completed = getattr(work, "is_completed", None)
+    return bool(is_completed()) if is_completed is not None else False
+
+
+def _done_signal(work: Any) -> cf.Future[None] | None:
+    """A future resolved when ``work`` (or all of ``work.works``) finished, with or
+    without an error; None when a work has no torch future to follow."""
+    works = list(getattr(work, "works", [work]))
+    try:
+        futures = [w.get_future() for w in works]
+    except (AttributeError, RuntimeError):  # "Work::getFuture not implemented" (p2p)
+        return None
+    signal: cf.Future[None] = cf.Future()
+    left, lock = [len(futures)], threading.Lock()
+
+    def one_done(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            signal.set_result(None)
+
+    if not futures:
+        signal.set_result(None)
+    for fut in futures:
+        fut.add_done_callback(one_done)
+    return signal
+
+
+def _hold(obj: Any, seconds: float) -> None:
+    """Keep ``obj`` referenced for ``seconds`` from a daemon thread (its destructor then runs
+    there; at interpreter exit the thread is frozen and the destructor never blocks)."""
+    threading.Thread(target=_keep, args=(obj, seconds), daemon=True,
+                     name="hexagram-comm-aborted").start()
+
+
+def _keep(obj: Any, seconds: float) -> None:
+    del obj  # the thread's arguments hold it until the sleep ends
+    time.sleep(seconds)

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -27,6 +28,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,17 +111,18 @@ def _train(trainer: Any, replica: int, world: int, cfg: dict[str, Any], restarte
     full_since: int | None = None  # step at which every wanted replica was in (same on all)
     epoch = None
     while trainer.step < cfg["steps"] or full_since is None \
-            or trainer.step < full_since + cfg["together"]:
+            or trainer.step < full_since + cfg["together"] or trainer.step % cfg["align"]:
         if len(times) > 20 * cfg["steps"]:
             raise RuntimeError(f"replica {replica}: no progress (size {trainer.size})")
         if trainer.epoch.number != epoch:
             epoch = trainer.epoch.number
             report["digests"][trainer.step] = _digest(trainer)
             full_since = trainer.step if trainer.size == want else None
-        injector.at_step(trainer.step)
         members, (x, y) = list(trainer.epoch.members), batch(trainer.step, replica)
         start = time.perf_counter()
-        if trainer.run_step(functools.partial(_loss_backward, x=x, y=y)):
+        with _fault(injector, trainer.step, cfg["kill_inside"]):
+            committed = trainer.run_step(functools.partial(_loss_backward, x=x, y=y))
+        if committed:
             log.append((trainer.step - 1, members))
         times.append(time.perf_counter() - start)
         time.sleep(cfg["sleep"])
@@ -127,15 +130,32 @@ def _train(trainer: Any, replica: int, world: int, cfg: dict[str, Any], restarte
     trainer.close()
 
 
+def _fault(injector: FaultInjector, step: int, inside: str) -> contextlib.AbstractContextManager[
+        None]:
+    """This replica's fault due at ``step``: fired now, or, with ``inside="NAME:CALL"``,
+    after the CALL-th ``torch.distributed.NAME`` of the step (the collective is issued,
+    then the process fails: a peer dies in the middle of, e.g., an averaging round)."""
+    fault = injector.faults.get(step)
+    if fault is None or not inside:
+        injector.at_step(step)
+        return contextlib.nullcontext()
+    name, _, call = inside.partition(":")
+    return injector.inside(dist, name, rank=injector.rank, action=fault.action,
+                           call=int(call or 1), when="after")
+
+
 def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool = True,
              algorithm: str = "allreduce", heartbeat_timeout: float = 0.5,
              sleep: float = 0.02, timeout: float = 240.0, min_size: int | None = None,
              config: dict[str, Any] | None = None, together: int = 5,
              join_timeout: float = 60.0, restart_delay: float = 1.0,
-             collective_timeout: float = 30.0,
+             collective_timeout: float = 30.0, kill_inside: str = "", align: int = 1,
              **live_kwargs: Any) -> dict[int, dict[str, Any]]:
     """Run the replicas (see the module doc); returns each replica's final report.
-    A killed replica is started again ``restart_delay`` s after it died.
+    A killed replica is started again ``restart_delay`` s after it died. ``kill_inside``
+    (``"all_reduce:2"``) fires the ``kill`` faults inside that collective call of the step
+    instead of before the step. Training ends on a multiple of ``align`` steps (a local
+    SGD period: the replicas were just averaged).
 
     Raises:
         RuntimeError: a replica failed (other than the injected kill) or overran ``timeout``.
@@ -147,7 +167,8 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
            "heartbeat_timeout": heartbeat_timeout, "sleep": sleep,
            "min_size": min_size or world - 1, "config": config or {},
            "together": together, "join_timeout": join_timeout, "live_kwargs": live_kwargs,
-           "collective_timeout": collective_timeout}
+           "collective_timeout": collective_timeout, "kill_inside": kill_inside,
+           "align": align}
     killed = {f.rank for f in parse_faults(kill)}
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as out:
@@ -155,29 +176,54 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
                  for r in range(world)}
         for proc in procs.values():
             proc.start()
-        deadline = time.monotonic() + timeout
-        restarted: set[int] = set()
-        died: dict[int, float] = {}
-        while any(p.is_alive() for p in procs.values()) and time.monotonic() < deadline:
-            for r in killed - restarted:
-                if restart and procs[r].exitcode is not None:
-                    died.setdefault(r, time.monotonic())
-                if restart and time.monotonic() > died.get(r, deadline) + restart_delay:
-                    procs[r] = ctx.Process(target=_replica,
-                                           args=(r, world, port, cfg, True, out))
-                    procs[r].start()
-                    restarted.add(r)
-            time.sleep(0.05)
+        in_time = _supervise(procs, lambda r: ctx.Process(target=_replica,
+                                                          args=(r, world, port, cfg, True,
+                                                                out)),
+                             killed if restart else set(), restart_delay,
+                             time.monotonic() + timeout)
         for proc in procs.values():
             if proc.is_alive():
                 proc.kill()
+                proc.join(10)
         del store
         codes = {r: p.exitcode for r, p in procs.items()}
         if any(code != 0 for r, code in codes.items() if r not in killed or restart):
-            raise RuntimeError(f"live run failed: exit codes {codes} (None: overran "
-                               f"{timeout:.0f} s)")
+            late = "" if in_time else f"; overran {timeout:.0f} s, killed"
+            raise RuntimeError(f"live run failed: exit codes {codes}{late}")
         return {int(f.name[7:-5]): torch.load(f, weights_only=False) | {
             "restarted": f.name.endswith("_1.pt")} for f in Path(out).glob("*.pt")}
+
+
+def _frozen(proc: Any) -> bool:
+    """True when ``proc`` is stopped (SIGSTOP: alive, silent, its sockets open)."""
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _supervise(procs: dict[int, Any], start: Callable[[int], Any], restart: set[int],
+               restart_delay: float, deadline: float) -> bool:
+    """Wait for the replicas until ``deadline``; start each replica of ``restart`` again
+    ``restart_delay`` s after it died or froze (a frozen one is SIGKILLed first). A frozen
+    replica that is not restarted stays frozen until every other replica has ended.
+    Returns False when the deadline came first."""
+    restarted: set[int] = set()
+    failed: dict[int, float] = {}
+    while any(p.is_alive() and not _frozen(p) for p in procs.values()) \
+            and time.monotonic() < deadline:
+        for r in restart - restarted:
+            if procs[r].exitcode is not None or _frozen(procs[r]):
+                failed.setdefault(r, time.monotonic())
+            if time.monotonic() > failed.get(r, deadline) + restart_delay:
+                procs[r].kill()
+                procs[r].join()
+                procs[r] = start(r)
+                procs[r].start()
+                restarted.add(r)
+        time.sleep(0.05)
+    return time.monotonic() < deadline
 
 
 def _warm_up() -> None:

@@ -223,11 +223,12 @@ class Watcher:
     rank's connection was never made, or the peer left the step) cannot vote. While a
     step is armed (:meth:`arm` ... :meth:`disarm`), the watcher waits on the step's
     decision key with its own store client: when a peer decided ``abort``, or a member's
-    heartbeat went stale, it decides ``abort`` and calls ``on_abort`` (which aborts the
-    process groups, so the stuck collective fails now, not after its timeout).
+    heartbeat went stale, it decides ``abort`` and calls ``on_abort(epoch)`` (which aborts the
+    communicators and process groups: the stuck collective fails now, not after its
+    timeout).
     """
 
-    def __init__(self, quorum: Quorum, on_abort: Callable[[], None]) -> None:
+    def __init__(self, quorum: Quorum, on_abort: Callable[[Epoch], None]) -> None:
         self.quorum, self._on_abort = quorum, on_abort
         self._armed: tuple[Epoch, int] | None = None
         self._lock = threading.Condition()
@@ -274,7 +275,7 @@ class Watcher:
                     q.store.compare_set(key, "", "abort")
                 continue
             if q.store.get(key) == b"abort" and self._armed == (epoch, step):
-                self._on_abort()
+                self._on_abort(epoch)
             with self._lock:
                 if self._armed == (epoch, step):
                     self._armed = None

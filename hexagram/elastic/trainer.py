@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hexagram.comm.communicator import abort_all
 from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError, Watcher
 from hexagram.elastic.state import CheckpointError, apply_rank_state, collect_rank_state
 from hexagram.errors import CommError, ConfigError
@@ -162,8 +164,9 @@ class LiveTrainer:
         watch_store = dist.PrefixStore(prefix, dist.TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=join_timeout),
             wait_for_workers=False))  # its own client: used from the watcher thread
+        self._abort_lock = threading.Lock()  # the watcher vs. the membership change
         self._watcher = Watcher(Quorum(watch_store, replica, max_size, min_size,
-                                       heartbeat_timeout, join_timeout), _abort_all_groups)
+                                       heartbeat_timeout, join_timeout), self._abort_epoch)
         self.step = -1  # no training state yet
         self.model: Any = None
         self.epoch: Epoch | None = None
@@ -256,15 +259,30 @@ class LiveTrainer:
         self._teardown()
         self._join(own, first_size=None)
 
-    def _teardown(self) -> None:
-        if dist.is_initialized():
+    def _abort_epoch(self, epoch: Epoch) -> None:
+        """The watcher saw ``epoch`` fail while a step ran: wake this rank's collective
+        waits now (:func:`abort_all`; gloo's asynchronous work ignores a group abort) and
+        close its process groups, so a survivor stuck in a round with a dead peer votes
+        instead of waiting out the collective timeout."""
+        with self._abort_lock:
+            if self.epoch is not epoch or self.model is None:
+                return  # the membership already changed: nothing of it is pending
+            abort_all(f"live mode: a member of epoch {epoch.number} failed")
             _abort_all_groups()
-        if self.model is not None:
-            try:
-                self.model.close()
-            except Exception:  # a broken communicator; the wrapper is discarded
-                pass
-            self.model = None
+
+    def _teardown(self) -> None:
+        with self._abort_lock:
+            # abandon whatever the old membership left in flight: closing must not wait
+            # on a collective with a dead peer, nor destroy a group whose threads are stuck
+            abort_all("live mode: leaving the membership")
+            if dist.is_initialized():
+                _abort_all_groups()
+            if self.model is not None:
+                try:
+                    self.model.close()
+                except Exception:  # a broken communicator; the wrapper is discarded
+                    pass
+                self.model = None
 
     def _join(self, own: dict[str, Any] | None, first_size: int | None) -> None:
         """Form the next epoch with this replica in it, then set up and heal."""

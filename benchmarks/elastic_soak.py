@@ -1,0 +1,199 @@
+"""Soak benchmark of live elastic training: Hexagram's live mode and torchft side by side.
+
+Both train the same MLP on Fashion-MNIST (digits when it is absent) with the same global
+batch per step, ``--world`` replicas on gloo on this host; a replica is SIGKILLed at each
+``--kill`` step and restarted 1 s later. Reported per run: committed steps lost, dropped
+attempts, stall per failure (Hexagram: measured by the trainer from the abort decision;
+both: the longest step of a survivor, which contains the failure), healing, the median
+step (failure-free runs: the per-step price of each engine), and the final test accuracy
+against the same engine's failure-free run.
+
+torchft (0.2.0, a benchmark-only dependency: ``pip install "torch==2.13.0"
+"torchft==0.2.0"``) runs a Lighthouse in this process and one Manager per replica
+(``ProcessGroupGloo``, its ``DistributedDataParallel`` and ``OptimizerWrapper``, the
+asynchronous quorum of its examples, a static data shard per replica as its
+``DistributedSampler`` gives); without torchft only Hexagram runs.
+
+    python benchmarks/elastic_soak.py --world 4 --steps 300 --kill 1@100,2@200 \\
+        --json benchmarks/results/elastic_soak.json
+
+Timings on a shared machine are noisy; say so where they are published.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hexagram.elastic import soak
+from hexagram.elastic.live_bench import _supervise
+from hexagram.testing.faults import FaultInjector, parse_faults
+
+
+def _torchft_replica(replica: int, world: int, lighthouse: str, cfg: dict[str, Any],
+                     restarted: bool, out: str) -> None:
+    from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+    from torchft.optim import OptimizerWrapper
+
+    torch.set_num_threads(1)
+    data = soak._data(cfg["dataset"])
+    model = soak.model_for(data)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=cfg["timeout"])),
+        min_replica_size=cfg["min_size"],  # async quorum (its default), overlapping forward
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
+                                    opt.load_state_dict(sd["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+        replica_id=f"replica{replica}", store_addr="127.0.0.1", store_port=store.port,
+        rank=0, world_size=1, lighthouse_addr=lighthouse,
+        timeout=timedelta(seconds=cfg["timeout"]))
+    ddp, optim = DistributedDataParallel(manager, model), OptimizerWrapper(manager, opt)
+    injector = FaultInjector([] if restarted else parse_faults(cfg["kill"]), replica)
+    report: dict[str, Any] = {"restarted": restarted, "log": [], "times": []}
+    while manager.current_step() < cfg["steps"]:
+        injector.at_step(manager.current_step())
+        start = time.perf_counter()
+        optim.zero_grad()  # starts the quorum
+        step = manager.current_step()
+        # torchft's own way: a static shard per replica (its DistributedSampler), so the
+        # quorum overlaps forward; a dead replica's share of the step is skipped
+        x, y = soak.global_batch(data, step, replica, world, world, cfg["batch"])
+        F.cross_entropy(ddp(x), y).backward()
+        optim.step()  # steps only if the manager's commit vote passed
+        if manager.current_step() > step:
+            report["log"].append(step)
+        report["times"].append(time.perf_counter() - start)
+    report.update(step=manager.current_step(), accuracy=soak.accuracy(model, data),
+                  stats={})
+    torch.save(report, Path(out) / f"replica{replica}_{int(restarted)}.pt")
+    manager.shutdown(wait=False)
+    os._exit(0)  # torchft's threads would keep the process alive
+
+
+def run_torchft(world: int, steps: int, kill: str, dataset: str, batch: int, lr: float,
+                heartbeat_ms: int, deadline: float) -> dict[str, Any]:
+    """The torchft soak: :func:`hexagram.elastic.soak.run_soak`'s protocol on torchft."""
+    from torchft.coordination import LighthouseServer
+
+    os.environ.setdefault("RUST_LOG", "error")  # torchft logs every quorum at info
+    soak._data(dataset)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=max(1, world - 1),
+                                  join_timeout_ms=1000, quorum_tick_ms=10,
+                                  heartbeat_timeout_ms=heartbeat_ms)
+    cfg = {"steps": steps, "kill": kill, "dataset": dataset, "batch": batch, "lr": lr,
+           "min_size": max(1, world - 1), "timeout": 30.0}
+    ctx = mp.get_context("fork")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        def start(r: int, again: bool) -> Any:
+            return ctx.Process(target=_torchft_replica,
+                               args=(r, world, lighthouse.address(), cfg, again, out))
+
+        procs = {r: start(r, False) for r in range(world)}
+        for proc in procs.values():
+            proc.start()
+        in_time = _supervise(procs, lambda r: start(r, True),
+                             {f.rank for f in parse_faults(kill)}, 1.0,
+                             time.monotonic() + deadline)
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        lighthouse.shutdown()
+        codes = {r: p.exitcode for r, p in procs.items()}
+        if any(code != 0 for code in codes.values()):
+            raise RuntimeError(f"torchft soak failed: exit codes {codes}")
+        reports = {f.name[7:-3]: torch.load(f, weights_only=False)
+                   for f in Path(out).glob("*.pt")}
+    row = soak.summarize(reports, steps, kill, time.perf_counter() - started)
+    row["completed_in_time"] = in_time
+    return row
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The results as a table: one line per engine, algorithm and failure setting."""
+    lines = ["| engine | algorithm | kills | steps lost | dropped attempts | stall per failure "
+             "(s) | longest step (s) | healing (s) | median step (ms) | final accuracy | "
+             "replicas agree | rejoined | wall (s) |", "|" + "---|" * 13]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | {r['algorithm']} | {r['kill'] or 'none'} | "
+                         f"{r['error']} |" + " |" * 9)
+            continue
+        stall = ", ".join(f"{s:.2f}" for s in r["stall_s"]) or "-"
+        heal = ", ".join(f"{s:.2f}" for s in r["heal_s"]) or "-"
+        lines.append(
+            f"| {r['engine']} | {r['algorithm']} | {r['kill'] or 'none'} | {r['steps_lost']} | "
+            f"{r['dropped_attempts']} | {stall} | {r['longest_step_s']:.2f} | {heal} | "
+            f"{r['median_step_ms']:.1f} | {r['accuracy']:.4f} | "
+            f"{'yes' if r['accuracy_spread'] == 0 else r['accuracy_spread']} | "
+            f"{r['rejoined']} | {r['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def _torchft_available() -> str | None:
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        return f"torchft not installed ({exc})"
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--kill", default="1@100,2@200")
+    parser.add_argument("--algorithms", default="allreduce")
+    parser.add_argument("--dataset", default="auto")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--torchft-heartbeat-ms", type=int, default=1000,
+                        help="torchft Lighthouse heartbeat timeout (its default is 5000)")
+    parser.add_argument("--no-torchft", action="store_true")
+    parser.add_argument("--deadline", type=float, default=900.0)
+    parser.add_argument("--json")
+    parser.add_argument("--markdown", help="also write the table here")
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+
+    def record(engine: str, algorithm: str, kill: str, row: dict[str, Any]) -> None:
+        rows.append({"engine": engine, "algorithm": algorithm, "kill": kill, **row})
+        print(json.dumps(rows[-1], default=str), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"load_average": os.getloadavg(),
+                                                   "rows": rows}, indent=1, default=str))
+
+    for algorithm in args.algorithms.split(","):
+        for kill in ("", args.kill):
+            record("hexagram", algorithm, kill, soak.run_soak(
+                args.world, args.steps, kill, algorithm, None, args.dataset, args.batch,
+                args.lr, deadline=args.deadline))
+    missing = "skipped (--no-torchft)" if args.no_torchft else _torchft_available()
+    for kill in ("", args.kill):
+        if missing:
+            record("torchft", "allreduce", kill, {"error": missing})
+            continue
+        record("torchft", "allreduce", kill, run_torchft(
+            args.world, args.steps, kill, args.dataset, args.batch, args.lr,
+            args.torchft_heartbeat_ms, args.deadline))
+    print(markdown(rows))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Soak run of live mode on real data: replicas killed every K steps, restarted, healed.
+
+:func:`run_soak` hosts a c10d ``TCPStore``, starts ``world`` replica processes that train an
+MLP on Fashion-MNIST (or scikit-learn's digits) with :func:`hexagram.elastic.live`, kills
+the replicas the ``kill`` spec names (``RANK@STEP[:ACTION],...``, as ``hexagram train
+--kill``), starts each again a moment later (it rejoins and heals from a live peer) and
+returns a summary: committed steps, steps lost (committed steps missing from a survivor's
+log: 0 expected), dropped attempts, the stall per failure, healing times, the longest
+step, the median step time and the final test accuracy of every replica.
+
+The global batch is constant: at step ``s`` the ``world * batch`` samples of the step are
+split among the members of the current membership (each takes ``1/size`` of them), so a
+run with failures sees the same samples in the same order as one without.
+
+Example:
+    >>> report = run_soak(world=4, steps=300, kill="1@100,2@200")   # doctest: +SKIP
+    >>> report["steps_lost"], report["accuracy"]                    # doctest: +SKIP
+    (0, 0.83)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hexagram.elastic.live_bench import _supervise
+from hexagram.elastic.quorum import QuorumError
+from hexagram.launch import free_port
+from hexagram.testing.faults import FaultInjector, parse_faults
+
+__all__ = ["accuracy", "global_batch", "model_for", "run_soak", "summarize", "train_cli"]
+
+_DATA: Any = None  # loaded once in the parent, shared with the forked replicas
+
+
+def _data(name: str) -> Any:
+    global _DATA
+    if _DATA is None or _DATA[0] != name:
+        from hexagram.data import fashion_mnist_available, load
+
+        if name == "auto":
+            name = "fashion-mnist" if fashion_mnist_available() else "digits"
+        _DATA = (name, load(name))
+    return _DATA[1]
+
+
+def model_for(data: Any, hidden: int = 128, seed: int = 0) -> nn.Module:
+    """The soak MLP (identical on every replica for a seed)."""
+    torch.manual_seed(seed)
+    side = data.x_train.shape[-1]
+    return nn.Sequential(nn.Flatten(), nn.Linear(side * side, hidden), nn.ReLU(),
+                         nn.Linear(hidden, data.classes))
+
+
+def global_batch(data: Any, step: int, rank: int, size: int, world: int,
+                 batch: int) -> tuple[Tensor, Tensor]:
+    """Member ``rank`` of ``size``'s share of step ``step``'s ``world * batch`` samples."""
+    per_step = world * batch
+    per_epoch = len(data.y_train) // per_step
+    epoch, index = divmod(step, per_epoch)
+    perm = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(epoch))
+    ids = perm[index * per_step:(index + 1) * per_step].tensor_split(size)[rank]
+    return data.x_train[ids], data.y_train[ids]
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, data: Any) -> float:
+    """Test accuracy of ``model``."""
+    correct = sum(int((model(xb).argmax(1) == yb).sum())
+                  for xb, yb in zip(data.x_test.split(2000), data.y_test.split(2000)))
+    return correct / len(data.y_test)
+
+
+def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], restarted: bool,
+             out: str) -> None:
+    from hexagram.elastic import live
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(replica),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    data = _data(cfg["dataset"])
+    model = model_for(data)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    report: dict[str, Any] = {"restarted": restarted, "log": [], "times": []}
+    try:
+        trainer = live(model, [opt], cfg["algorithm"], algorithm_config=cfg["config"],
+                       min_size=cfg["min_size"], heartbeat_timeout=cfg["heartbeat_timeout"],
+                       timeout=cfg["timeout"], join_timeout=cfg["join_timeout"])
+        _train(trainer, data, world, cfg, FaultInjector(
+            [] if restarted else parse_faults(cfg["kill"]), replica), report)
+    except QuorumError as exc:  # e.g. restarted after the others finished
+        report["error"] = str(exc)
+    report["accuracy"] = accuracy(model, data)
+    torch.save(report, Path(out) / f"replica{replica}_{int(restarted)}.pt")
+
+
+def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any],
+           injector: FaultInjector, report: dict[str, Any]) -> None:
+    def closure(x: Tensor, y: Tensor) -> Any:
+        return lambda model: F.cross_entropy(model(x), y).backward()
+
+    while trainer.step < cfg["steps"]:
+        injector.at_step(trainer.step)
+        x, y = global_batch(data, trainer.step, trainer.rank, trainer.size, world,
+                            cfg["batch"])
+        start = time.perf_counter()
+        if trainer.run_step(closure(x, y)):
+            report["log"].append(trainer.step - 1)
+        report["times"].append(time.perf_counter() - start)
+    report.update(stats=trainer.stats, step=trainer.step)
+    trainer.close()
+
+
+def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
+             algorithm: str = "allreduce", config: dict[str, Any] | None = None,
+             dataset: str = "auto", batch: int = 32, lr: float = 0.05,
+             heartbeat_timeout: float = 0.5, timeout: float = 30.0,
+             join_timeout: float = 30.0, restart_delay: float = 1.0,
+             deadline: float = 1800.0) -> dict[str, Any]:
+    """Run the soak (see the module doc) and return :func:`summarize` of the replicas.
+
+    Raises:
+        RuntimeError: a replica crashed (other than the injected kills) or the run passed
+            ``deadline`` seconds.
+    """
+    _data(dataset)  # load before forking
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    cfg = {"steps": steps, "kill": kill, "algorithm": algorithm, "config": config or {},
+           "dataset": dataset, "batch": batch, "lr": lr, "min_size": max(1, world - 1),
+           "heartbeat_timeout": heartbeat_timeout, "timeout": timeout,
+           "join_timeout": join_timeout}
+    killed = {f.rank for f in parse_faults(kill)}
+    ctx = mp.get_context("fork")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        procs = {r: ctx.Process(target=_replica, args=(r, world, port, cfg, False, out))
+                 for r in range(world)}
+        for proc in procs.values():
+            proc.start()
+        in_time = _supervise(procs, lambda r: ctx.Process(
+            target=_replica, args=(r, world, port, cfg, True, out)), killed,
+            restart_delay, time.monotonic() + deadline)
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        del store
+        codes = {r: p.exitcode for r, p in procs.items()}
+        if not in_time or any(code != 0 for code in codes.values()):
+            raise RuntimeError(f"soak run failed: exit codes {codes}"
+                               f"{'' if in_time else f'; overran {deadline:.0f} s'}")
+        reports = {f.name[7:-3]: torch.load(f, weights_only=False)
+                   for f in Path(out).glob("*.pt")}
+    return summarize(reports, steps, kill, time.perf_counter() - started)
+
+
+def summarize(reports: dict[str, dict[str, Any]], steps: int, kill: str,
+              wall_s: float) -> dict[str, Any]:
+    """One summary of the replicas' reports (keys ``"<replica>_<restarted>"``)."""
+    finished = [r for r in reports.values() if "step" in r]  # others: "error"
+    survivors = [r for key, r in reports.items() if key.endswith("_0") and "step" in r]
+    lost = max((r["step"] - len(r["log"]) for r in survivors), default=0)
+    stalls = sorted(s for r in survivors for s in r.get("stats", {}).get("stall_s", []))
+    heals = sorted(s for r in reports.values() for s in r.get("stats", {}).get("heal_s", []))
+    times = [t for r in survivors for t in r["times"]]
+    accs = [r["accuracy"] for r in finished]
+    return {"steps": steps, "kills": len(parse_faults(kill)), "wall_s": wall_s,
+            "steps_lost": lost,
+            "dropped_attempts": max((len(r["times"]) - len(r["log"]) for r in survivors),
+                                    default=0),
+            "stall_s": stalls, "heal_s": heals,
+            "longest_step_s": max(times, default=0.0),
+            "median_step_ms": 1000 * statistics.median(times) if times else 0.0,
+            "accuracy": statistics.mean(accs) if accs else None,
+            "accuracy_spread": max(accs) - min(accs) if accs else None,
+            "rejoined": sum(1 for key, r in reports.items()
+                            if key.endswith("_1") and "step" in r),
+            "errors": [r["error"] for r in reports.values() if "error" in r]}
+
+
+def train_cli(args: Any) -> int:
+    """``hexagram train --live``: :func:`run_soak` per algorithm of ``--algorithms`` with
+    ``--hosts x --ranks-per-host`` replicas on loopback, ``--steps`` steps and the
+    ``--kill`` faults (killed replicas restart); prints one JSON summary per algorithm
+    (and writes them to ``--json``). Returns 1 if a run failed, 0 otherwise."""
+    import json
+    import sys
+
+    from hexagram.bench.cli import algorithm_list, split_label
+    from hexagram.errors import ConfigError
+
+    parse_faults(args.kill)  # malformed: ConfigError before any replica starts
+    dataset = "digits" if args.dataset == "auto" and not _has_fashion() else args.dataset
+    if dataset == "text":
+        raise ConfigError("hexagram train --live trains the image MLP: use --dataset "
+                          "fashion-mnist, digits or auto")
+    results, failed = [], 0
+    for label in algorithm_list(args.algorithms):
+        name, config = split_label(label)
+        if name == "ddp":  # in the default --algorithms
+            print("hexagram train --live: skipping ddp (PyTorch DDP has no live mode)",
+                  file=sys.stderr)
+            continue
+        try:
+            row = {"algorithm": label, **run_soak(
+                args.hosts * args.ranks_per_host, args.steps, args.kill, name, config,
+                dataset, args.batch, args.lr or 0.05, restart_delay=0.3,
+                deadline=args.timeout)}
+        except RuntimeError as exc:
+            row, failed = {"algorithm": label, "error": str(exc)}, 1
+        results.append(row)
+        print(json.dumps(row, default=str), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"live": True, "results": results}, f, indent=1, default=str)
+    print(f"hexagram train --live: {len(results)} run(s), {failed} failed", file=sys.stderr)
+    return failed
+
+
+def _has_fashion() -> bool:
+    from hexagram.data import fashion_mnist_available
+
+    return fashion_mnist_available()
