@@ -126,7 +126,8 @@ def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
     n = rows.shape[0]
     if not _needs_gram(spec):
         ok = agg.finite_rows(rows)
-        return _aggregate(rows[ok], None, _lowered(spec.f, n, ok), spec, int(ok.sum()))
+        kept = rows if bool(ok.all()) else rows[ok]  # no copy in the usual case
+        return _aggregate(kept, None, _lowered(spec.f, n, ok), spec, kept.shape[0])
     cc = spec.aggregator == "centered_clip"
     x = rows
     if cc:  # the center rides along as an extra last row
@@ -150,7 +151,9 @@ def _global_gram(x: Tensor, sync: Sync) -> tuple[Tensor, Tensor]:
     """Gram matrix of the whole vectors (float64) and the rows finite on every shard."""
     n = x.shape[0]
     bad = ~agg.finite_rows(x)
-    clean = x.double().masked_fill(bad[:, None], 0.0)
+    clean = x.to(torch.float64, copy=True)
+    if bool(bad.any()):  # in place on the float64 copy: no second copy
+        clean.masked_fill_(bad[:, None], 0.0)
     packed = torch.cat([(clean @ clean.T).reshape(-1), bad.double()])
     packed = sync(packed)
     return packed[: n * n].view(n, n), packed[n * n:] == 0
