@@ -25,12 +25,30 @@ ROBUST_ALGOS = ",".join(["allreduce"] + [f"robust:aggregator={a}" for a in (
     "trimmed_mean", "median", "krum", "multikrum", "geomed", "centered_clip")])
 
 
+def with_f(algorithms: str, f: int) -> str:
+    """``algorithms`` with ``:f=F`` added to every ``robust`` entry that does not set ``f``
+    (the config default is 1: with 2 attackers, trimmed mean and Multi-Krum then keep one).
+
+    Example:
+        >>> with_f("allreduce,robust:aggregator=krum,robust:f=1", 2)
+        'allreduce,robust:aggregator=krum:f=2,robust:f=1'
+    """
+    out = []
+    for name in algorithms.split(","):
+        fields = name.split(":")
+        if fields[0] == "robust" and not any(x.startswith("f=") for x in fields[1:]):
+            name += f":f={max(1, f)}"
+        out.append(name)
+    return ",".join(out)
+
+
 def _train_args(opts: argparse.Namespace, attack: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     argv = ["--loopback", "--hosts", str(opts.hosts), "--dataset", "fashion-mnist",
             "--params", str(opts.params), "--epochs", str(opts.epochs),
-            "--evals-per-epoch", str(opts.evals_per_epoch), "--algorithms", opts.algorithms,
+            "--evals-per-epoch", str(opts.evals_per_epoch),
+            "--algorithms", with_f(opts.algorithms, opts.byzantine),
             "--time-limit", str(opts.time_limit), "--partition", opts.partition,
             "--alpha", str(opts.alpha), "--lr", str(opts.lr),
             "--byzantine", "0" if attack == "none" else str(opts.byzantine),

@@ -112,6 +112,34 @@ def test_nonfinite_rows_are_dropped(aggregator: str) -> None:
     assert torch.allclose(out, clean, atol=1e-6)
 
 
+def test_sort_rows_equals_torch_sort() -> None:
+    g = torch.Generator().manual_seed(0)
+    for n in [1, 2, 3, 4, 5, 6, 7, 8, 11, agg.NETWORK_MAX_ROWS, agg.NETWORK_MAX_ROWS + 1]:
+        x = torch.randn(n, 33, generator=g)
+        x[:, :5] = torch.randint(0, 3, (n, 5), generator=g).float()  # ties
+        x[0, 5] = float("inf")
+        x[-1, 6] = -float("inf")
+        assert torch.equal(agg.sort_rows(x), x.sort(dim=0).values), n
+    odd, even = torch.randn(7, 9, generator=g), torch.randn(6, 9, generator=g)
+    assert torch.equal(agg.median(odd), odd.median(dim=0).values)
+    assert torch.equal(agg.trimmed_mean(odd, 2), odd.sort(dim=0).values[2:5].mean(dim=0))
+    assert torch.allclose(agg.median(even), even.sort(dim=0).values[2:4].mean(dim=0))
+
+
+def test_finite_rows_scans_only_suspect_rows() -> None:
+    x = torch.ones(5, 4)
+    x[1, 2] = float("nan")
+    x[2, 0] = float("inf")
+    x[3] = 3e38  # finite values whose sum overflows: still finite
+    x[4, 1], x[4, 3] = float("inf"), -float("inf")  # inf - inf: the sum is NaN
+    assert finite_list(x) == [True, False, False, True, False]
+    assert finite_list(torch.empty(3, 0)) == [True, True, True]
+
+
+def finite_list(x: torch.Tensor) -> list[bool]:
+    return [bool(v) for v in agg.finite_rows(x)]
+
+
 # -- ByzFL, where installed (benchmark-only dependency) ---------------------------------
 def _byzfl() -> Any:
     loaded = sys.modules.get("byzfl")

@@ -35,40 +35,20 @@ from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
 from hexagram.comm.shards import ShardInfo, shard_map
 from hexagram.compress.base import Compressor
-from hexagram.config import check_float, check_int
+from hexagram.config import check_float
 from hexagram.errors import ConfigError
-from hexagram.robust.shard_reduce import (
-    COORDINATE_WISE,
-    DISTANCE_BASED,
-    PRE_AGGREGATORS,
-    ReduceSpec,
-    min_world_size,
-    reduce_rows,
-)
+from hexagram.robust.shard_reduce import AGGREGATORS, ReduceSpec, reduce_rows
 
 __all__ = ["AGGREGATORS", "RobustAlgorithm", "RobustConfig"]
 
-AGGREGATORS = COORDINATE_WISE + DISTANCE_BASED
-
-
 @dataclass(frozen=True, kw_only=True)
-class RobustConfig:
-    """Config of :class:`RobustAlgorithm`.
+class RobustConfig(ReduceSpec):
+    """Config of :class:`RobustAlgorithm`: the aggregation fields of
+    :class:`~hexagram.robust.shard_reduce.ReduceSpec` (``aggregator``, ``f``, ``pre``,
+    ``bucket_size``, ``iters``, ``nu``, ``tau``, ``clip_iters``, defined and checked there
+    once) plus what the algorithm adds around the reduction.
 
     Attributes:
-        aggregator: one of :data:`AGGREGATORS` (coordinate-wise ones are cheapest).
-        f: Byzantine ranks tolerated; higher => more rows discarded, needs more ranks
-            (``2f + 1``, Krum/Multi-Krum ``2f + 3``).
-        pre: pre-aggregation, ``"nnm"`` or ``"bucketing"`` (helps on non-IID data), or None.
-        bucket_size: ranks per bucket for ``pre="bucketing"`` (larger => more averaging,
-            fewer effective rows).
-        iters: Weiszfeld steps (geomed).
-        nu: Weiszfeld smoothing (smallest distance used as a weight's denominator).
-        tau: centered clipping radius, in gradient units: about the norm of the honest
-            gradients' spread (smaller => an attacker moves the result at most
-            ``clip_iters * tau * f / P`` per step, honest changes are followed slower). At
-            10 (norms about 1) a x -10 attacker was not clipped and training diverged.
-        clip_iters: clipping steps (centered_clip; 1 as in ByzFL).
         momentum: worker momentum applied before sending, ``m = beta m + (1 - beta) g``
             (higher => less variance for the aggregator to confuse with attacks, more lag).
             Karimireddy et al. (2021) pair it with plain SGD on the update; on top of an
@@ -77,51 +57,22 @@ class RobustConfig:
         compressor: compress both legs with this registered compressor (e.g. ``"minmax8"``,
             ``"topk"``), or None for full precision.
         seed: bucketing's shared permutations and the compressor's noise.
+
+    Example:
+        >>> RobustConfig(aggregator="median", f=2, momentum=0.9).pre is None
+        True
     """
 
-    aggregator: str = "trimmed_mean"
-    f: int = 1
-    pre: str | None = None
-    bucket_size: int = 2
-    iters: int = 3
-    nu: float = 0.1
-    tau: float = 1.0
-    clip_iters: int = 1
     momentum: float = 0.0
     compressor: str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.aggregator not in AGGREGATORS:
-            raise ConfigError(f"RobustConfig.aggregator {self.aggregator!r} is unknown; valid "
-                              f"aggregators: {', '.join(AGGREGATORS)}")
-        if self.pre is not None and self.pre not in PRE_AGGREGATORS:
-            raise ConfigError(f"RobustConfig.pre {self.pre!r} is unknown; valid: None, "
-                              f"{', '.join(PRE_AGGREGATORS)}")
+        super().__post_init__()
         if self.compressor is not None and self.compressor not in compress.names():
             raise ConfigError(f"RobustConfig.compressor {self.compressor!r} is unknown; valid: "
                               f"None, {', '.join(compress.names())}")
-        check_int(self, "f", low=0)
-        check_int(self, "bucket_size", low=1)
-        check_int(self, "iters", low=1)
-        check_int(self, "clip_iters", low=1)
-        check_float(self, "nu", low=0.0, low_open=True)
-        check_float(self, "tau", low=0.0, low_open=True)
         check_float(self, "momentum", low=0.0, high=1.0, high_open=True)
-
-    def check_world_size(self, world_size: int) -> None:
-        """Raise :class:`ConfigError` when ``world_size`` ranks cannot tolerate ``f``."""
-        rows = world_size
-        if self.pre == "bucketing":  # each bucket may hold an attacker: fewer, mixed rows
-            rows = -(-world_size // self.bucket_size)
-        need = min_world_size(self.aggregator, self.f)
-        if rows < need:
-            limit = "2f + 3" if self.aggregator in ("krum", "multikrum") else "2f + 1"
-            what = f"{rows} buckets of {world_size} ranks" if rows != world_size \
-                else f"world size {world_size}"
-            raise ConfigError(f"robust aggregator {self.aggregator!r} with f={self.f} needs "
-                              f"at least {limit} = {need} vectors, got {what}; lower f or "
-                              "add ranks")
 
 
 class RobustAlgorithm(Algorithm):
@@ -134,9 +85,6 @@ class RobustAlgorithm(Algorithm):
         super().__init__(config or RobustConfig())
         self.config: RobustConfig
         c = self.config
-        self.spec = ReduceSpec(aggregator=c.aggregator, f=c.f, pre=c.pre,
-                               bucket_size=c.bucket_size, iters=c.iters, nu=c.nu, tau=c.tau,
-                               clip_iters=c.clip_iters)
         self.compressor: Compressor | None = (
             None if c.compressor is None else compress.get(c.compressor))
         self.momenta: dict[int, Tensor] = {}   # bucket index -> worker momentum (flat)
@@ -163,7 +111,7 @@ class RobustAlgorithm(Algorithm):
         def fn(rows: Tensor, info: ShardInfo) -> Tensor:
             mine = None if center is None else _slice(center, info)
             gen = torch.Generator().manual_seed(seed)
-            return reduce_rows(rows, self.spec, info.allreduce, mine, gen)
+            return reduce_rows(rows, self.config, info.allreduce, mine, gen)
 
         handle = shard_map(self.ctx.comm, flat, fn, self.compressor, self.generator,
                            reduce_generator=self.reduce_generator)

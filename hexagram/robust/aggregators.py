@@ -36,9 +36,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "bucketing", "bucketing_mixing", "centered_clip", "centered_clip_weights", "finite_rows",
+    "NETWORK_MAX_ROWS", "bucketing", "bucketing_mixing", "centered_clip",
+    "centered_clip_weights", "finite_rows",
     "geomed", "geomed_weights", "gram", "krum", "krum_scores", "krum_weights", "median",
-    "multikrum", "multikrum_weights", "nnm", "nnm_mixing", "squared_distances",
+    "multikrum", "multikrum_weights", "nnm", "nnm_mixing", "sort_rows", "squared_distances",
     "trimmed_mean",
 ]
 
@@ -50,13 +51,61 @@ def _check_f(n: int, f: int, need: int, what: str) -> None:
 
 
 def finite_rows(x: Tensor) -> Tensor:
-    """Boolean ``(n,)``: rows without NaN or Inf (the others are treated as Byzantine)."""
+    """Boolean ``(n,)``: rows without NaN or Inf (the others are treated as Byzantine).
+
+    A row whose sum is finite holds neither (NaN or Inf would make the sum NaN or Inf), so
+    only rows with a non-finite sum (NaN/Inf, or finite values that overflow) are scanned
+    element by element: one reduction instead of a boolean copy of ``x`` in the usual case.
+
+    Example:
+        >>> finite_rows(torch.tensor([[1.0, 2.0], [3e38, 3e38], [1.0, float("inf")]]))
+        tensor([ True,  True, False])
+    """
     if x.numel() == 0:
-        return torch.ones(x.shape[0], dtype=torch.bool)
-    return torch.isfinite(x).all(dim=1)
+        return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    ok = torch.isfinite(x.sum(dim=1))
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().squeeze(1)
+        ok[bad] = torch.isfinite(x[bad]).all(dim=1)
+    return ok
 
 
 # -- coordinate-wise --------------------------------------------------------------------
+NETWORK_MAX_ROWS = 24  # sort_rows: a sorting network up to this many rows, torch.sort above
+
+
+def sort_rows(x: Tensor) -> Tensor:
+    """``x.sort(dim=0).values``, the same values, faster for the few rows of a process group.
+
+    ``torch.sort`` along dim 0 sorts ``d`` separate strided columns of ``n`` values, which
+    costs about 10x a pass over ``x`` on CPU for ``n`` of 5 to 7. Up to
+    :data:`NETWORK_MAX_ROWS` rows, an odd-even transposition network does it instead:
+    ``n`` rounds, each one element-wise ``minimum``/``maximum`` over every pair of
+    neighbouring rows at once (vectorized over the ``d`` coordinates). Inputs must be free
+    of NaN (callers drop non-finite rows first; NaN would not sort as ``torch.sort`` does).
+
+    Example:
+        >>> sort_rows(torch.tensor([[3.0, 0.0], [1.0, 2.0], [2.0, 1.0]]))
+        tensor([[1., 0.],
+                [2., 1.],
+                [3., 2.]])
+    """
+    n = x.shape[0]
+    if n > NETWORK_MAX_ROWS:
+        return x.sort(dim=0).values
+    s = x.clone()
+    for r in range(n):
+        first = r % 2
+        pairs = (n - first) // 2
+        if pairs == 0:
+            continue
+        lo, hi = s[first:first + 2 * pairs:2], s[first + 1:first + 2 * pairs:2]
+        low = torch.minimum(lo, hi)
+        torch.maximum(lo, hi, out=hi)
+        lo.copy_(low)
+    return s
+
+
 def median(x: Tensor) -> Tensor:
     """Coordinate-wise median; mean of the two middle values when ``n`` is even.
 
@@ -65,9 +114,9 @@ def median(x: Tensor) -> Tensor:
         tensor([2.])
     """
     n = x.shape[0]
+    s = sort_rows(x)
     if n % 2:
-        return x.median(dim=0).values
-    s = x.sort(dim=0).values
+        return s[n // 2]
     return (s[n // 2 - 1] + s[n // 2]) / 2
 
 
@@ -82,7 +131,7 @@ def trimmed_mean(x: Tensor, f: int) -> Tensor:
     _check_f(n, f, 2 * f + 1, "trimmed_mean")
     if f == 0:
         return x.mean(dim=0)
-    return x.sort(dim=0).values[f:n - f].mean(dim=0)
+    return sort_rows(x)[f:n - f].mean(dim=0)
 
 
 # -- Gram-matrix helpers ----------------------------------------------------------------
