@@ -44,7 +44,7 @@ from typing import Any
 __all__ = ["main"]
 
 ALGORITHMS = ("qsgd", "terngrad", "topk", "dgc", "gtopk", "signsgd", "efsign", "onebit",
-              "bytegrad")
+              "bytegrad", "randomk")
 RANKS = 4
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,7 +77,7 @@ def _pipeline(name: str, grads: list[list[Any]]) -> dict[str, Callable[[], None]
 
     algo = hx.algorithms.get(name)
     comp = algo.compressor  # type: ignore[attr-defined]  # compressed algorithms have one
-    feedback = name in ("topk", "dgc", "gtopk", "efsign", "onebit")
+    feedback = name in ("topk", "dgc", "gtopk", "efsign", "onebit", "randomk")
     if getattr(algo.config, "granularity", "layer") == "bucket":
         grads = [[torch.cat([g.reshape(-1) for g in rank])] for rank in grads]
     else:
@@ -121,20 +121,20 @@ def _gtopk_rounds(grads: list[list[Any]]) -> dict[str, Callable[[], None]]:
     comp = hx.algorithms.get("gtopk").compressor  # type: ignore[attr-defined]
     sort = getattr(g, "_sort_pairs", lambda v, i: (v, i, None))
     isin = getattr(g, "_isin", torch.isin)
-    jobs = []
+    Pair = tuple[Any, Any]
+    jobs: list[tuple[Pair, Pair, Pair, int]] = []
     for t in range(len(grads[0])):
         pairs = [sparse_pairs(comp.compress(rank[t].reshape(-1))) for rank in grads]
         k = pairs[0][0].numel()
-        other = sort(*pairs[1])[:2]
-        far = g.merge_topk(*sort(*pairs[2])[:2], *sort(*pairs[3])[:2], k)
-        jobs.append((pairs[0], other, far, k))
+        (v1, i1, _), (v2, i2, _), (v3, i3, _) = (sort(*p) for p in pairs[1:])
+        jobs.append((pairs[0], (v1, i1), g.merge_topk(v2, i2, v3, i3, k), k))
 
     def rounds() -> None:
-        for (values, indices), other, far, k in jobs:
+        for (values, indices), (v1, i1), (vf, i_f), k in jobs:
             v, i, _ = sort(values, indices)
-            v, i = g.merge_topk(v, i, *other, k)
+            v, i = g.merge_topk(v, i, v1, i1, k)
             alive = isin(indices, i)
-            v, i = g.merge_topk(v, i, *far, k)
+            v, i = g.merge_topk(v, i, vf, i_f, k)
             alive &= isin(indices, i)
 
     return {"compress": rounds, "decode": lambda: None}
