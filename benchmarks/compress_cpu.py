@@ -15,7 +15,8 @@ The gradients are real: 4 backward passes of the MLP (784-h-h-h-10 from
 :func:`hexagram.bench.workload.build_workload`, batch 32) stand for 4 ranks. The
 compressors are the algorithms' own (``hx.algorithms.get(name).compressor`` with their
 defaults; ``dgc`` and ``gtopk`` measure their top-k sparsifier with plain error feedback;
-gTop-k's tree rounds live in ``hexagram/comm/gtopk.py`` and are not measured here).
+gTop-k's rounds live in ``hexagram/comm/gtopk.py``: the row ``gtopk rounds (4 ranks)``
+measures rank 0's merges and membership tests of its recursive doubling, in ``compress``).
 
 With ``--ref REF`` the same measurement runs on the code of a git ref too: the ref is
 checked out in a temporary worktree and measured by a second worker process importing
@@ -43,7 +44,7 @@ from typing import Any
 __all__ = ["main"]
 
 ALGORITHMS = ("qsgd", "terngrad", "topk", "dgc", "gtopk", "signsgd", "efsign", "onebit",
-              "bytegrad")
+              "bytegrad", "randomk")
 RANKS = 4
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +77,7 @@ def _pipeline(name: str, grads: list[list[Any]]) -> dict[str, Callable[[], None]
 
     algo = hx.algorithms.get(name)
     comp = algo.compressor  # type: ignore[attr-defined]  # compressed algorithms have one
-    feedback = name in ("topk", "dgc", "gtopk", "efsign", "onebit")
+    feedback = name in ("topk", "dgc", "gtopk", "efsign", "onebit", "randomk")
     if getattr(algo.config, "granularity", "layer") == "bucket":
         grads = [[torch.cat([g.reshape(-1) for g in rank])] for rank in grads]
     else:
@@ -106,6 +107,39 @@ def _pipeline(name: str, grads: list[list[Any]]) -> dict[str, Callable[[], None]
     return {"compress": compress, "decode": decode}
 
 
+def _gtopk_rounds(grads: list[list[Any]]) -> dict[str, Callable[[], None]]:
+    """Rank 0's work in gTop-k's recursive doubling at 4 ranks, every tensor: (sort its own
+    pairs, where the code does) merge with rank 1's pairs, mark its surviving pairs, merge
+    with ranks 2+3's merged pairs, mark again (``hexagram/comm/gtopk.py``'s merge and
+    membership test, whichever version is imported; no communication)."""
+    import torch
+
+    import hexagram as hx
+    from hexagram.algorithms.gtopk import sparse_pairs
+    from hexagram.comm import gtopk as g
+
+    comp = hx.algorithms.get("gtopk").compressor  # type: ignore[attr-defined]
+    sort = getattr(g, "_sort_pairs", lambda v, i: (v, i, None))
+    isin = getattr(g, "_isin", torch.isin)
+    Pair = tuple[Any, Any]
+    jobs: list[tuple[Pair, Pair, Pair, int]] = []
+    for t in range(len(grads[0])):
+        pairs = [sparse_pairs(comp.compress(rank[t].reshape(-1))) for rank in grads]
+        k = pairs[0][0].numel()
+        (v1, i1, _), (v2, i2, _), (v3, i3, _) = (sort(*p) for p in pairs[1:])
+        jobs.append((pairs[0], (v1, i1), g.merge_topk(v2, i2, v3, i3, k), k))
+
+    def rounds() -> None:
+        for (values, indices), (v1, i1), (vf, i_f), k in jobs:
+            v, i, _ = sort(values, indices)
+            v, i = g.merge_topk(v, i, v1, i1, k)
+            alive = isin(indices, i)
+            v, i = g.merge_topk(v, i, vf, i_f, k)
+            alive &= isin(indices, i)
+
+    return {"compress": rounds, "decode": lambda: None}
+
+
 def _copy_baseline(grads: list[list[Any]]) -> dict[str, Callable[[], None]]:
     """A plain copy of rank 0's gradient (the scale of one memory pass)."""
     outs = [g.clone() for g in grads[0]]
@@ -125,6 +159,7 @@ def worker() -> None:
     grads = _gradients(RANKS)
     jobs = {"copy (baseline)": _copy_baseline(grads)}
     jobs.update({name: _pipeline(name, grads) for name in ALGORITHMS})
+    jobs["gtopk rounds (4 ranks)"] = _gtopk_rounds(grads)
     for job in jobs.values():  # warm up: first-call allocations, lazily built tables
         for fn in job.values():
             fn()
