@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ("engine", "compression", "compress_cpu", "compressed-algorithms", "relaxations",
-         "network", "delay", "auto", "simulate", "robust", "planner", "integrations")
+         "network", "delay", "auto", "simulate", "robust", "elastic", "planner",
+         "integrations")
 HEADER = """# Benchmarks
 
 Every figure below was produced by the command shown next to it, on this project's 2-core
