@@ -166,7 +166,8 @@ def _run_model(args: argparse.Namespace, lab: Any, cfg: LabConfig, bandwidth: st
     auto = None
     if args.auto:
         row = summarize_outcome(outcomes[-1], cfg.rate, args.batch, cfg.world_size)
-        auto = {"error": row["error"]} if "error" in row else {"measured_s": row["step_s"]}
+        auto = {"error": row["error"]} if "error" in row else {
+            "measured_s": row["step_s"], "decision": outcomes[-1].ranks[0].get("decision")}
     return {"cells": cells, "auto": auto}
 
 
@@ -185,26 +186,32 @@ def markdown(report: dict[str, Any]) -> str:
     lines = []
     for setting in report["settings"]:
         for model, res in setting["models"].items():
-            s = summary(res["cells"])
-            lines.append(f"\n#### {setting['bandwidth']}, {model}: median |error| "
-                         f"{100 * s.get('median_abs_error', float('nan')):.0f} %, worst "
-                         f"{s.get('worst')} {100 * s.get('worst_error', float('nan')):+.0f} %, "
-                         f"Spearman {s.get('spearman', float('nan')):.2f}\n")
-            lines.append("| algorithm | predicted s | measured s | error | wire MB predicted "
-                         "| wire MB reported | compute / compression / exposed (s) |")
-            lines.append("|---|---|---|---|---|---|---|")
-            for c in res["cells"]:
-                if c.get("error"):
-                    lines.append(f"| {c['algorithm']} | failed: {c['error'][:80]} | | | | | |")
-                    continue
-                parts = " / ".join(f"{x:.3f}" for x in c["parts"])
-                lines.append(f"| {c['algorithm']} | {c['predicted_s']:.3f} | "
-                             f"{c['measured_s']:.3f} | {100 * c['rel_error']:+.0f} % | "
-                             f"{c['wire_predicted'] / 1e6:.2f} | "
-                             f"{c['wire_reported'] / 1e6:.2f} | {parts} |")
+            if res["cells"]:  # --only-buckets runs no validation cells
+                lines += _cell_lines(setting["bandwidth"], model, res["cells"])
             lines.append(_auto_line(res))
             lines.append(_bucket_lines(res.get("buckets")))
     return "\n".join(lines)
+
+
+def _cell_lines(bandwidth: str, model: str, cells: list[dict[str, Any]]) -> list[str]:
+    s = summary(cells)
+    lines = [f"\n#### {bandwidth}, {model}: median |error| "
+             f"{100 * s.get('median_abs_error', float('nan')):.0f} %, worst "
+             f"{s.get('worst')} {100 * s.get('worst_error', float('nan')):+.0f} %, "
+             f"Spearman {s.get('spearman', float('nan')):.2f}\n",
+             "| algorithm | predicted s | measured s | error | wire MB predicted "
+             "| wire MB reported | compute / compression / exposed (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for c in cells:
+        if c.get("error"):
+            lines.append(f"| {c['algorithm']} | failed: {c['error'][:80]} | | | | | |")
+            continue
+        parts = " / ".join(f"{x:.3f}" for x in c["parts"])
+        lines.append(f"| {c['algorithm']} | {c['predicted_s']:.3f} | "
+                     f"{c['measured_s']:.3f} | {100 * c['rel_error']:+.0f} % | "
+                     f"{c['wire_predicted'] / 1e6:.2f} | "
+                     f"{c['wire_reported'] / 1e6:.2f} | {parts} |")
+    return lines
 
 
 def _auto_line(res: dict[str, Any]) -> str:
@@ -215,7 +222,10 @@ def _auto_line(res: dict[str, Any]) -> str:
     if "error" in auto:
         return f"\nauto: failed: {auto['error'][:200]}\n"
     best = min(ok, key=lambda c: c["measured_s"])
-    return (f"\nauto: {auto['measured_s']:.3f} s/step measured; fastest fixed: "
+    chose = auto.get("decision") or {}
+    label = f" (chose {chose['label']}, {chose.get('bucket_bytes', 0) / 2**20:g} MB buckets)" \
+        if chose else ""
+    return (f"\nauto{label}: {auto['measured_s']:.3f} s/step measured; fastest fixed: "
             f"{best['algorithm']} {best['measured_s']:.3f} s "
             f"(auto/fastest = {auto['measured_s'] / best['measured_s']:.2f})\n")
 

@@ -43,6 +43,7 @@ class Wrapped:
         in_backward: True when the link traffic is gradients sent during backward (so it
             can start no earlier than backward produces them); False for model averaging
             after the step.
+        decision: what a choosing algorithm (``auto``) decided and its table, else None.
     """
 
     model: nn.Module
@@ -51,6 +52,7 @@ class Wrapped:
     estimated: bool
     close: Callable[[], None] = field(default=lambda: None)
     in_backward: bool = True
+    decision: Callable[[], dict[str, Any] | None] = field(default=lambda: None)
 
 
 def is_peer(name: str) -> bool:
@@ -182,4 +184,13 @@ def wrap(name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
                                          bucket_size_mb=bucket_mb,
                                          first_bucket_mb=min(1.0, bucket_mb))
     return Wrapped(ddp, lambda: None, ddp.bytes_sent, estimated=False, close=ddp.close,
-                   in_backward=algorithm.kind == "grad")
+                   in_backward=algorithm.kind == "grad",
+                   decision=lambda: _decision(algorithm))
+
+
+def _decision(algorithm: Any) -> dict[str, Any] | None:
+    """auto's decision and table (JSON-ready), for reports; None for a fixed algorithm."""
+    decision = getattr(algorithm, "decision", None)
+    if decision is None:
+        return None
+    return {**decision, "table": getattr(algorithm, "table", None)}

@@ -134,6 +134,7 @@ def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
     window, c1 = time.perf_counter() - t0, os.times()
     b1, tx1 = wrapped.bytes_sent(), interface_tx_bytes()
     finite = all(torch.isfinite(p).all().item() for p in work.model.parameters())
+    decision = wrapped.decision()
     wrapped.close()
     return {"step_times": times, "window_s": window, "steps": steps, **local,
             "cpu_s": (c1.user + c1.system - c0.user - c0.system) / steps,
@@ -141,7 +142,7 @@ def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
             "cpu_sys_s": (c1.system - c0.system) / steps, "in_backward": wrapped.in_backward,
             "warmup_times": warm, "reported_bytes": b1 - b0, "estimated": wrapped.estimated,
             "link_tx_bytes": None if tx0 is None or tx1 is None else tx1 - tx0,
-            "num_params": work.num_params, "finite": bool(finite)}
+            "num_params": work.num_params, "finite": bool(finite), "decision": decision}
 
 
 def run_series(spec: dict[str, Any], out: Path, rank: int) -> dict[str, Any]:

@@ -265,7 +265,7 @@ def _robust(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
     clipping), then an allgather of this rank's reduced shard."""
     from hexagram.robust.shard_reduce import DISTANCE_BASED
 
-    spec = algorithm.spec  # type: ignore[attr-defined]
+    spec = algorithm.config  # RobustConfig: a ReduceSpec with the algorithm's own fields
     m = math.ceil(sum(t.numel for t in bucket) / world)
     comp = _compressor(algorithm)
     shard = m * bucket[0].itemsize if comp is None else payload_of(comp, (m,)).nbytes
