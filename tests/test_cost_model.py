@@ -146,3 +146,22 @@ def test_cpu_floor_where_ranks_share_cores_by_hand() -> None:
     assert predict(allreduce, c, shared).step_s == pytest.approx(0.173)
     shared.share, c.cpu_s = 2.0, None
     assert predict(allreduce, c, shared).step_s == pytest.approx(0.173)
+
+
+def test_compression_cpu_is_paid_share_times() -> None:
+    """Compressor costs are CPU seconds (timed on the thread's clock): where 2 ranks share a
+    core they compress at the same moments, so the step pays compression twice, in the
+    chain and in the CPU floor, like compute (fast link: the floor decides)."""
+    c = compute([250_000], [0.010])
+    c.cpu_s = 0.022
+    cost = CompressorCost((0.0, 4e-8), (0.0, 2e-8))  # 10 ms + 5 ms per decode of 250k
+    fast = net(rate=1e12)
+    fast.cpu = {k: Fit(0.0, 1e15) for k in COLLECTIVES}
+    qsgd = hx.algorithms.get("qsgd")
+    alone = predict(qsgd, c, fast, cost)
+    fast.share = 2.0
+    shared = predict(qsgd, c, fast, cost)
+    assert alone.compress_s > 0.01
+    assert shared.compress_s == pytest.approx(2 * alone.compress_s)
+    assert shared.cpu_floor_s == pytest.approx(2 * 0.022 + shared.compress_s, rel=1e-6)
+    assert shared.step_s >= shared.cpu_floor_s

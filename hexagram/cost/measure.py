@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,18 +23,16 @@ from hexagram.cost.model import MB, bucket_layout
 from hexagram.cost.profile import (
     CompressorCost,
     ComputeProfile,
-    cost_from_times,
     measure_compressor,
 )
 from hexagram.cost.schedule import (
     TensorSpec,
     _compressor,
     layout_of,
-    sizing_times,
     step_schedule,
 )
 
-__all__ = ["agree_costs", "compressor_costs", "slowest", "static_profile"]
+__all__ = ["agree_costs", "compressor_costs", "local_costs", "slowest", "static_profile"]
 
 
 def static_profile(buckets: Sequence[Any], specs: Sequence[TensorSpec]) -> ComputeProfile:
@@ -46,18 +45,41 @@ def static_profile(buckets: Sequence[Any], specs: Sequence[TensorSpec]) -> Compu
 def compressor_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputeProfile,
                      world: int, group: Any, device: torch.device | str = "cpu"
                      ) -> dict[str, CompressorCost]:
-    """Each candidate's compressor timed on this model's own tensor shapes: sizing every
-    candidate's payloads (needed for the wire bytes anyway) times them. Collective."""
+    """Each candidate's compressor timed on this model's own tensor shapes, the slowest
+    rank's (:func:`local_costs`). Collective."""
+    return agree_costs(local_costs(candidates, profile, world, device), group)
+
+
+def local_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputeProfile,
+                world: int, device: torch.device | str = "cpu") -> dict[str, CompressorCost]:
+    """Each candidate's compressor timed on this process, on ``device``, at two of the
+    model's own tensor shapes (a middle one and the largest: per-element costs grow once a
+    tensor leaves the caches, so generic small sizes under-predict big layers), the best
+    of 2 runs each (:func:`hexagram.cost.profile.measure_compressor`). Sizing every
+    candidate's payloads on the way warms each compressor up (first calls are slow)."""
     out: dict[str, CompressorCost] = {}
     layout = [specs for specs, _ in bucket_layout(profile, 25 * MB, MB)]
+    sizes = _timing_shapes([t.shape for t in profile.tensors])
     for label, algorithm in candidates:
         comp = _compressor(algorithm)
         if comp is None:
             continue
         if algorithm.kind == "grad":
             step_schedule(algorithm, layout, world)
-        out[label] = cost_from_times(sizing_times(comp)) or measure_compressor(comp, device)
-    return agree_costs(out, group)
+        out[label] = measure_compressor(comp, device, sizes=sizes)
+    return out
+
+
+def _timing_shapes(shapes: Sequence[tuple[int, ...]]
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A middle-sized and the largest of ``shapes`` (two distinct sizes for the line)."""
+    by_size = sorted(set(shapes), key=math.prod)
+    if not by_size or math.prod(by_size[-1]) <= 32 * 32:
+        return (32, 32), (512, 512)
+    middle = by_size[len(by_size) // 2]
+    if math.prod(middle) >= math.prod(by_size[-1]):
+        middle = (32, 32)
+    return middle, by_size[-1]
 
 
 def agree_costs(costs: dict[str, CompressorCost], group: Any) -> dict[str, CompressorCost]:

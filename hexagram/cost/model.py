@@ -18,10 +18,11 @@ Where ranks share cores (:attr:`NetworkProfile.share` > 1: emulated hosts on one
 more ranks than cores), the ranks of a synchronous algorithm run in lockstep: they compute
 at the same moments, so the compute is taken as ``share`` times its CPU seconds
 (:func:`lockstep`; the wall time measured alone depends on how the ranks happened to
-overlap). Compression costs and the network fits are measured on all ranks at once, so
+overlap). Compression costs are CPU seconds (:func:`hexagram.cost.profile.device_clock`),
+scaled by ``share`` the same way; the network fits are measured on all ranks at once, so
 they carry the sharing already. The step also cannot be shorter than the CPU the ranks
-need in all: ``floor = share * (compute CPU + messages' CPU from the probe's CPU fits) +
-compression`` (:func:`cpu_floor`), so ``step = max(chain, floor)``. With ``share <= 1``
+need in all: ``floor = share * (compute CPU + messages' CPU from the probe's CPU fits +
+compression CPU)`` (:func:`cpu_floor`), so ``step = max(chain, floor)``. With ``share <= 1``
 or no CPU figures, ``step = chain``.
 
 The parts reported are
@@ -157,10 +158,11 @@ def predict(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfi
     compressor's measured cost (None: no compression CPU counted)."""
     world, free, shift, enc_total, dec_total = network.world, 0.0, 0.0, 0.0, 0.0
     schedule: list[list[Message]] = []
-    compute = lockstep(compute, network)
+    compute, k = lockstep(compute, network), max(1.0, network.share)
     for specs, ready in bucket_layout(compute, bucket_bytes, first_bucket_bytes):
         msgs = bucket_schedule(algorithm, specs, world, step, network.hosts, rank)
         enc, dec = _cpu(algorithm, specs, world, cost) if msgs else (0.0, 0.0)
+        enc, dec = k * enc, k * dec  # CPU seconds, in lockstep with the other ranks
         shift += enc
         start = max(ready + shift, free)
         wire = sum(_message_time(network, m) for m in msgs)
@@ -198,7 +200,8 @@ def lockstep(compute: ComputeProfile, network: NetworkProfile) -> ComputeProfile
 def cpu_floor(compute: ComputeProfile, network: NetworkProfile, compress_s: float,
               schedule: Sequence[Sequence[Message]]) -> float:
     """``share * (compute CPU + messages' CPU) + compression`` seconds where ranks share
-    cores (``network.share > 1``), else 0 (see the module doc).
+    cores (``network.share > 1``), else 0 (see the module doc); ``compress_s`` is already
+    scaled by ``share``, as :func:`predict` passes it.
 
     >>> from hexagram.cost.probe import Fit, NetworkProfile
     >>> net = NetworkProfile(4, 4, {}, cpu={"allreduce": Fit(0.001, 1e8)}, share=2.0)

@@ -6,7 +6,9 @@
   :func:`profile_module` measures it locally (``hexagram advise --model``); ``auto``
   measures it in the job's own first steps; the lab's workers record the same figures.
 - :class:`CompressorCost`: seconds to compress and to decompress, ``a + b * n`` for ``n``
-  elements, fitted from two sizes on the job's device (:func:`measure_compressor`).
+  elements, fitted from two sizes on the job's device (:func:`measure_compressor`). On a
+  CPU these are the thread's CPU seconds (:func:`device_clock`), so ranks that time them at
+  once on shared cores do not inflate them; the model scales CPU by ranks per core.
 
 Example:
     >>> cost = CompressorCost(compress=(1e-4, 2e-9), decompress=(5e-5, 1e-9))
@@ -30,8 +32,8 @@ from torch import nn
 from hexagram.compress.base import Compressor
 from hexagram.cost.schedule import TensorSpec
 
-__all__ = ["CompressorCost", "ComputeProfile", "cost_from_times", "measure_compressor",
-           "profile_module"]
+__all__ = ["CompressorCost", "ComputeProfile", "cost_from_times", "device_clock",
+           "measure_compressor", "profile_module"]
 
 
 @dataclass
@@ -100,12 +102,32 @@ class CompressorCost:
         return self.decompress[0] + self.decompress[1] * n
 
 
-def _best(fn: Callable[[], Any], reps: int) -> float:
+def device_clock(device: torch.device | str = "cpu") -> Callable[[], float]:
+    """The clock compressor costs are read on: this thread's CPU time on a CPU (immune to
+    other processes on the same cores: the model scales CPU by ranks per core itself);
+    wall time after draining the stream on CUDA, where the work runs on the GPU.
+
+    >>> clock = device_clock("cpu")
+    >>> clock() >= 0.0
+    True
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return time.thread_time
+
+    def cuda_clock() -> float:
+        torch.cuda.synchronize(dev)
+        return time.perf_counter()
+    return cuda_clock
+
+
+def _best(fn: Callable[[], Any], reps: int, clock: Callable[[], float] = time.thread_time
+          ) -> float:
     best = math.inf
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
@@ -119,15 +141,16 @@ def measure_compressor(compressor: Compressor, device: torch.device | str = "cpu
                                                                         (512, 512)),
                        reps: int = 2) -> CompressorCost:
     """Time ``compressor`` (a copy: its state stays as it is) on random float32 tensors
-    of two shapes on ``device``; the best of ``reps`` runs per shape."""
-    comp = copy.deepcopy(compressor)
+    of two shapes on ``device`` (:func:`device_clock`); the best of ``reps`` runs per
+    shape."""
+    comp, clock = copy.deepcopy(compressor), device_clock(device)
     gen = torch.Generator(device=device).manual_seed(0)
     points: list[tuple[int, float, float]] = []
     for shape in sizes:
         x = torch.randn(*shape, generator=gen, device=device)
         payload = comp.compress(x, gen)
-        enc = _best(lambda x=x: comp.compress(x, gen), reps)  # type: ignore[misc]
-        dec = _best(lambda p=payload: comp.decompress(p), reps)  # type: ignore[misc]
+        enc = _best(lambda x=x: comp.compress(x, gen), reps, clock)  # type: ignore[misc]
+        dec = _best(lambda p=payload: comp.decompress(p), reps, clock)  # type: ignore[misc]
         points.append((x.numel(), enc, dec))
     (n0, e0, d0), (n1, e1, d1) = points
     return CompressorCost(_line((n0, e0), (n1, e1)), _line((n0, d0), (n1, d1)))

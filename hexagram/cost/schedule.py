@@ -141,12 +141,13 @@ def payload_of(compressor: Compressor, shape: Sequence[int]) -> Payload:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(*shape, generator=gen) if len(shape) else torch.randn(1)
         comp = copy.deepcopy(compressor)
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         payload = comp.compress(x, gen)
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         comp.decompress(payload)
-        # the sizing pass doubles as a timing of this compressor on the job's own shapes
-        _TIMES.setdefault(name, []).append((x.numel(), t1 - t0, time.perf_counter() - t1))
+        # the sizing pass doubles as a timing of this compressor on the job's own shapes, in
+        # CPU seconds (ranks sizing at once on shared cores would inflate wall time)
+        _TIMES.setdefault(name, []).append((x.numel(), t1 - t0, time.thread_time() - t1))
         _PAYLOADS[key] = Payload(tuple(t.detach() for t in payload.tensors),
                                  torch.Size(shape), torch.float32)
     return _PAYLOADS[key]
@@ -157,7 +158,8 @@ _TIMES: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
 
 def sizing_times(compressor: Compressor) -> list[tuple[int, float, float]]:
     """``(numel, compress s, decompress s)`` of every shape :func:`payload_of` sized with
-    ``compressor``'s configuration so far (on this process, at the time it ran)."""
+    ``compressor``'s configuration so far (CPU seconds of this process's thread, on CPU
+    tensors, at the time it ran)."""
     return list(_TIMES.get((type(compressor).__qualname__,
                             repr(getattr(compressor, "config", None))), []))
 
