@@ -46,7 +46,11 @@ class StepRow:
 
 
 class StepRecorder:
-    """Records forward/backward/ready times of the job's steps (see module doc)."""
+    """Records forward/backward/ready times of the job's steps (see module doc); keeps the
+    last :attr:`KEEP` rows (auto reads at most the last few: a run of 100k steps must not
+    hold 100k rows of per-parameter times)."""
+
+    KEEP = 64
 
     def __init__(self, module: nn.Module, named: Sequence[tuple[str, nn.Parameter]]) -> None:
         self.specs = [TensorSpec(n, tuple(p.shape), p.element_size()) for n, p in named]
@@ -94,6 +98,8 @@ class StepRecorder:
             ready = {n: t - (self._fwd_end - 0.0) for n, t in self._marks.items()}
             self.rows.append(StepRow(fwd, ready, self._after - self._start, now - self._start,
                                      now - self._after, cpu - self._cpu0 - self._inside_cpu))
+            if len(self.rows) > 2 * self.KEEP:  # amortized: one cut every KEEP steps
+                del self.rows[:-self.KEEP]
         self._start, self._fwd_end, self._after, self._cpu0 = now, None, None, cpu
         self._marks, self._inside, self._inside_cpu = {}, 0.0, 0.0
 
