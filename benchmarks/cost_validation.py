@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hexagram.algorithms import registry
 from hexagram.bench.harness import LoopbackLab, machine_info, run_series
 from hexagram.bench.lab import LabConfig, NetworkLab
@@ -157,9 +159,16 @@ def run_setting(args: argparse.Namespace, bandwidth: str, report: dict[str, Any]
 def model_costs(names: list[str], profile: ComputeProfile, world: int
                 ) -> dict[str, CompressorCost]:
     """Each algorithm's compressor timed on ``profile``'s tensor shapes, as auto times them
-    (:func:`hexagram.cost.measure.local_costs`, this process's CPU seconds)."""
+    (:func:`hexagram.cost.measure.local_costs`, this thread's CPU seconds), on one intra-op
+    thread as the lab's ranks run: with more, OpenMP's spinning workers showed up as 20x
+    outliers in the calling thread's CPU while the lab's ranks held the cores."""
     algos = [(n, registry.get(n, **CONFIG.get(n, {}))) for n in names]
-    return local_costs(algos, profile, world)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return local_costs(algos, profile, world)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _run_model(args: argparse.Namespace, lab: Any, cfg: LabConfig, bandwidth: str,
