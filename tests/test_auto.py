@@ -123,8 +123,22 @@ def _decide_switch_resume() -> dict[str, Any]:
     out["reprobes"] = (quiet, algo3.reprobes)
     model3.close()
     out["warmup"] = _tuned_after_warmup(rank)
+    out["trials"] = _timed_trials(rank)
     hx.shutdown()
     return out
+
+
+def _timed_trials(rank: int) -> tuple[dict[str, Any], str]:
+    """Candidates predicted within ``tie`` of each other are timed, not trusted to the
+    model (``tie=10``: any two candidates count as tied)."""
+    net = Probe()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    algo = hx.algorithms.get("auto", **{**FAST, "candidates": ["allreduce", "fp16"],
+                                        "tie": 10.0})
+    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo)
+    _train(model, opt, range(12), rank)
+    model.close()
+    return dict(algo.decision or {}), algo.label
 
 
 def _tuned_after_warmup(rank: int) -> tuple[bool, bool]:
@@ -182,6 +196,15 @@ def test_buckets_timed_after_warmup(three_ranks: list[dict[str, Any]]) -> None:
     step time; auto waits for the steps the model predicts."""
     for result in three_ranks:
         assert result["warmup"] == (False, True)
+
+
+def test_tied_candidates_are_timed(three_ranks: list[dict[str, Any]]) -> None:
+    decision, label = three_ranks[0]["trials"]
+    tuned = decision["tuned"]
+    assert sorted(k.split(" @ ")[0] for k in tuned) == ["allreduce", "fp16"]
+    chosen = next(k for k in tuned if k.split(" @ ")[0] == label)
+    assert decision["label"] == label and tuned[chosen] == min(tuned.values())
+    assert all(r["trials"] == (decision, label) for r in three_ranks[1:])
 
 
 def test_default_powersgd_compresses_at_once() -> None:

@@ -32,19 +32,18 @@ import logging
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hexagram.algorithms.auto_config import AutoConfig
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.compress.feedback import ErrorFeedback
-from hexagram.config import check_float, check_int
 from hexagram.cost import choose, measure
 from hexagram.cost.model import MB, Prediction
 from hexagram.cost.probe import NetworkProfile, probe
@@ -55,51 +54,6 @@ from hexagram.errors import ConfigError
 __all__ = ["AutoAlgorithm", "AutoConfig"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AutoConfig:
-    """Config of :class:`AutoAlgorithm`.
-
-    Attributes:
-        candidates: algorithm labels (``"fp16:wire=bf16"``); None => the synchronous
-            gradient algorithms (:data:`hexagram.cost.choose.DEFAULT`).
-        allow_delay: also consider local SGD, DiLoCo, decentralized and async (they change
-            the optimization: one-step-stale or periodic averaging).
-        lossy: False keeps only exact-sum algorithms (allreduce, flat or hierarchical).
-        bucket_mb: bucket sizes the model compares; more => a finer search.
-        tune_buckets: best predicted bucket sizes timed in the first steps (2 steps each).
-        profile_steps: steps recorded before deciding (the first is not used).
-        probe_budget_s: seconds the network probe aims at.
-        drift: relative deviation of step time that counts as drifting; lower => re-probes
-            sooner.
-        drift_steps: consecutive drifting steps that trigger a re-probe.
-        redecide: on ``load_state_dict``, decide again instead of keeping the decision.
-        verbose: print the decision table on rank 0 (it is always logged at INFO).
-    """
-
-    candidates: tuple[str, ...] | None = None
-    allow_delay: bool = False
-    lossy: bool = True
-    bucket_mb: tuple[float, ...] = choose.BUCKET_MB
-    tune_buckets: int = 3
-    profile_steps: int = 3
-    probe_budget_s: float = 3.0
-    drift: float = 0.25
-    drift_steps: int = 20
-    redecide: bool = False
-    verbose: bool = True
-
-    def __post_init__(self) -> None:
-        if self.candidates is not None and not isinstance(self.candidates, str):
-            object.__setattr__(self, "candidates", tuple(self.candidates))
-        object.__setattr__(self, "bucket_mb", tuple(float(b) for b in self.bucket_mb))
-        check_int(self, "tune_buckets", low=1, high=len(self.bucket_mb))
-        check_int(self, "profile_steps", low=2)
-        check_int(self, "drift_steps", low=1)
-        check_float(self, "probe_budget_s", low=0.1, high=5.0)
-        check_float(self, "drift", low=0.0, low_open=True)
-        choose.resolve(self.candidates, self.allow_delay, self.lossy)  # clear errors now
 
 
 class AutoAlgorithm(Algorithm):
@@ -131,7 +85,8 @@ class AutoAlgorithm(Algorithm):
         self._flush: ErrorFeedback | None = None
         self._steps = 0
         self._phase = "profile"
-        self._tune: list[int] = []
+        self._trials: list[tuple[str, int]] = []  # (label, bucket bytes) timed after deciding
+        self._predicted: dict[tuple[str, int], Prediction] = {}
         self._tuned: list[float] = []
         self._watcher = DriftWatch(self.config.drift)
         self._recorder: StepRecorder | None = None
@@ -180,37 +135,41 @@ class AutoAlgorithm(Algorithm):
 
     # -- deciding ------------------------------------------------------------------------
     def _decide(self, compute: ComputeProfile, provisional: bool = False) -> Prediction:
-        """Predict every candidate; rank 0's choice (label, bucket order) is broadcast."""
+        """Predict every candidate; rank 0's trials (:func:`choose.trials`) are broadcast
+        and the first one is the pick."""
         assert self.network is not None and self._control is not None
         # the engine built its buckets for a gradient algorithm: the provisional choice is one
         pool = [(label, a) for label, a in self.candidates
                 if not provisional or a.kind == "grad"]
         preds = choose.predict_all(pool, compute, self.network, self.costs,
                                    self.config.bucket_mb)
-        best = next((p for p in preds if p.label not in self.flags), None)
-        if best is None:
+        trials = choose.trials(preds, self.flags, self.config.tie, self.config.tune_buckets)
+        if not trials:
             raise ConfigError(f"auto: no applicable candidate is a drop-in for the optimizer's "
                               f"learning rate ({self.flags}); add 'allreduce' to candidates")
-        sizes = [p.bucket_bytes for p in preds if p.label == best.label]
-        chosen, self._tune = self._agree(best.label, sizes[:self.config.tune_buckets])
-        pick = next(p for p in preds if p.label == chosen)
+        self._trials = self._agree(trials)
+        self._predicted = {t: next(p for p in preds if (p.label, p.bucket_bytes) == t)
+                           for t in self._trials}
+        pick = self._predicted[self._trials[0]]
         if not provisional:
             why = choose.reason(pick, preds, self.network.notes)
-            self.table = choose.format_table(preds, chosen, why, flags=self.flags)
-            self.decision = {"label": chosen, "predicted_s": pick.step_s, "reason": why,
+            self.table = choose.format_table(preds, pick.label, why, flags=self.flags)
+            self.decision = {"label": pick.label, "predicted_s": pick.step_s, "reason": why,
                              "wire_bytes": pick.wire_bytes, "bucket_bytes": pick.bucket_bytes,
                              "excluded": dict(self.flags)}
             self._say("auto: decision\n" + self.table)
         return pick
 
-    def _agree(self, label: str, sizes: list[int]) -> tuple[str, list[int]]:
-        """Rank 0's label and bucket sizes, on every rank (probes differ a little)."""
+    def _agree(self, trials: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Rank 0's trials, on every rank (probes differ a little)."""
         assert self._control is not None
         labels = [lb for lb, _ in self.candidates]
-        pad = [0] * (len(self.config.bucket_mb) - len(sizes))
-        msg = torch.tensor([labels.index(label), *sizes, *pad], dtype=torch.int64)
+        flat = [v for label, size in trials for v in (labels.index(label), size)]
+        msg = torch.tensor([len(trials), *flat, *[0] * (2 * self.config.tune_buckets
+                                                         - len(flat))], dtype=torch.int64)
         primitives.broadcast(self._control, [msg], src=0).wait()
-        return labels[int(msg[0])], [int(b) for b in msg[1:].tolist() if b > 0]
+        pairs = msg[1:1 + 2 * int(msg[0])].view(-1, 2).tolist()
+        return [(labels[i], size) for i, size in pairs]
 
     def switch(self, label: str, bucket_bytes: int | None = None) -> None:
         """Run ``label`` (a candidate) from the next forward, with ``bucket_bytes`` buckets
@@ -322,33 +281,40 @@ class AutoAlgorithm(Algorithm):
         assert self._control is not None
         self.compute = measure.slowest(self._recorder.profile(self.config.profile_steps - 1),
                                        self._control.group)
-        pick = self._decide(self.compute)
-        self._adopt(pick.label, self._tune[0])
+        self._decide(self.compute)
+        self._adopt(*self._trials[0])
         self._mark = self._steps
-        if self.delegate.kind == "weight" or len(self._tune) == 1:
+        if self.delegate.kind == "weight" or len(self._trials) == 1:
             self._phase = "watch"
             self._watcher.restart()
             return
         self._phase, self._tuned = "tune", []
 
     def _tune_step(self) -> None:
-        """Two steps per bucket size: the second one's time counts (the first rebuilds)."""
+        """Two steps per trial: the second one's time counts (the first rebuilds)."""
         assert self._recorder is not None and self._control is not None
         self._tuned.append(self._recorder.rows[-1].step_s)
-        if len(self._tuned) < len(self._tune):
-            self._adopt(self.label, self._tune[len(self._tuned)])
+        if len(self._tuned) < len(self._trials):
+            self._adopt(*self._trials[len(self._tuned)])
             return
         times = torch.tensor(self._tuned, dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self._control.group)
-        best = int(torch.argmin(times))
-        if self._tune[best] != self._bucket:
-            self._adopt(self.label, self._tune[best])
+        label, bucket = self._trials[int(torch.argmin(times))]
+        if (label, bucket) != (self.label, self._bucket):
+            self._adopt(label, bucket)
+        one = len({lb for lb, _ in self._trials}) == 1
+        tuned = {(f"{b / MB:g} MB" if one else f"{lb} @ {b / MB:g} MB"): round(float(t), 4)
+                 for (lb, b), t in zip(self._trials, times)}
         assert self.decision is not None
-        self.decision.update(bucket_bytes=self._tune[best], tuned={
-            f"{b / MB:g} MB": round(float(t), 4) for b, t in zip(self._tune, times)})
-        self._watcher.restart(float(times[best]))
-        self._say(f"auto: buckets timed {self.decision['tuned']} s/step -> "
-                  f"{self._tune[best] / MB:g} MB")
+        if label != self.decision["label"]:  # measured faster than the model's pick
+            pred = self._predicted[(label, bucket)]
+            self.decision.update(label=label, predicted_s=pred.step_s,
+                                 wire_bytes=pred.wire_bytes, reason=(
+                                     f"measured fastest of {len(tuned)} predicted within "
+                                     f"{self.config.tie:.0%}; " + self.decision["reason"]))
+        self.decision.update(bucket_bytes=bucket, tuned=tuned)
+        self._watcher.restart(float(times.min()))
+        self._say(f"auto: timed {tuned} s/step -> {label} at {bucket / MB:g} MB")
         self._phase, self._mark = "watch", self._steps
 
     def _watch(self) -> None:

@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from hexagram.errors import ConfigError
 
 __all__ = ["BUCKET_MB", "DEFAULT", "DELAYED", "applicable", "best_per_label", "format_table",
            "lr_flags", "lr_note", "make", "parse_label", "predict_all", "reason", "resolve",
-           "warming_up"]
+           "trials", "warming_up"]
 
 #: the synchronous gradient algorithms auto considers by default (registry defaults, but
 #: PowerSGD compresses from its first step: its default 10 allreduce warm-up steps would run
@@ -185,6 +185,34 @@ def best_per_label(preds: Sequence[Prediction]) -> list[Prediction]:
     for p in sorted(preds, key=lambda p: p.step_s):
         seen.setdefault(p.label, p)
     return list(seen.values())
+
+
+def trials(preds: Sequence[Prediction], excluded: Collection[str], tie: float, count: int
+           ) -> list[tuple[str, int]]:
+    """``(label, bucket bytes)`` configurations to time in the first steps: the fastest
+    predicted candidates, each at its best bucket size, while they are predicted within
+    ``tie`` (relative) of the best, at most ``count`` (the model's error is larger than
+    such gaps: measure, do not trust it); a clear winner's best ``count`` bucket sizes.
+
+    >>> from hexagram.cost.model import Prediction
+    >>> def p(label, mb, s):
+    ...     return Prediction(label, s, 0.0, 0.0, 0.0, 0, int(mb * MB), [])
+    >>> trials([p("a", 4, 1.0), p("b", 1, 1.05), p("a", 25, 1.2), p("c", 4, 2.0)],
+    ...        (), 0.1, 3)
+    [('a', 4194304), ('b', 1048576)]
+    >>> trials([p("a", 4, 1.0), p("a", 25, 1.2), p("c", 4, 2.0)], (), 0.1, 3)
+    [('a', 4194304), ('a', 26214400)]
+    """
+    ok = [p for p in preds if p.label not in excluded]
+    if not ok:
+        return []
+    best = min(ok, key=lambda p: p.step_s)
+    close = [p for p in best_per_label(ok) if p.step_s <= best.step_s * (1.0 + tie)]
+    if len(close) > 1:
+        return [(p.label, p.bucket_bytes) for p in close[:count]]
+    sizes = [p.bucket_bytes for p in sorted(ok, key=lambda p: p.step_s)
+             if p.label == best.label]
+    return [(best.label, b) for b in sizes[:count]]
 
 
 def reason(pick: Prediction, preds: Sequence[Prediction], notes: Sequence[str] = ()) -> str:

@@ -1,0 +1,66 @@
+"""Config of ``algorithm="auto"`` (:mod:`hexagram.algorithms.auto`): which candidates, how
+the first steps are spent (profiling, timing trials) and when to decide again.
+
+Example:
+    >>> AutoConfig(candidates=["allreduce", "powersgd"], tie=0.0).candidates
+    ('allreduce', 'powersgd')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hexagram.config import check_float, check_int
+from hexagram.cost import choose
+
+__all__ = ["AutoConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoConfig:
+    """Config of :class:`AutoAlgorithm`.
+
+    Attributes:
+        candidates: algorithm labels (``"fp16:wire=bf16"``); None => the synchronous
+            gradient algorithms (:data:`hexagram.cost.choose.DEFAULT`).
+        allow_delay: also consider local SGD, DiLoCo, decentralized and async (they change
+            the optimization: one-step-stale or periodic averaging).
+        lossy: False keeps only exact-sum algorithms (allreduce, flat or hierarchical).
+        bucket_mb: bucket sizes the model compares; more => a finer search.
+        tune_buckets: configurations timed in the first steps (2 steps each): the best
+            predicted bucket sizes, or the candidates predicted within ``tie``.
+        tie: candidates predicted within this fraction of the best are timed rather than
+            trusted to the model (its error on a CPU-bound machine is 10-20 %); 0 => never.
+        profile_steps: steps recorded before deciding (the first is not used).
+        probe_budget_s: seconds the network probe aims at.
+        drift: relative deviation of step time that counts as drifting; lower => re-probes
+            sooner.
+        drift_steps: consecutive drifting steps that trigger a re-probe.
+        redecide: on ``load_state_dict``, decide again instead of keeping the decision.
+        verbose: print the decision table on rank 0 (it is always logged at INFO).
+    """
+
+    candidates: tuple[str, ...] | None = None
+    allow_delay: bool = False
+    lossy: bool = True
+    bucket_mb: tuple[float, ...] = choose.BUCKET_MB
+    tune_buckets: int = 3
+    tie: float = 0.1
+    profile_steps: int = 3
+    probe_budget_s: float = 3.0
+    drift: float = 0.25
+    drift_steps: int = 20
+    redecide: bool = False
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        if self.candidates is not None and not isinstance(self.candidates, str):
+            object.__setattr__(self, "candidates", tuple(self.candidates))
+        object.__setattr__(self, "bucket_mb", tuple(float(b) for b in self.bucket_mb))
+        check_int(self, "tune_buckets", low=1, high=len(self.bucket_mb))
+        check_int(self, "profile_steps", low=2)
+        check_int(self, "drift_steps", low=1)
+        check_float(self, "probe_budget_s", low=0.1, high=5.0)
+        check_float(self, "drift", low=0.0, low_open=True)
+        check_float(self, "tie", low=0.0)
+        choose.resolve(self.candidates, self.allow_delay, self.lossy)  # clear errors now
