@@ -203,7 +203,10 @@ def test_tied_candidates_are_timed(three_ranks: list[dict[str, Any]]) -> None:
     tuned = decision["tuned"]
     assert sorted(k.split(" @ ")[0] for k in tuned) == ["allreduce", "fp16"]
     chosen = next(k for k in tuned if k.split(" @ ")[0] == label)
-    assert decision["label"] == label and tuned[chosen] == min(tuned.values())
+    assert decision["label"] == label
+    # the fastest measured, or exact allreduce within prefer_exact (5 %) of a lossy fastest
+    assert tuned[chosen] == min(tuned.values()) or (
+        label == "allreduce" and tuned[chosen] <= 1.05 * min(tuned.values()) + 1e-4)
     assert all(r["trials"] == (decision, label) for r in three_ranks[1:])
 
 

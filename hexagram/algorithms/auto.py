@@ -49,6 +49,7 @@ from hexagram.cost.model import MB, Prediction
 from hexagram.cost.probe import NetworkProfile, probe
 from hexagram.cost.profile import CompressorCost, ComputeProfile
 from hexagram.cost.recorder import DriftWatch, StepRecorder
+from hexagram.cost.schedule import is_lossy
 from hexagram.errors import ConfigError
 
 __all__ = ["AutoAlgorithm", "AutoConfig"]
@@ -143,7 +144,9 @@ class AutoAlgorithm(Algorithm):
                 if not provisional or a.kind == "grad"]
         preds = choose.predict_all(pool, compute, self.network, self.costs,
                                    self.config.bucket_mb)
-        trials = choose.trials(preds, self.flags, self.config.tie, self.config.tune_buckets)
+        exact = [lb for lb, a in self.candidates if not is_lossy(a)]
+        trials = choose.trials(preds, self.flags, self.config.tie, self.config.tune_buckets,
+                               exact)
         if not trials:
             raise ConfigError(f"auto: no applicable candidate is a drop-in for the optimizer's "
                               f"learning rate ({self.flags}); add 'allreduce' to candidates")
@@ -291,15 +294,18 @@ class AutoAlgorithm(Algorithm):
         self._phase, self._tuned = "tune", []
 
     def _tune_step(self) -> None:
-        """Two steps per trial: the second one's time counts (the first rebuilds)."""
+        """Two steps per trial; the faster counts (the first rebuilds, so it is the second
+        unless that one caught a spike: noise on shared cores only ever adds time)."""
         assert self._recorder is not None and self._control is not None
-        self._tuned.append(self._recorder.rows[-1].step_s)
+        self._tuned.append(min(r.step_s for r in self._recorder.rows[-2:]))
         if len(self._tuned) < len(self._trials):
             self._adopt(*self._trials[len(self._tuned)])
             return
         times = torch.tensor(self._tuned, dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self._control.group)
-        label, bucket = self._trials[int(torch.argmin(times))]
+        lossy = {lb: is_lossy(a) for lb, a in self.candidates}
+        label, bucket = self._trials[choose.pick_measured(self._trials, times.tolist(), lossy,
+                                                          self.config.prefer_exact)]
         if (label, bucket) != (self.label, self._bucket):
             self._adopt(label, bucket)
         one = len({lb for lb, _ in self._trials}) == 1
@@ -310,10 +316,10 @@ class AutoAlgorithm(Algorithm):
             pred = self._predicted[(label, bucket)]
             self.decision.update(label=label, predicted_s=pred.step_s,
                                  wire_bytes=pred.wire_bytes, reason=(
-                                     f"measured fastest of {len(tuned)} predicted within "
+                                     f"measured best of {len(tuned)} predicted within "
                                      f"{self.config.tie:.0%}; " + self.decision["reason"]))
         self.decision.update(bucket_bytes=bucket, tuned=tuned)
-        self._watcher.restart(float(times.min()))
+        self._watcher.restart(float(times[self._trials.index((label, bucket))]))
         self._say(f"auto: timed {tuned} s/step -> {label} at {bucket / MB:g} MB")
         self._phase, self._mark = "watch", self._steps
 

@@ -31,6 +31,8 @@ class AutoConfig:
             predicted bucket sizes, or the candidates predicted within ``tie``.
         tie: candidates predicted within this fraction of the best are timed rather than
             trusted to the model (its error on a CPU-bound machine is 10-20 %); 0 => never.
+        prefer_exact: after timing, an exact-sum candidate within this fraction of the
+            fastest (lossy) one is kept instead: such a gain is inside the timing noise.
         profile_steps: steps recorded before deciding (the first is not used).
         probe_budget_s: seconds the network probe aims at.
         drift: relative deviation of step time that counts as drifting; lower => re-probes
@@ -46,6 +48,7 @@ class AutoConfig:
     bucket_mb: tuple[float, ...] = choose.BUCKET_MB
     tune_buckets: int = 3
     tie: float = 0.1
+    prefer_exact: float = 0.05
     profile_steps: int = 3
     probe_budget_s: float = 3.0
     drift: float = 0.25
@@ -63,4 +66,5 @@ class AutoConfig:
         check_float(self, "probe_budget_s", low=0.1, high=5.0)
         check_float(self, "drift", low=0.0, low_open=True)
         check_float(self, "tie", low=0.0)
+        check_float(self, "prefer_exact", low=0.0)
         choose.resolve(self.candidates, self.allow_delay, self.lossy)  # clear errors now

@@ -116,7 +116,9 @@ def summarize_outcome(outcome: Outcome, rate: float | None, batch: int,
     """:func:`summarize`, or the error of a failed algorithm."""
     if not outcome.ok:
         return {"algorithm": outcome.algorithm, "error": outcome.error}
-    return {"algorithm": outcome.algorithm,
+    decision = outcome.ranks[0].get("decision") if outcome.ranks else None
+    chose = {"chose": decision["label"], "tuned": decision.get("tuned")} if decision else {}
+    return {"algorithm": outcome.algorithm, **chose,
             **summarize(*outcome.ranks, rate=rate, batch=batch, world=world)}
 
 
@@ -138,8 +140,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], reference: str = "ddp") -> st
             lines.append(f"| {r['algorithm']} | failed: {r['error']} |" + " |" * 10)
             continue
         ratio = f"{ref['step_s'] / r['step_s']:.2f}x" if ref else "-"
+        name = f"{r['algorithm']} (ran {r['chose']})" if r.get("chose") else r["algorithm"]
         lines.append(
-            f"| {r['algorithm']} | {r['step_s']:.3f} | {r['median_s']:.3f} "
+            f"| {name} | {r['step_s']:.3f} | {r['median_s']:.3f} "
             f"[{r['p10_s']:.3f}-{r['p90_s']:.3f}] | "
             f"{r['samples_per_s']:.1f} | {ratio} | "
             f"{_mb(r['reported_bytes_per_step'], r['estimated'])} | "

@@ -34,8 +34,8 @@ from hexagram.cost.schedule import is_lossy
 from hexagram.errors import ConfigError
 
 __all__ = ["BUCKET_MB", "DEFAULT", "DELAYED", "applicable", "best_per_label", "format_table",
-           "lr_flags", "lr_note", "make", "parse_label", "predict_all", "reason", "resolve",
-           "trials", "warming_up"]
+           "lr_flags", "lr_note", "make", "parse_label", "pick_measured", "predict_all",
+           "reason", "resolve", "trials", "warming_up"]
 
 #: the synchronous gradient algorithms auto considers by default (registry defaults, but
 #: PowerSGD compresses from its first step: its default 10 allreduce warm-up steps would run
@@ -187,12 +187,13 @@ def best_per_label(preds: Sequence[Prediction]) -> list[Prediction]:
     return list(seen.values())
 
 
-def trials(preds: Sequence[Prediction], excluded: Collection[str], tie: float, count: int
-           ) -> list[tuple[str, int]]:
+def trials(preds: Sequence[Prediction], excluded: Collection[str], tie: float, count: int,
+           exact: Collection[str] = ()) -> list[tuple[str, int]]:
     """``(label, bucket bytes)`` configurations to time in the first steps: the fastest
     predicted candidates, each at its best bucket size, while they are predicted within
     ``tie`` (relative) of the best, at most ``count`` (the model's error is larger than
-    such gaps: measure, do not trust it); a clear winner's best ``count`` bucket sizes.
+    such gaps: measure, do not trust it), the best ``exact`` (exact-sum) one among them
+    whenever it is that close; a clear winner's best ``count`` bucket sizes.
 
     >>> from hexagram.cost.model import Prediction
     >>> def p(label, mb, s):
@@ -200,6 +201,8 @@ def trials(preds: Sequence[Prediction], excluded: Collection[str], tie: float, c
     >>> trials([p("a", 4, 1.0), p("b", 1, 1.05), p("a", 25, 1.2), p("c", 4, 2.0)],
     ...        (), 0.1, 3)
     [('a', 4194304), ('b', 1048576)]
+    >>> trials([p("a", 4, 1.0), p("b", 1, 1.05), p("x", 4, 1.06)], (), 0.1, 2, exact=["x"])
+    [('a', 4194304), ('x', 4194304)]
     >>> trials([p("a", 4, 1.0), p("a", 25, 1.2), p("c", 4, 2.0)], (), 0.1, 3)
     [('a', 4194304), ('a', 26214400)]
     """
@@ -209,10 +212,35 @@ def trials(preds: Sequence[Prediction], excluded: Collection[str], tie: float, c
     best = min(ok, key=lambda p: p.step_s)
     close = [p for p in best_per_label(ok) if p.step_s <= best.step_s * (1.0 + tie)]
     if len(close) > 1:
-        return [(p.label, p.bucket_bytes) for p in close[:count]]
+        chosen = close[:count]
+        first_exact = next((p for p in close if p.label in exact), None)
+        if first_exact is not None and first_exact not in chosen:
+            chosen[-1] = first_exact  # the exact sum is always measured when it is close
+        return [(p.label, p.bucket_bytes) for p in chosen]
     sizes = [p.bucket_bytes for p in sorted(ok, key=lambda p: p.step_s)
              if p.label == best.label]
     return [(best.label, b) for b in sizes[:count]]
+
+
+def pick_measured(trials: Sequence[tuple[str, int]], times: Sequence[float],
+                  lossy: Mapping[str, bool], prefer_exact: float) -> int:
+    """Index of the trial to keep: the fastest measured, unless it is lossy and an exact-sum
+    trial is within ``prefer_exact`` (relative) of it: a gain inside the timing noise is
+    not worth a compressed gradient.
+
+    >>> pick_measured([("fp16", 1), ("allreduce", 1)], [0.150, 0.153],
+    ...               {"fp16": True, "allreduce": False}, 0.05)
+    1
+    >>> pick_measured([("fp16", 1), ("allreduce", 1)], [0.150, 0.170],
+    ...               {"fp16": True, "allreduce": False}, 0.05)
+    0
+    """
+    best = min(range(len(times)), key=lambda i: times[i])
+    if not lossy.get(trials[best][0], False):
+        return best
+    exact = [i for i, (label, _) in enumerate(trials) if not lossy.get(label, False)
+             and times[i] <= times[best] * (1.0 + prefer_exact)]
+    return min(exact, key=lambda i: times[i]) if exact else best
 
 
 def reason(pick: Prediction, preds: Sequence[Prediction], notes: Sequence[str] = ()) -> str:
