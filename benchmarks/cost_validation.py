@@ -17,7 +17,8 @@ Usage (root, iproute2; ``--loopback`` runs unshaped on 127.0.0.1 without root):
         --models mlp,gpt,cnn --auto --out /tmp/cost-validation
 
 Output: ``OUT/validation.json`` and ``OUT/validation.md`` (tables as in
-docs/benchmarks/auto.md).
+docs/benchmarks/auto.md). ``--repredict --out OUT`` (no lab, no root) redoes the predictions
+of a saved run with the current model: ``OUT/validation-repredicted.{md,json}``.
 """
 
 from __future__ import annotations
@@ -316,8 +317,10 @@ def main() -> int:
                    help="no lab: redo the predictions of the run saved in --out")
     args = a.parse_args()
     if args.repredict:
-        text = markdown(repredict(Path(args.out)))
+        report = repredict(Path(args.out))
+        text = markdown(report)
         (Path(args.out) / "validation-repredicted.md").write_text(text)
+        (Path(args.out) / "validation-repredicted.json").write_text(json.dumps(report, indent=1))
         print(text)
         return 0
     Path(args.out).mkdir(parents=True, exist_ok=True)
