@@ -1,8 +1,10 @@
-"""Hexagram allreduce vs PyTorch DDP, alternating in one run on local ranks (loopback).
+"""Hexagram allreduce (or ``--algorithm``) vs PyTorch DDP, alternating in one run on local
+ranks (loopback).
 
 Both wrappers train identical copies of one MLP on the same batches; blocks of steps
 alternate between them so machine load affects both alike. Prints per-step medians and the
-ratio Hexagram / DDP (target <= 1.03).
+ratio Hexagram / DDP (target <= 1.03). ``--algorithm auto --warmup 15`` measures auto after
+its probe, profile and trials.
 
     .venv/bin/python benchmarks/engine_vs_ddp.py --ranks 4 --params 6.3e6 --rounds 8
 """
@@ -20,7 +22,8 @@ from torch import nn
 
 
 def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float,
-            ddp_views: bool) -> dict[str, object]:
+            ddp_views: bool, algorithm: str = "allreduce", warmup: int = 0
+            ) -> dict[str, object]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -34,14 +37,16 @@ def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
     b.load_state_dict(a.state_dict())
     opt_a = torch.optim.SGD(a.parameters(), lr=0.01)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.01)
-    ours = hx.DistributedDataParallel(a, [opt_a], "allreduce", bucket_size_mb=bucket_mb)
+    algo = hx.algorithms.get(algorithm, **({"verbose": False} if algorithm == "auto" else {}))
+    ours = hx.DistributedDataParallel(a, [opt_a], algo, bucket_size_mb=bucket_mb)
     theirs = TorchDDP(b, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=ddp_views)
     gen = torch.Generator().manual_seed(rt.rank)
     x, y = torch.randn(batch, 784, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
     times: dict[str, list[float]] = {"hexagram": [], "ddp": []}
 
-    def run(model: nn.Module, opt: torch.optim.Optimizer, key: str, record: bool) -> None:
-        for _ in range(block):
+    def run(model: nn.Module, opt: torch.optim.Optimizer, key: str, record: bool,
+            steps: int = block) -> None:
+        for _ in range(steps):
             start = time.perf_counter()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
@@ -49,7 +54,7 @@ def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
             if record:
                 times[key].append(time.perf_counter() - start)
 
-    run(ours, opt_a, "hexagram", False)  # warm-up, also re-buckets by ready order
+    run(ours, opt_a, "hexagram", False, max(block, warmup))  # warm-up; re-buckets by ready order
     run(theirs, opt_b, "ddp", False)
     for r in range(rounds):
         pair = [(ours, opt_a, "hexagram"), (theirs, opt_b, "ddp")]
@@ -57,7 +62,8 @@ def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
             dist.barrier()
             run(model, opt, key, True)
     n_params = sum(p.numel() for p in a.parameters())
-    return {"times": times, "params": n_params, "bytes": ours.bytes_sent()}
+    return {"times": times, "params": n_params, "bytes": ours.bytes_sent(),
+            "ran": getattr(algo, "label", algorithm)}
 
 
 def main() -> None:
@@ -71,13 +77,17 @@ def main() -> None:
     parser.add_argument("--ddp-gradient-as-bucket-view", action="store_true",
                         help="give PyTorch DDP Hexagram's default (gradients as bucket views; "
                         "DDP's own default is off)")
+    parser.add_argument("--algorithm", default="allreduce", help="Hexagram's side, e.g. auto")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="untimed Hexagram steps first (at least --block; auto: 15)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     from hexagram.launch import run_local
 
     results = run_local(_worker, args.ranks, args=(args.params, args.batch, args.rounds,
                                                    args.block, args.bucket_mb,
-                                                   args.ddp_gradient_as_bucket_view),
+                                                   args.ddp_gradient_as_bucket_view,
+                                                   args.algorithm, args.warmup),
                          timeout=1800)
     # A step is as slow as its slowest rank: take the max over ranks, step by step.
     per_step = {k: [max(r["times"][k][i] for r in results)  # type: ignore[index]
@@ -92,6 +102,7 @@ def main() -> None:
         q = statistics.quantiles(v, n=4)
         print(f"{k:9s} median {med[k] * 1e3:8.2f} ms/step  (IQR {q[0] * 1e3:.2f}-"
               f"{q[2] * 1e3:.2f}, {len(v)} steps)")
+    print(f"hexagram ran {results[0]['ran']}")
     print(f"ratio hexagram/ddp = {ratio:.3f}  (target <= 1.03)")
     if args.json:
         with open(args.json, "w") as f:
