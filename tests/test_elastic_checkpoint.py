@@ -26,6 +26,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "powersgd": {"start_iter": 3}, "local_sgd": {"period": 3},
     "diloco": {"period": 4, "fragments": 2, "overlap_steps": 1},
     "decentralized": {"peers": "random"}, "dgc": {"warmup_steps": 2},
+    # auto: decided before the save (profile 2 steps, one 2-step trial); a save during its
+    # exploration resumes by exploring again, whose timed choice cannot be bitwise-repeated
+    "auto": {"profile_steps": 2, "tie": 0.0, "tune_buckets": 1, "verbose": False},
 }
 
 CONTROLS = {"allreduce": ("rng",), "powersgd": ("algorithm",), "qsgd": ("algorithm",)}
@@ -95,6 +98,8 @@ def _resume_diff(name: str, directory: Path) -> dict[str, Any]:
     model, opt = _wrap(name, seed=0)
     for s in range(K):
         _step(model, opt, s)
+    if name == "auto" and model.algorithm._phase != "watch":
+        raise AssertionError("auto still exploring at the save: CONFIGS['auto'] too slow")
     hx.save_checkpoint(directory, model, [opt], step=K)
     for s in range(K, N):
         _step(model, opt, s)

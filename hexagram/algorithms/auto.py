@@ -16,7 +16,9 @@ Timeline (on every rank at the same step, so collectives match):
 A switch flushes the old algorithm's error-feedback residuals into the next gradients;
 other state (DGC momenta, PowerSGD factors) is dropped, as the log says; a weight algorithm
 synchronizes the replicas first. ``state_dict`` holds the decision (kept on resume unless
-``redecide=True``). A candidate that needs another learning rate than the user's optimizer
+``redecide=True``): a resume is bitwise exact from the decision on, but a checkpoint saved
+while auto is still profiling or timing trials resumes by exploring again, and timed choices
+cannot be repeated bitwise. A candidate that needs another learning rate than the user's optimizer
 (:func:`hexagram.cost.choose.lr_flags`) is never chosen (listed as excluded).
 
 Example:
