@@ -55,7 +55,8 @@ def local_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputePro
     """Each candidate's compressor timed on this process, on ``device``, at two of the
     model's own tensor shapes (a middle one and the largest: per-element costs grow once a
     tensor leaves the caches, so generic small sizes under-predict big layers), the best
-    of 2 runs each (:func:`hexagram.cost.profile.measure_compressor`). Sizing every
+    of 2 runs each (:func:`hexagram.cost.profile.measure_compressor`), through error
+    feedback where the algorithm has it (its encode then also decodes locally). Sizing every
     candidate's payloads on the way warms each compressor up (first calls are slow)."""
     out: dict[str, CompressorCost] = {}
     layout = [specs for specs, _ in bucket_layout(profile, 25 * MB, MB)]
@@ -66,7 +67,8 @@ def local_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputePro
             continue
         if algorithm.kind == "grad":
             step_schedule(algorithm, layout, world)
-        out[label] = measure_compressor(comp, device, sizes=sizes)
+        feedback = getattr(algorithm, "error_feedback", None) is not None
+        out[label] = measure_compressor(comp, device, sizes=sizes, feedback=feedback)
     return out
 
 

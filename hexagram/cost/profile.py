@@ -139,21 +139,40 @@ def _line(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, fl
 def measure_compressor(compressor: Compressor, device: torch.device | str = "cpu",
                        sizes: tuple[tuple[int, ...], tuple[int, ...]] = ((32, 32),
                                                                         (512, 512)),
-                       reps: int = 2) -> CompressorCost:
+                       reps: int = 2, feedback: bool = False) -> CompressorCost:
     """Time ``compressor`` (a copy: its state stays as it is) on random float32 tensors
     of two shapes on ``device`` (:func:`device_clock`); the best of ``reps`` runs per
-    shape."""
+    shape. ``feedback``: the encode is error feedback's, as the algorithms run it
+    (residual added in place, compressed, decoded locally, new residual written): two
+    passes and a decode per element more than the bare compressor."""
     comp, clock = copy.deepcopy(compressor), device_clock(device)
     gen = torch.Generator(device=device).manual_seed(0)
     points: list[tuple[int, float, float]] = []
     for shape in sizes:
         x = torch.randn(*shape, generator=gen, device=device)
         payload = comp.compress(x, gen)
-        enc = _best(lambda x=x: comp.compress(x, gen), reps, clock)  # type: ignore[misc]
+        encode = _feedback_encode(comp, x, gen) if feedback else (
+            lambda x=x: comp.compress(x, gen))
+        enc = _best(encode, reps, clock)
         dec = _best(lambda p=payload: comp.decompress(p), reps, clock)  # type: ignore[misc]
         points.append((x.numel(), enc, dec))
     (n0, e0, d0), (n1, e1, d1) = points
     return CompressorCost(_line((n0, e0), (n1, e1)), _line((n0, d0), (n1, d1)))
+
+
+def _feedback_encode(comp: Compressor, x: torch.Tensor, gen: torch.Generator
+                     ) -> Callable[[], Any]:
+    """One error-feedback encode of ``x`` (a residual already held), in place as
+    :meth:`hexagram.algorithms.compressed.CompressedAlgorithm.compress_with_feedback`."""
+    from hexagram.compress.feedback import ErrorFeedback
+
+    ef, buf = ErrorFeedback(comp), x.clone()
+    ef.compress("x", x, gen)  # a residual to add from now on
+
+    def encode() -> None:
+        ef.correct_("x", buf)
+        ef.update_from("x", buf, comp.compress(buf, gen))
+    return encode
 
 
 def cost_from_times(points: Sequence[tuple[int, float, float]]) -> CompressorCost | None:
