@@ -165,3 +165,48 @@ def test_compression_cpu_is_paid_share_times() -> None:
     assert shared.compress_s == pytest.approx(2 * alone.compress_s)
     assert shared.cpu_floor_s == pytest.approx(2 * 0.022 + shared.compress_s, rel=1e-6)
     assert shared.step_s >= shared.cpu_floor_s
+
+
+def test_error_feedback_algorithms_are_timed_through_feedback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto times an error-feedback algorithm's encode as it runs (residual in, local
+    decode, residual out), a bare compressor's as it is."""
+    from hexagram.cost import measure
+
+    seen: dict[int, bool] = {}
+
+    def fake(comp: object, device: object = "cpu", *, sizes: object = (),
+             feedback: bool = False) -> CompressorCost:
+        seen[id(comp)] = feedback
+        return CompressorCost((0.0, 0.0), (0.0, 0.0))
+
+    monkeypatch.setattr(measure, "measure_compressor", fake)
+    topk, qsgd = hx.algorithms.get("topk"), hx.algorithms.get("qsgd")
+    measure.local_costs([("topk", topk), ("qsgd", qsgd)], compute([4096], [0.01]), 4)
+    assert seen == {id(topk.compressor): True, id(qsgd.compressor): False}
+
+
+def test_feedback_encode_keeps_the_invariant() -> None:
+    """The timed feedback encode is error feedback: the input it compressed (buffer plus
+    old residual) equals what the payload carries plus the new residual."""
+    from hexagram.compress import get
+    from hexagram.cost.profile import _feedback_encode
+
+    comp = get("topk", k=5)
+    seen: list[tuple[torch.Tensor, object]] = []
+    compress = comp.compress
+
+    def spy(t: torch.Tensor, g: torch.Generator | None = None) -> object:
+        payload = compress(t, g)
+        seen.append((t.clone(), payload))
+        return payload
+
+    comp.compress = spy  # type: ignore[method-assign]
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    encode, ef = _feedback_encode(comp, x, torch.Generator().manual_seed(1))
+    before = ef.residual("x").clone()
+    encode()
+    corrected, payload = seen[-1]
+    assert torch.allclose(corrected, x + before)  # the residual went in
+    assert torch.allclose(comp.decompress(payload) + ef.residual("x"), corrected)
+    assert torch.count_nonzero(ef.residual("x")) == 64 - 5

@@ -151,7 +151,7 @@ def measure_compressor(compressor: Compressor, device: torch.device | str = "cpu
     for shape in sizes:
         x = torch.randn(*shape, generator=gen, device=device)
         payload = comp.compress(x, gen)
-        encode = _feedback_encode(comp, x, gen) if feedback else (
+        encode = _feedback_encode(comp, x, gen)[0] if feedback else (
             lambda x=x: comp.compress(x, gen))
         enc = _best(encode, reps, clock)
         dec = _best(lambda p=payload: comp.decompress(p), reps, clock)  # type: ignore[misc]
@@ -161,9 +161,10 @@ def measure_compressor(compressor: Compressor, device: torch.device | str = "cpu
 
 
 def _feedback_encode(comp: Compressor, x: torch.Tensor, gen: torch.Generator
-                     ) -> Callable[[], Any]:
-    """One error-feedback encode of ``x`` (a residual already held), in place as
-    :meth:`hexagram.algorithms.compressed.CompressedAlgorithm.compress_with_feedback`."""
+                     ) -> tuple[Callable[[], Any], Any]:
+    """A function doing one error-feedback encode of a copy of ``x`` in place, as
+    :meth:`hexagram.algorithms.compressed.CompressedAlgorithm.compress_with_feedback`,
+    and its :class:`~hexagram.compress.ErrorFeedback` (a residual already held)."""
     from hexagram.compress.feedback import ErrorFeedback
 
     ef, buf = ErrorFeedback(comp), x.clone()
@@ -172,7 +173,7 @@ def _feedback_encode(comp: Compressor, x: torch.Tensor, gen: torch.Generator
     def encode() -> None:
         ef.correct_("x", buf)
         ef.update_from("x", buf, comp.compress(buf, gen))
-    return encode
+    return encode, ef
 
 
 def cost_from_times(points: Sequence[tuple[int, float, float]]) -> CompressorCost | None:
