@@ -183,25 +183,26 @@ def test_error_feedback_algorithms_are_timed_through_feedback(
     monkeypatch.setattr(measure, "measure_compressor", fake)
     topk, qsgd = hx.algorithms.get("topk"), hx.algorithms.get("qsgd")
     measure.local_costs([("topk", topk), ("qsgd", qsgd)], compute([4096], [0.01]), 4)
-    assert seen == {id(topk.compressor): True, id(qsgd.compressor): False}
+    assert seen == {id(topk.compressor): True, id(qsgd.compressor): False}  # type: ignore[attr-defined]
 
 
 def test_feedback_encode_keeps_the_invariant() -> None:
     """The timed feedback encode is error feedback: the input it compressed (buffer plus
     old residual) equals what the payload carries plus the new residual."""
     from hexagram.compress import get
+    from hexagram.compress.base import Payload
     from hexagram.cost.profile import _feedback_encode
 
     comp = get("topk", k=5)
-    seen: list[tuple[torch.Tensor, object]] = []
+    seen: list[tuple[torch.Tensor, Payload]] = []
     compress = comp.compress
 
-    def spy(t: torch.Tensor, g: torch.Generator | None = None) -> object:
+    def spy(t: torch.Tensor, g: torch.Generator | None = None) -> Payload:
         payload = compress(t, g)
         seen.append((t.clone(), payload))
         return payload
 
-    comp.compress = spy  # type: ignore[method-assign]
+    comp.compress = spy  # type: ignore[method-assign,assignment]
     x = torch.randn(64, generator=torch.Generator().manual_seed(0))
     encode, ef = _feedback_encode(comp, x, torch.Generator().manual_seed(1))
     before = ef.residual("x").clone()
