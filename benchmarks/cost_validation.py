@@ -18,7 +18,9 @@ Usage (root, iproute2; ``--loopback`` runs unshaped on 127.0.0.1 without root):
 
 Output: ``OUT/validation.json`` and ``OUT/validation.md`` (tables as in
 docs/benchmarks/auto.md). ``--repredict --out OUT`` (no lab, no root) redoes the predictions
-of a saved run with the current model: ``OUT/validation-repredicted.{md,json}``.
+of a saved run with the current model: ``OUT/validation-repredicted.{md,json}``; with
+``--compute common`` from one compute profile per workload, as auto predicts
+(``OUT/validation-repredicted-common.{md,json}``).
 """
 
 from __future__ import annotations
@@ -273,10 +275,13 @@ def _bucket_lines(study: dict[str, Any] | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def repredict(folder: Path) -> dict[str, Any]:
+def repredict(folder: Path, compute: str = "cell") -> dict[str, Any]:
     """Redo every cell's prediction of a saved run (``validation.json`` and the probe files
     beside it) with the current model: the measurements stay, the model may change; the
-    compressors are timed again here, on each workload's shapes."""
+    compressors are timed again here, on each workload's shapes. ``compute="cell"``: each
+    cell from the local compute its own run recorded; ``"common"``: every cell of a
+    workload from one profile (the median local step among its cells), as ``auto``
+    predicts all candidates from the profile of its first steps."""
     report = json.loads((folder / "validation.json").read_text())
     for setting in report["settings"]:
         network, _ = load_probe(folder / f"probe-{setting['bandwidth']}" / "probe.json")
@@ -284,11 +289,12 @@ def repredict(folder: Path) -> dict[str, Any]:
             cells = [c for c in res["cells"] if c.get("error") is None and "compute" in c]
             if not cells:
                 continue
-            costs = model_costs([c["algorithm"] for c in cells],
-                                ComputeProfile.from_json(cells[0]["compute"]), network.world)
-            for c in cells:
+            profiles = [ComputeProfile.from_json(c["compute"]) for c in cells]
+            common = sorted(profiles, key=lambda p: p.step_s)[len(profiles) // 2]
+            costs = model_costs([c["algorithm"] for c in cells], profiles[0], network.world)
+            for c, own in zip(cells, profiles):
                 algorithm = registry.get(c["algorithm"], **CONFIG.get(c["algorithm"], {}))
-                pred = predict(algorithm, ComputeProfile.from_json(c["compute"]), network,
+                pred = predict(algorithm, common if compute == "common" else own, network,
                                costs.get(c["algorithm"]))
                 c.update(predicted_s=pred.step_s, rel_error=pred.step_s / c["measured_s"] - 1,
                          parts=[pred.compute_s, pred.compress_s, pred.exposed_s])
@@ -315,12 +321,16 @@ def main() -> int:
     a.add_argument("--out", required=True)
     a.add_argument("--repredict", action="store_true",
                    help="no lab: redo the predictions of the run saved in --out")
+    a.add_argument("--compute", choices=("cell", "common"), default="cell",
+                   help="with --repredict: each cell's own local compute, or one profile "
+                        "per workload (as auto predicts)")
     args = a.parse_args()
     if args.repredict:
-        report = repredict(Path(args.out))
+        report = repredict(Path(args.out), args.compute)
         text = markdown(report)
-        (Path(args.out) / "validation-repredicted.md").write_text(text)
-        (Path(args.out) / "validation-repredicted.json").write_text(json.dumps(report, indent=1))
+        stem = "validation-repredicted" + ("-common" if args.compute == "common" else "")
+        (Path(args.out) / f"{stem}.md").write_text(text)
+        (Path(args.out) / f"{stem}.json").write_text(json.dumps(report, indent=1))
         print(text)
         return 0
     Path(args.out).mkdir(parents=True, exist_ok=True)
