@@ -223,15 +223,19 @@ def _allreduce(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
 
 def _gtopk(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
            rank: int) -> list[Message]:
-    from hexagram.comm.gtopk import gtopk_bytes
+    from hexagram.comm.gtopk import butterfly, gtopk_bytes
 
     comp = _compressor(algorithm)
     assert comp is not None
+    # recursive doubling (P a power of two): log2 P exchanges; else a binomial tree up and
+    # the result broadcast down it: 2 ceil(log2 P) sequential rounds
+    depth = max(1, math.ceil(math.log2(world)))
+    rounds = depth if butterfly(world) else 2 * depth
     out = []
     for s in _segments(algorithm, bucket):
         values = payload_of(comp, s).tensors[0]
         up, down = gtopk_bytes(rank, world, values.numel(), values.element_size())
-        out.append(Message("p2p", up + down, rounds=2 * max(1, math.ceil(math.log2(world)))))
+        out.append(Message("p2p", up + down, rounds=rounds))
     return out
 
 
