@@ -98,7 +98,7 @@ def _resume_diff(name: str, directory: Path) -> dict[str, Any]:
     model, opt = _wrap(name, seed=0)
     for s in range(K):
         _step(model, opt, s)
-    if name == "auto" and model.algorithm._phase != "watch":
+    if name == "auto" and model.algorithm.exploring:
         raise AssertionError("auto still exploring at the save: CONFIGS['auto'] too slow")
     hx.save_checkpoint(directory, model, [opt], step=K)
     for s in range(K, N):

@@ -17,9 +17,10 @@ A switch flushes the old algorithm's error-feedback residuals into the next grad
 other state (DGC momenta, PowerSGD factors) is dropped, as the log says; a weight algorithm
 synchronizes the replicas first. ``state_dict`` holds the decision (kept on resume unless
 ``redecide=True``): a resume is bitwise exact from the decision on, but a checkpoint saved
-while auto is still profiling or timing trials resumes by exploring again, and timed choices
-cannot be repeated bitwise. A candidate that needs another learning rate than the user's optimizer
-(:func:`hexagram.cost.choose.lr_flags`) is never chosen (listed as excluded).
+while auto is still :attr:`~AutoAlgorithm.exploring` (profiling, timing trials) resumes by
+exploring again, and timed choices cannot be repeated bitwise. A candidate that needs
+another learning rate than the user's optimizer (:func:`hexagram.cost.choose.lr_flags`) is
+never chosen (listed as excluded).
 
 Example:
     >>> import hexagram as hx
@@ -382,6 +383,12 @@ class AutoAlgorithm(Algorithm):
         self._bucket, self._pending, self._rebuild = state["bucket_bytes"], False, True
         self._phase, self._mark = "watch", self._steps
         self._watcher.restart()
+
+    @property
+    def exploring(self) -> bool:
+        """True while auto profiles or times its trials (the choice is not final yet): a
+        checkpoint saved now resumes by exploring again (see the module doc)."""
+        return self._phase in ("profile", "tune")
 
     def close(self) -> None:
         self.delegate.close()
