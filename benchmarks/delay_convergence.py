@@ -10,6 +10,9 @@ algorithm keeps replicas identical; the script checks it).
   784-``hidden``-10, SGD with momentum 0.9 (QAdam: its own optimizer), ``--epochs`` epochs
   over each rank's interleaved shard; metric: test accuracy (10,000 images). Target of the
   issue: ``delay=1`` within 1 point of ``delay=0`` after 5 epochs.
+``delay=1`` runs with weight prediction (the default, :mod:`hexagram.algorithms.predict`)
+unless ``--no-predict`` is given.
+
 - ``gpt``: the small character GPT on :mod:`hexagram.data.text`, AdamW (QAdam: its own),
   ``--steps`` steps; metrics: validation loss after the last step and the mean training loss
   of the last 50 steps (over ranks). Target: ``delay=1`` within 3 % at step 500.
@@ -114,7 +117,8 @@ def _train(spec: dict[str, Any], name: str, delay: int) -> dict[str, Any]:
     else:
         opt = torch.optim.SGD(net.parameters(), lr=spec["lr"], momentum=spec["momentum"],
                               nesterov=spec["nesterov"])
-    algo = hx.algorithms.get(name, delay=delay, **spec["config"].get(name, {}))
+    options = {"predict": spec["predict"]} if delay else {}
+    algo = hx.algorithms.get(name, delay=delay, **options, **spec["config"].get(name, {}))
     model = hx.DistributedDataParallel(net, [opt], algo)
     losses = []
     t0 = time.perf_counter()
@@ -183,6 +187,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="0.05 SGD (images), 3e-3 AdamW (gpt)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (images)")
     p.add_argument("--nesterov", action="store_true", help="Nesterov momentum (images)")
+    p.add_argument("--no-predict", action="store_true",
+                   help="delay=1 without weight prediction (plain one-step-stale SGD)")
     p.add_argument("--hidden", type=int, default=256, help="MLP width (images)")
     p.add_argument("--width", type=int, default=128, help="GPT width")
     p.add_argument("--layers", type=int, default=2, help="GPT blocks")
@@ -204,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"task": a.task, "epochs": a.epochs, "steps": a.steps, "hidden": a.hidden,
             "batch": a.batch or (16 if gpt else 64), "lr": a.lr or (3e-3 if gpt else 0.05),
             "momentum": a.momentum, "nesterov": a.nesterov, "width": a.width,
-            "layers": a.layers, "block": a.block,
+            "layers": a.layers, "block": a.block, "predict": not a.no_predict,
             "config": parse_settings(a.set)}
     rows: dict[str, Any] = {}
     if a.resume and a.json and a.json.exists():

@@ -3,7 +3,10 @@
 - against a hand-computed delayed-SGD sequence in float64 (plain loop, no hexagram):
   ``w[t+1] = w[t] - lr * mean_grad(w[t-1])``, zero gradient at step 0, the last gradient
   applied by ``synchronize()``; with ``gradient_as_bucket_view`` on and off, and composed
-  with ``hierarchical=True`` (2 emulated hosts);
+  with ``hierarchical=True`` (2 emulated hosts); all with ``predict=False``;
+- weight prediction (the default): heavy ball against a hand-computed sequence in which
+  each rank computes its gradient at its own predicted weights and the true weights step
+  on the stale mean;
 - compressed algorithms (top-k with error feedback, seeded QSGD): gradients that do not
   depend on the weights make the delayed run deliver, at step t + 1, bit for bit what the
   synchronous run delivers at step t (the inner algorithm, its residuals and random
@@ -68,14 +71,53 @@ def expected_delayed_sgd(steps: int) -> list[list[torch.Tensor]]:
     return weights[1:]
 
 
+MOMENTUM = 0.9
+
+
+def expected_predicted_heavy_ball(steps: int, rank: int) -> list[list[torch.Tensor]]:
+    """``delay=1`` with weight prediction, by hand (float64, no hexagram): each rank runs
+    forward and backward at ``P_r = u + update(u, momentum, own gradient)``, the true
+    weights ``u`` take heavy-ball steps on the previous step's mean gradient (zero at step
+    0). Returns rank ``rank``'s module weights after each step (``P_r``), then the true
+    weights after the flush."""
+    net = _net()
+    u = [p.detach().clone() for p in net.parameters()]
+    buf: list[torch.Tensor] | None = None
+    predicted = [[w.clone() for w in u] for _ in range(WORLD)]
+    pending = [torch.zeros_like(w) for w in u]
+    seen = []
+    for step in range(steps + 1):
+        grads = []
+        for r in range(WORLD):  # every rank's gradient at its own predicted weights
+            with torch.no_grad():
+                for p, w in zip(net.parameters(), predicted[r]):
+                    p.copy_(w)
+            grads.append(torch.autograd.grad(_loss(net, r, step), list(net.parameters())))
+        buf = [g.clone() for g in pending] if buf is None else \
+            [MOMENTUM * b + g for b, g in zip(buf, pending)]
+        u = [w - LR * b for w, b in zip(u, buf)]  # the real step: heavy ball, stale mean
+        if step == steps:  # synchronize(): the flush, then the true weights
+            seen.append(u)
+            break
+        pending = [sum(gs) / WORLD for gs in zip(*grads)]
+        predicted = [[w - LR * (MOMENTUM * b + g) for w, b, g in zip(u, buf, grads[r])]
+                     for r in range(WORLD)]
+        seen.append(predicted[rank])
+    return seen
+
+
 def _sequence_worker(rank: int) -> dict[str, list[list[torch.Tensor]]]:
-    cases = {"view": ("allreduce", True, False), "copy": ("allreduce", False, False),
-             "hierarchical": ("allreduce", True, True)}
+    # (algorithm, gradient as bucket view, hierarchical, momentum, weight prediction)
+    cases = {"view": ("allreduce", True, False, 0.0, False),
+             "copy": ("allreduce", False, False, 0.0, False),
+             "hierarchical": ("allreduce", True, True, 0.0, False),
+             "predicted": ("allreduce", True, False, MOMENTUM, True)}
     out: dict[str, list[list[torch.Tensor]]] = {}
-    for label, (name, as_view, hierarchical) in cases.items():
+    for label, (name, as_view, hierarchical, momentum, predict) in cases.items():
         net = _net()
-        opt = torch.optim.SGD(net.parameters(), lr=LR)
-        algo = hx.algorithms.wrap(hx.algorithms.get(name), hierarchical=hierarchical, delay=1)
+        opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=momentum)
+        algo = hx.algorithms.wrap(hx.algorithms.get(name), hierarchical=hierarchical, delay=1,
+                                  predict=predict)
         model = hx.DistributedDataParallel(net, [opt], algo, bucket_size_mb=0.0,
                                            gradient_as_bucket_view=as_view)
         seen = []
@@ -129,6 +171,24 @@ def test_matches_hand_computed_delayed_sgd(label: str,
                                            msg=f"{label}, rank {rank}, after step {step}")
     # the flush moved the weights: the last gradient was applied, not dropped
     assert not torch.equal(expected[-1][0], expected[-2][0])
+
+
+def test_weight_prediction_matches_hand_computed_heavy_ball(
+        sequences: list[dict[str, Any]]) -> None:
+    """Each rank's module holds its own predicted weights between steps; the flush leaves
+    the true weights, equal on every rank, as the hand-computed sequence says."""
+    for rank, result in enumerate(sequences):
+        got = result["predicted"]
+        expected = expected_predicted_heavy_ball(STEPS, rank)
+        assert len(got) == len(expected)
+        for step, (g, e) in enumerate(zip(got, expected)):
+            for a, b in zip(g, e):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14,
+                                           msg=f"predicted, rank {rank}, after step {step}")
+    # predicted weights differ across ranks (own gradients), true weights do not
+    assert not torch.equal(sequences[0]["predicted"][1][0], sequences[1]["predicted"][1][0])
+    for a, b in zip(sequences[0]["predicted"][-1], sequences[1]["predicted"][-1]):
+        assert torch.equal(a, b)
 
 
 # -- compressed algorithms: the inner algorithm sees each gradient once ------------------------

@@ -264,6 +264,9 @@ class AutoAlgorithm(Algorithm):
         self._steps += 1
         self._recorder.backward_done()
 
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.delegate.before_step(optimizer)
+
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.delegate.after_step(optimizer)
 

@@ -121,6 +121,9 @@ class Algorithm:
     def after_backward(self) -> None:
         """Finish outstanding communication not returned as handles."""
 
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before ``optimizer.step()`` (``delay=1`` puts the true weights back here)."""
+
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer.step()`` (weight-based algorithms communicate here)."""
 
@@ -188,6 +191,9 @@ class Forwarding(Algorithm):
 
     def after_backward(self) -> None:
         self.inner.after_backward()
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.inner.before_step(optimizer)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.inner.after_step(optimizer)

@@ -37,11 +37,26 @@ The ends of the pipeline (nothing is lost, nothing is applied twice):
 
 Convergence: a one-step-stale gradient halves the stable step size of plain SGD (on a
 quadratic of curvature ``h``: ``lr h < 1`` instead of ``< 2``) but shrinks heavy-ball
-momentum's 38-fold at ``b = 0.9`` (``lr h < 1 - b`` instead of ``< 2 (1 + b)``). Measured
-on Fashion-MNIST (4 ranks, 5 epochs, lr 0.05; docs/benchmarks/delay.md): allreduce with
-``SGD(momentum=0.9)`` ends 12.5 points below its synchronous run, with
-``nesterov=True`` 1.4 points; on digits (flatter) both plain SGD and heavy ball stay
-within noise. With ``delay=1`` prefer Nesterov momentum or a smaller learning rate.
+momentum's 38-fold at ``b = 0.9`` (``lr h < 1 - b`` instead of ``< 2 (1 + b)``): measured
+on Fashion-MNIST (4 ranks, 5 epochs, lr 0.05), plain stale heavy ball ends 12.5 points
+below its synchronous run. So by default (``predict=True``) the wrapper runs each forward
+and backward at the **predicted weights** of the step the gradient will be applied to
+(:mod:`hexagram.algorithms.predict`): after every optimizer step it keeps the true weights
+and moves the module to ``true + update(own gradient)``, computed from the optimizer's
+state (SGD and Adam/AdamW exactly; others by repeating the last update); before the next
+step it copies the true weights back. On the quadratic this is exactly synchronous heavy
+ball; the step still overlaps communication, because the prediction uses the rank's own
+gradient, not the mean on the wire. Consequences:
+
+- between steps the module holds the rank's predicted weights (they differ across ranks
+  by ``lr`` times the local gradient noise); :meth:`Delayed.synchronize` (and ``close()``)
+  put the true weights back, equal on every rank, after applying the last gradient;
+- :meth:`Delayed.state_dict` carries the true weights, so a checkpoint of the module's
+  predicted weights plus the algorithm state resumes bit-exactly;
+- cost: two more parameter-sized buffers (true weights, this step's own gradient);
+- ``predict=False`` gives plain one-step-stale SGD (the hand-computed sequence of the
+  tests); use it with an AMP ``GradScaler`` (the local gradient is still scaled when the
+  prediction reads it) or when the evaluation must see exactly the true weights mid-run.
 
 Multi-stage inner algorithms (PowerSGD, gTop-k, hierarchical) issue their later stages
 when their handle is waited, i.e. at the next step's ``bucket_ready`` of that bucket: every
@@ -50,8 +65,8 @@ rank waits in bucket order, so collectives stay in the same order everywhere.
 Example:
     >>> import hexagram as hx
     >>> algo = hx.algorithms.get("topk", delay=1, density=0.1)
-    >>> type(algo).__name__, algo.inner.name
-    ('Delayed', 'topk')
+    >>> type(algo).__name__, algo.inner.name, algo.predict
+    ('Delayed', 'topk', True)
 """
 
 from __future__ import annotations
@@ -62,6 +77,7 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext, Forwarding
+from hexagram.algorithms.predict import predicted_update
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
 from hexagram.errors import ConfigError
@@ -85,7 +101,8 @@ def check_delay(algorithm: Algorithm, delay: Any) -> int:
 
 class Delayed(Forwarding):
     """``inner``'s reduction of step ``t`` overlaps step ``t + 1``; the optimizer steps on
-    step ``t - 1``'s reduced gradient (see the module docstring for the ends).
+    step ``t - 1``'s reduced gradient (see the module docstring for the ends). With
+    ``predict`` (default) forward and backward run at the predicted weights.
 
     Raises:
         ConfigError: ``inner`` communicates weights (local SGD, DiLoCo, async,
@@ -95,13 +112,20 @@ class Delayed(Forwarding):
     name = "delayed"
     kind = "grad"
 
-    def __init__(self, inner: Algorithm) -> None:
+    def __init__(self, inner: Algorithm, predict: bool = True) -> None:
         _check_inner(inner)
+        if not isinstance(predict, bool):
+            raise ConfigError(f"algorithm {inner.name!r}: predict must be True or False, got "
+                              f"{predict!r}")
         super().__init__(inner)
+        self.predict = predict
         self._stash: dict[Key, list[Bucket]] = {}  # two per layout: in flight / next
         self._flip: dict[Key, int] = {}
         self._inflight: dict[Key, tuple[Bucket, Handle[Tensor]]] = {}
         self._ready: dict[str, Tensor] = {}  # reduced, not yet applied, by parameter name
+        self._local: dict[Key, Tensor] = {}  # this step's own gradient, per bucket layout
+        self._fresh: dict[str, Tensor] = {}  # ... by parameter name, until the next step
+        self._true: dict[str, Tensor] = {}  # true weights while the module holds predicted
 
     def reset(self, ctx: AlgorithmContext) -> None:
         Algorithm.reset(self, ctx)
@@ -110,6 +134,7 @@ class Delayed(Forwarding):
         self._materialize()
         self._stash.clear()
         self._flip.clear()
+        self._local.clear()
         self.inner.reset(ctx)
 
     # -- the hook ------------------------------------------------------------------------
@@ -118,6 +143,8 @@ class Delayed(Forwarding):
         previous = self._take(key, bucket)  # step t-1's reduction (may live in a stash)
         stash = self._next_stash(key, bucket)  # not the one ``previous`` may live in
         stash.flat.copy_(bucket.flat)
+        if self._predicting():
+            self._keep_local(key, bucket)
         if previous is None:
             bucket.flat.zero_()  # step 0: nothing reduced yet
         else:
@@ -158,6 +185,72 @@ class Delayed(Forwarding):
                 self._ready[e.name] = stash.view(e, result).detach().clone()
         self._inflight.clear()
 
+    # -- weight prediction (hexagram.algorithms.predict) --------------------------------
+    def _predicting(self) -> bool:
+        return self.predict and bool(self.ctx.optimizers)
+
+    def _keep_local(self, key: Key, bucket: Bucket) -> None:
+        """Keep this step's own gradient of ``bucket`` for the prediction after the step."""
+        local = self._local.get(key)
+        if local is None or local.shape != bucket.flat.shape:
+            local = self._local[key] = torch.empty_like(bucket.flat)
+        local.copy_(bucket.flat)
+        for e in bucket.entries:
+            self._fresh[e.name] = bucket.view(e, local).view_as(e.param)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the true weights back (bit for bit) before the optimizer applies a step."""
+        self.inner.before_step(optimizer)
+        if self._true:
+            for name, param in self._params_of(optimizer):
+                if name in self._true:
+                    param.data.copy_(self._true[name])
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep the new true weights, then move the module to the predicted next ones."""
+        self.inner.after_step(optimizer)
+        if not self._predicting():
+            return
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    self._predict_one(optimizer, group, param)
+
+    def _predict_one(self, optimizer: torch.optim.Optimizer, group: dict[str, Any],
+                     param: Tensor) -> None:
+        name = self._names.get(id(param))
+        local = None if name is None else self._fresh.pop(name, None)
+        if name is None or local is None:
+            self._true.pop(name or "", None)  # no gradient this step: weights stay true
+            return
+        update = predicted_update(optimizer, group, param, local, self._true.get(name))
+        if update is None:
+            self._true.pop(name, None)
+            return
+        if name in self._true:
+            self._true[name].copy_(param)
+        else:
+            self._true[name] = param.detach().clone()
+        param.add_(update)
+
+    @property
+    def _names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.ctx.named_params}
+
+    def _params_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor]]:
+        names = self._names
+        return [(names[id(p)], p) for g in optimizer.param_groups for p in g["params"]
+                if id(p) in names]
+
+    def _restore_all(self) -> None:
+        """The true weights back into every parameter; prediction off until the next step."""
+        with torch.no_grad():
+            for name, param in self.ctx.named_params:
+                if name in self._true:
+                    param.copy_(self._true[name])
+        self._true = {}
+        self._fresh = {}
+
     # -- the last step ---------------------------------------------------------------------
     def pending(self) -> dict[str, Tensor]:
         """The reduced gradients not applied yet, by parameter name (waits those in flight;
@@ -172,6 +265,7 @@ class Delayed(Forwarding):
         self.inner.synchronize()
         pending = self.pending()
         self._ready = {}
+        self._restore_all()
         if not pending:
             return
         for name, param in self.ctx.named_params:
@@ -186,6 +280,7 @@ class Delayed(Forwarding):
         """The inner state and the pending reduced gradients (waits those in flight)."""
         pending = self.pending()
         return {"delay": 1, "pending": {n: t.clone() for n, t in pending.items()},
+                "true_weights": {n: t.clone() for n, t in self._true.items()},
                 "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -195,6 +290,9 @@ class Delayed(Forwarding):
         self._materialize()  # let reductions in flight finish on every rank, then drop them
         device = self.ctx.runtime.device
         self._ready = {n: t.to(device) for n, t in state["pending"].items()}
+        # the module's own state holds the predicted weights; these are the true ones
+        self._true = {n: t.to(device) for n, t in state.get("true_weights", {}).items()}
+        self._fresh = {}
         self.inner.load_state_dict(state["inner"])
 
     def close(self) -> None:
@@ -202,6 +300,8 @@ class Delayed(Forwarding):
         try:
             if self._ctx is not None and (self._inflight or self._ready):
                 self.synchronize()
+            elif self._ctx is not None:
+                self._restore_all()
         finally:
             self.inner.close()
 

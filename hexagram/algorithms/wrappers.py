@@ -43,19 +43,21 @@ from hexagram.errors import ConfigError
 __all__ = ["WRAPPER_OPTIONS", "Cast", "Delayed", "Hierarchical", "wrap"]
 
 #: the options :func:`hexagram.algorithms.get` accepts for any gradient algorithm
-WRAPPER_OPTIONS = ("hierarchical", "delay", "cast")
+WRAPPER_OPTIONS = ("hierarchical", "delay", "cast", "predict")
 
 
 def wrap(algorithm: Algorithm, *, hierarchical: bool = False, delay: int = 0,
-         cast: str | None = None) -> Algorithm:
+         cast: str | None = None, predict: bool | None = None) -> Algorithm:
     """``algorithm`` wrapped as asked (unchanged when nothing is asked). From the inside
     out: ``cast`` (so that with ``hierarchical`` only the inter-host stage is 16-bit),
     ``hierarchical``, and ``delay=1`` outermost (the whole reduction is what it delays).
+    ``predict`` (default True with ``delay=1``) runs each step at the predicted weights
+    (:mod:`hexagram.algorithms.predict`); ``predict=False`` keeps plain stale SGD.
 
     Raises:
         ConfigError: a wrapper that needs a gradient algorithm around a weight algorithm,
-            ``delay`` not in {0, 1}, or a cast the algorithm cannot take (the message names
-            the algorithm).
+            ``delay`` not in {0, 1}, ``predict`` without ``delay=1``, or a cast the
+            algorithm cannot take (the message names the algorithm).
 
     >>> import hexagram as hx
     >>> type(wrap(hx.algorithms.get("topk"), hierarchical=True)).__name__
@@ -64,6 +66,10 @@ def wrap(algorithm: Algorithm, *, hierarchical: bool = False, delay: int = 0,
     'Hierarchical'
     """
     delay = check_delay(algorithm, delay)
+    if predict is not None and not delay:
+        raise ConfigError(f"algorithm {algorithm.name!r}: predict applies to delay=1 only "
+                          "(it moves the weights to where a delayed gradient is applied); "
+                          "pass delay=1 or drop predict")
     dtype = check_cast(algorithm, cast)
     if dtype is not None:
         algorithm = Cast(algorithm, dtype)
@@ -71,7 +77,7 @@ def wrap(algorithm: Algorithm, *, hierarchical: bool = False, delay: int = 0,
         algorithm = Hierarchical(algorithm)
     elif hierarchical is not False:
         raise ConfigError(f"hierarchical must be True or False, got {hierarchical!r}")
-    return Delayed(algorithm) if delay else algorithm
+    return Delayed(algorithm, predict=predict is not False) if delay else algorithm
 
 
 class Hierarchical(Algorithm):

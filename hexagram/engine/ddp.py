@@ -204,6 +204,9 @@ class DistributedDataParallel(nn.Module):
                 self._broadcast(buffers)
         self.algorithm.before_forward()
 
+    def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self.algorithm.before_step(optimizer)
+
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self.algorithm.after_step(optimizer)
 
@@ -224,9 +227,10 @@ class DistributedDataParallel(nn.Module):
                 self.optimizers.append(opt)
             self._hooked.add(id(opt))
             # the hook holds the wrapper weakly, so an unreferenced wrapper is collected
-            handle = opt.register_step_post_hook(lifecycle.weak_method(self._after_step))
-            self._step_hooks.append(handle)
-            self._resources.hooks.append(handle)
+            for handle in (opt.register_step_pre_hook(lifecycle.weak_method(self._before_step)),
+                           opt.register_step_post_hook(lifecycle.weak_method(self._after_step))):
+                self._step_hooks.append(handle)
+                self._resources.hooks.append(handle)
         if self._setup_pending and (self.optimizers or not needs_optimizers(self.algorithm)):
             self._setup_pending = False
             self.algorithm.setup(self._ctx)
