@@ -141,13 +141,13 @@ def _worker(spec: dict[str, Any], name: str) -> dict[int, dict[str, Any]]:
     import hexagram as hx
 
     hx.init()
-    return {delay: _train(spec, name, delay) for delay in (0, 1)}
+    return {delay: _train(spec, name, delay) for delay in spec["delays"]}
 
 
 def _summary(spec: dict[str, Any], ranks: list[dict[int, dict[str, Any]]]) -> dict[str, Any]:
     """Per delay: rank 0's metric, the ranks' mean loss of the last 50 steps, seconds."""
     row: dict[str, Any] = {}
-    for delay in (0, 1):
+    for delay in spec["delays"]:
         runs = [r[delay] for r in ranks]
         if len({r["checksum"] for r in runs}) != 1:
             raise RuntimeError(f"delay={delay}: replicas differ after synchronize()")
@@ -165,6 +165,8 @@ def markdown(spec: dict[str, Any], rows: dict[str, Any]) -> str:
     lines = [f"| algorithm | {unit}, delay=0 | delay=1 | gap | train loss (last 50), "
              "delay=0 / delay=1 | target |", "|---|---|---|---|---|---|"]
     for name, row in rows.items():
+        if "0" not in row or "1" not in row:
+            continue  # a --delays run of one side only (printed, not tabulated)
         m0, m1 = row["0"]["metric"], row["1"]["metric"]
         if gpt:
             gap, ok = f"{100 * (m1 - m0) / m0:+.1f} %", abs(m1 - m0) <= 0.03 * m0
@@ -187,6 +189,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="0.05 SGD (images), 3e-3 AdamW (gpt)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (images)")
     p.add_argument("--nesterov", action="store_true", help="Nesterov momentum (images)")
+    p.add_argument("--delays", default="0,1", help="which runs: 0, 1 or 0,1")
     p.add_argument("--no-predict", action="store_true",
                    help="delay=1 without weight prediction (plain one-step-stale SGD)")
     p.add_argument("--hidden", type=int, default=256, help="MLP width (images)")
@@ -211,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": a.batch or (16 if gpt else 64), "lr": a.lr or (3e-3 if gpt else 0.05),
             "momentum": a.momentum, "nesterov": a.nesterov, "width": a.width,
             "layers": a.layers, "block": a.block, "predict": not a.no_predict,
+            "delays": [int(d) for d in a.delays.split(",")],
             "config": parse_settings(a.set)}
     rows: dict[str, Any] = {}
     if a.resume and a.json and a.json.exists():
@@ -221,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         rows[name] = _summary(spec, run_local(_worker, WORLD, args=(spec, name),
                                               timeout=a.timeout))
-        print(f"{name}: {rows[name]['0']['metric']:.3f} -> {rows[name]['1']['metric']:.3f} "
-              f"({time.monotonic() - t0:.0f} s)", flush=True)
+        metrics = " -> ".join(f"{rows[name][str(d)]['metric']:.3f}" for d in spec["delays"])
+        print(f"{name}: {metrics} ({time.monotonic() - t0:.0f} s)", flush=True)
         if a.json:
             a.json.write_text(json.dumps({"spec": spec, "rows": rows}, indent=1))
     table = markdown(spec, rows)

@@ -74,15 +74,18 @@ def expected_delayed_sgd(steps: int) -> list[list[torch.Tensor]]:
 MOMENTUM = 0.9
 
 
-def expected_predicted_heavy_ball(steps: int, rank: int) -> list[list[torch.Tensor]]:
+def expected_predicted_heavy_ball(steps: int, rank: int,
+                                  local_velocity: bool = False) -> list[list[torch.Tensor]]:
     """``delay=1`` with weight prediction, by hand (float64, no hexagram): each rank runs
-    forward and backward at ``P_r = u + update(u, momentum, own gradient)``, the true
-    weights ``u`` take heavy-ball steps on the previous step's mean gradient (zero at step
-    0). Returns rank ``rank``'s module weights after each step (``P_r``), then the true
-    weights after the flush."""
+    forward and backward at ``P_r = u - lr * (b * buf + g_r)`` (its own gradient ``g_r``;
+    ``buf`` the optimizer's momentum, or with ``local_velocity`` the rank's own velocity
+    ``u_r = b u_r + g_r`` as DGC keeps it), the true weights ``u`` take heavy-ball steps
+    on the previous step's mean gradient (zero at step 0). Returns rank ``rank``'s module
+    weights after each step (``P_r``), then the true weights after the flush."""
     net = _net()
     u = [p.detach().clone() for p in net.parameters()]
     buf: list[torch.Tensor] | None = None
+    velocity = [[torch.zeros_like(w) for w in u] for _ in range(WORLD)]
     predicted = [[w.clone() for w in u] for _ in range(WORLD)]
     pending = [torch.zeros_like(w) for w in u]
     seen = []
@@ -100,8 +103,11 @@ def expected_predicted_heavy_ball(steps: int, rank: int) -> list[list[torch.Tens
             seen.append(u)
             break
         pending = [sum(gs) / WORLD for gs in zip(*grads)]
-        predicted = [[w - LR * (MOMENTUM * b + g) for w, b, g in zip(u, buf, grads[r])]
-                     for r in range(WORLD)]
+        velocity = [[MOMENTUM * v + g for v, g in zip(velocity[r], grads[r])]
+                    for r in range(WORLD)]
+        direction = velocity if local_velocity else \
+            [[MOMENTUM * b + g for b, g in zip(buf, grads[r])] for r in range(WORLD)]
+        predicted = [[w - LR * d for w, d in zip(u, direction[r])] for r in range(WORLD)]
         seen.append(predicted[rank])
     return seen
 
@@ -111,13 +117,17 @@ def _sequence_worker(rank: int) -> dict[str, list[list[torch.Tensor]]]:
     cases = {"view": ("allreduce", True, False, 0.0, False),
              "copy": ("allreduce", False, False, 0.0, False),
              "hierarchical": ("allreduce", True, True, 0.0, False),
-             "predicted": ("allreduce", True, False, MOMENTUM, True)}
+             "predicted": ("allreduce", True, False, MOMENTUM, True),
+             # DGC at density 1 takes the momentum over and is heavy ball: the prediction
+             # must read DGC's velocity, the optimizer's momentum then reads 0
+             "predicted_dgc": ("dgc", True, False, MOMENTUM, True)}
+    config = {"dgc": {"density": 1.0, "warmup_density": 1.0, "warmup_steps": 0}}
     out: dict[str, list[list[torch.Tensor]]] = {}
     for label, (name, as_view, hierarchical, momentum, predict) in cases.items():
         net = _net()
         opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=momentum)
-        algo = hx.algorithms.wrap(hx.algorithms.get(name), hierarchical=hierarchical, delay=1,
-                                  predict=predict)
+        algo = hx.algorithms.wrap(hx.algorithms.get(name, **config.get(name, {})),
+                                  hierarchical=hierarchical, delay=1, predict=predict)
         model = hx.DistributedDataParallel(net, [opt], algo, bucket_size_mb=0.0,
                                            gradient_as_bucket_view=as_view)
         seen = []
@@ -173,21 +183,22 @@ def test_matches_hand_computed_delayed_sgd(label: str,
     assert not torch.equal(expected[-1][0], expected[-2][0])
 
 
+@pytest.mark.parametrize("label", ["predicted", "predicted_dgc"])
 def test_weight_prediction_matches_hand_computed_heavy_ball(
-        sequences: list[dict[str, Any]]) -> None:
+        label: str, sequences: list[dict[str, Any]]) -> None:
     """Each rank's module holds its own predicted weights between steps; the flush leaves
     the true weights, equal on every rank, as the hand-computed sequence says."""
     for rank, result in enumerate(sequences):
-        got = result["predicted"]
-        expected = expected_predicted_heavy_ball(STEPS, rank)
+        got = result[label]
+        expected = expected_predicted_heavy_ball(STEPS, rank, label == "predicted_dgc")
         assert len(got) == len(expected)
         for step, (g, e) in enumerate(zip(got, expected)):
             for a, b in zip(g, e):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14,
-                                           msg=f"predicted, rank {rank}, after step {step}")
+                                           msg=f"{label}, rank {rank}, after step {step}")
     # predicted weights differ across ranks (own gradients), true weights do not
-    assert not torch.equal(sequences[0]["predicted"][1][0], sequences[1]["predicted"][1][0])
-    for a, b in zip(sequences[0]["predicted"][-1], sequences[1]["predicted"][-1]):
+    assert not torch.equal(sequences[0][label][1][0], sequences[1][label][1][0])
+    for a, b in zip(sequences[0][label][-1], sequences[1][label][-1]):
         assert torch.equal(a, b)
 
 

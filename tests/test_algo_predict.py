@@ -69,3 +69,22 @@ def test_other_optimizers_repeat_the_last_update() -> None:
     assert update is not None
     assert torch.equal(update, param.detach() - previous)
     assert predicted_update(opt, opt.param_groups[0], param, param.grad, None) is None
+
+
+@pytest.mark.parametrize("steps_before", [1, 2, 5])  # warm-up 3: Adam, the freeze, frozen
+def test_qadam_predicts_its_own_next_update(steps_before: int) -> None:
+    from hexagram.optim import QAdamOptimizer
+
+    param = torch.nn.Parameter(_grad(99))
+    opt = QAdamOptimizer([param], lr=1e-2, weight_decay=0.01, warmup_steps=3)
+    for s in range(steps_before):
+        param.grad = _grad(s)
+        opt.step()
+    grad = _grad(42)
+    with torch.no_grad():
+        update = predicted_update(opt, opt.param_groups[0], param, grad, None)
+    assert update is not None
+    true = param.detach().clone()
+    param.grad = grad
+    opt.step()
+    torch.testing.assert_close(param.detach() - true, update, rtol=1e-10, atol=1e-14)

@@ -270,6 +270,9 @@ class AutoAlgorithm(Algorithm):
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.delegate.after_step(optimizer)
 
+    def predicted_gradient(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        return self.delegate.predicted_gradient(name, grad)
+
     def synchronize(self) -> None:
         self.delegate.synchronize()
 

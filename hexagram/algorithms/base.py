@@ -124,6 +124,13 @@ class Algorithm:
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Before ``optimizer.step()`` (``delay=1`` puts the true weights back here)."""
 
+    def predicted_gradient(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient the optimizer most likely receives for tensor ``name`` next, given
+        this rank's own gradient ``grad`` of this step (read by ``delay=1``'s weight
+        prediction). Default: ``grad``; DGC, which keeps the optimizer's momentum itself,
+        returns its velocity."""
+        return grad
+
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer.step()`` (weight-based algorithms communicate here)."""
 
@@ -194,6 +201,9 @@ class Forwarding(Algorithm):
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.inner.before_step(optimizer)
+
+    def predicted_gradient(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        return self.inner.predicted_gradient(name, grad)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.inner.after_step(optimizer)

@@ -223,6 +223,7 @@ class Delayed(Forwarding):
         if name is None or local is None:
             self._true.pop(name or "", None)  # no gradient this step: weights stay true
             return
+        local = self.inner.predicted_gradient(name, local)
         update = predicted_update(optimizer, group, param, local, self._true.get(name))
         if update is None:
             self._true.pop(name, None)

@@ -261,6 +261,14 @@ class DGCAlgorithm(CompressorAlgorithm):
             out.append(u)
         return out
 
+    def predicted_gradient(self, name: str, grad: Tensor) -> Tensor:
+        """The velocity ``u`` (this step's gradient included): with the optimizer's momentum
+        taken over, the next update is about ``-lr * u``, not ``-lr * grad``."""
+        u = self.momenta.get(name)
+        if u is None or self.factors.get(name, (self.config.momentum or 0.0, 0.0))[0] == 0:
+            return grad
+        return u.view_as(grad)
+
     def close(self) -> None:
         """Give the optimizer its momentum and weight decay back (module doc)."""
         for group, m, wd in self._taken:

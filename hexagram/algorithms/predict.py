@@ -26,6 +26,9 @@ the prediction, without calling ``step()`` (no hooks fire, no counters move):
 - ``torch.optim.SGD``: momentum, dampening, Nesterov, weight decay, ``maximize``;
 - ``torch.optim.Adam`` / ``AdamW``: bias-corrected moments, ``amsgrad``, coupled or
   decoupled weight decay, ``maximize``;
+- an optimizer with a method ``predicted_update(param, grad) -> Tensor | None`` (the
+  update its next step would make, changing nothing): that method
+  (:class:`hexagram.optim.QAdamOptimizer` has one);
 - any other optimizer: the last update repeated (``true - previous true``), which is the
   linear extrapolation of SpecTrain; it restores much of the stability (on the quadratic
   above ``lr h < 0.27``), not all.
@@ -61,6 +64,9 @@ def predicted_update(optimizer: torch.optim.Optimizer, group: dict[str, Any], pa
     taken (used by optimizers without an exact formula; None: no prediction for them).
     Returns None when nothing can be predicted (the step is then taken at the true weights).
     """
+    own = getattr(optimizer, "predicted_update", None)
+    if callable(own):  # the optimizer knows its own next step (e.g. QAdamOptimizer)
+        return own(param, grad)  # type: ignore[no-any-return]
     state = optimizer.state.get(param, {})
     if isinstance(optimizer, torch.optim.SGD):
         return _sgd(group, state, param, grad)

@@ -160,6 +160,9 @@ class Hierarchical(Algorithm):
         if self._leaders is not None and state.get("inner") is not None:
             self.inner.load_state_dict(state["inner"])
 
+    def predicted_gradient(self, name: str, grad: Tensor) -> Tensor:
+        return self.inner.predicted_gradient(name, grad) if self._leaders is not None else grad
+
     def close(self) -> None:
         if self._leaders is not None:  # the inner algorithm was set up on leaders only
             self.inner.close()

@@ -119,6 +119,24 @@ class QAdamOptimizer(torch.optim.Optimizer):
             self._denominators[p] = (v_hat, v_hat._version, eps, denom)
         return denom
 
+    def predicted_update(self, p: Tensor, grad: Tensor) -> Tensor | None:
+        """What the next :meth:`step` would add to ``p`` if it received ``grad``; changes
+        nothing (read by ``delay=1``'s weight prediction). None before ``p``'s first step."""
+        state = self.state.get(p, {})
+        if "exp_avg" not in state:
+            return None
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        beta1, beta2 = group["betas"]
+        k = self.steps_done + 1
+        g = grad if group["weight_decay"] == 0 else grad.add(p, alpha=group["weight_decay"])
+        m = beta1 * state["exp_avg"] + (1 - beta1) * g
+        if self.frozen and "v_hat" in state:
+            denom = self.denominator(p)
+        else:  # the next step is still Adam's: its variance moves too
+            v = beta2 * state["exp_avg_sq"] + (1 - beta2) * g * g
+            denom = (v / (1 - beta2 ** k)).sqrt_().add_(group["eps"])
+        return m.div_(denom).mul_(-group["lr"] / (1 - beta1 ** k))
+
     def beta1(self, p: Tensor) -> float:
         """beta1 of the group holding ``p``."""
         for group in self.param_groups:
