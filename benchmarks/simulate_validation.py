@@ -9,12 +9,15 @@ New runs (``--run``, root, needs ``ip`` and ``tc``; every lab removes its namesp
 exit): ``hexagram bench`` at each ``--hosts`` and ``--bandwidth``, then the same comparison,
 with the local step's *wall* time from the run's JSON as compute (it carries the machine's
 load; the Markdown tables only show CPU time, stretched by ranks / cores instead).
+``--records`` reads earlier records (a fixture) back, so new runs add to it.
 
     .venv/bin/python benchmarks/simulate_validation.py --recorded docs/benchmarks/network.md \\
         --bench-json 2=/tmp/simval/bench_2.json,3=/tmp/simval/bench_3.json \\
         --fixture tests/data/simulate_lab_recorded.json
     sudo .venv/bin/python benchmarks/simulate_validation.py --run --hosts 2,3,4 \\
         --bandwidth 10mbit,100mbit,1gbit --steps 6 --out /tmp/simval
+    sudo .venv/bin/python benchmarks/simulate_validation.py --run --hosts 2,3,4 \\
+        --bandwidth 10mbit --params 1000000 --steps 4 --out /tmp/simval10  # 10.5 M: 34-50 s
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from hexagram import algorithms
 from hexagram.cost.simulate_lab import LabRecord, compare
 
 HEADER = re.compile(r"^#### (\d+) hosts x (\d+) rank\(s\), (\w+) links, (\w+) \((\d+) "
@@ -91,6 +95,15 @@ def table(records: list[LabRecord]) -> str:
     return "\n".join(out)
 
 
+def _pinned(label: str) -> str:
+    """``label`` with the density it ran at (today's default) when the algorithm has one and
+    the label sets none: the record stays comparable after the default changes."""
+    if ":" in label:
+        return label
+    density = getattr(algorithms.get(label).config, "density", None)
+    return label if density is None else f"{label}:density={density}"
+
+
 def _from_bench(report: dict[str, Any], hosts: int, layers: int) -> list[LabRecord]:
     s, out = report["settings"], []
     for bw, rows in report["results"].items():
@@ -102,7 +115,8 @@ def _from_bench(report: dict[str, Any], hosts: int, layers: int) -> list[LabReco
             # is stretched by the same wall / CPU ratio (no further ranks / cores stretch)
             local, stretch = row["compute_s"], row["compute_s"] / row["compute_cpu_s"]
             extra = (row["cpu_s"] - (row.get("cpu_sys_s") or 0.0) - row["compute_cpu_s"])
-            out.append(LabRecord(hosts=hosts, bandwidth=bw, label=LABELS.get(label, label),
+            label = _pinned(LABELS.get(label, label))
+            out.append(LabRecord(hosts=hosts, bandwidth=bw, label=label,
                                  measured_s=row["step_s"], local_s=local,
                                  extra_cpu_s=max(0.0, extra * stretch), params=s["params"],
                                  layers=layers, batch=s["batch"], cores=hosts,
@@ -133,6 +147,7 @@ def main() -> None:
     ap.add_argument("--recorded", help="a bench Markdown page (docs/benchmarks/network.md)")
     ap.add_argument("--fixture", help="write the parsed records here (JSON)")
     ap.add_argument("--run", action="store_true", help="run the lab (root)")
+    ap.add_argument("--records", help="earlier records (a fixture written by --fixture)")
     ap.add_argument("--bench-json", default="", metavar="HOSTS=FILE,...",
                     help="earlier --run outputs, e.g. 2=/tmp/simval/bench_2.json")
     ap.add_argument("--hosts", default="2,3,4")
@@ -145,6 +160,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/simulate-validation")
     args = ap.parse_args()
     records = (parse_markdown(Path(args.recorded).read_text()) if args.recorded else [])
+    if args.records:
+        records += [LabRecord(**r) for r in json.loads(Path(args.records).read_text())]
     for item in filter(None, args.bench_json.split(",")):
         hosts, path = item.split("=", 1)
         records += _from_bench(json.loads(Path(path).read_text()), int(hosts), 3)
