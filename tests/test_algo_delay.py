@@ -144,13 +144,30 @@ def _sequence_worker(rank: int) -> dict[str, list[list[torch.Tensor]]]:
     return out
 
 
+def _fallback_worker(rank: int) -> list[tuple[list[torch.Tensor], dict[str, torch.Tensor]]]:
+    """RMSprop (no exact prediction): per step, the module's weights and the true ones."""
+    net = _net()
+    opt = torch.optim.RMSprop(net.parameters(), lr=0.01)
+    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get("allreduce", delay=1),
+                                       bucket_size_mb=0.0)
+    seen = []
+    for step in range(4):
+        _loss(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+        true = model.algorithm_state_dict()["true_weights"]
+        seen.append(([p.detach().clone() for p in net.parameters()], true))
+    model.close()
+    return seen
+
+
 def _worker() -> dict[str, Any]:
     """Every multi-rank case in one spawned job (one start-up for the module)."""
     os.environ["HEXAGRAM_HOST"] = os.environ["RANK"]  # 2 emulated hosts, 1 rank each
     rank = hx.init(timeout=60).rank
     out = {"sequences": _sequence_worker(rank), "compressed": _compressed_worker(rank),
            "resume": _resume_worker(rank), "every": _every_worker(rank),
-           "join": _join_worker(rank)}
+           "join": _join_worker(rank), "fallback": _fallback_worker(rank)}
     hx.shutdown()
     return out
 
@@ -430,3 +447,19 @@ def test_wire_model_sees_through_delay() -> None:
     for name in ("allreduce", "topk", "qsgd", "powersgd", "gtopk"):
         assert wire_bytes(hx.algorithms.get(name, delay=1), layout, 4) == \
             wire_bytes(hx.algorithms.get(name), layout, 4), name
+
+
+def test_other_optimizers_predict_by_repeating_the_last_update(
+        results: list[dict[str, Any]]) -> None:
+    """An optimizer without an exact formula (RMSprop): the module runs at
+    ``true + (true - previous true)``; at the first step, with no previous, at the true."""
+    for r in results:
+        seen = r["fallback"]
+        names = list(seen[0][1])
+        assert len(names) == 4  # two weights, two biases
+        for step, (module, true) in enumerate(seen):
+            for name, weight in zip(names, module):
+                expected = true[name] if step == 0 else \
+                    true[name] + (true[name] - seen[step - 1][1][name])
+                torch.testing.assert_close(weight, expected, rtol=0, atol=1e-15)
+        assert not torch.equal(seen[3][0][0], seen[3][1][names[0]])  # it did move

@@ -225,14 +225,14 @@ class Delayed(Forwarding):
             return
         local = self.inner.predicted_gradient(name, local)
         update = predicted_update(optimizer, group, param, local, self._true.get(name))
-        if update is None:
-            self._true.pop(name, None)
-            return
+        # the true weights are kept even without an update to add: the fallback
+        # prediction (the last update repeated) needs them one step later
         if name in self._true:
             self._true[name].copy_(param)
         else:
             self._true[name] = param.detach().clone()
-        param.add_(update)
+        if update is not None:
+            param.add_(update)
 
     @property
     def _names(self) -> dict[int, str]:
