@@ -50,7 +50,8 @@ from hexagram.compress.base import (
 )
 from hexagram.compress.chunks import TableCodedCompressor, code_values, work_dtype
 from hexagram.compress.packing import block_size, blocks, encode_blocks, packed_nbytes
-from hexagram.config import check_choice
+from hexagram.compress.sign_blocks import decode_blocked, encode_blocked
+from hexagram.config import check_choice, check_int
 
 __all__ = ["EFSignCompressor", "OneBitCompressor", "SignCompressor", "SignConfig",
            "SignVoteConfig"]
@@ -58,7 +59,23 @@ __all__ = ["EFSignCompressor", "OneBitCompressor", "SignCompressor", "SignConfig
 
 @dataclass(frozen=True, kw_only=True)
 class SignConfig:
-    """The ``efsign`` and ``onebit`` compressors have no settings."""
+    """Config of the ``efsign`` and ``onebit`` compressors.
+
+    Attributes:
+        block: elements sharing one scale (``efsign``) or pair of reconstruction values
+            (``onebit``); 0 (default) => one per tensor, the original formats. Smaller =>
+            closer to each element's magnitude (less error-feedback staleness), more header
+            bytes (:mod:`hexagram.compress.sign_blocks`).
+
+    Example:
+        >>> SignConfig(block=512).block
+        512
+    """
+
+    block: int = 0
+
+    def __post_init__(self) -> None:
+        check_int(self, "block", low=0, high=1 << 24)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,11 +247,24 @@ class EFSignCompressor(TableCodedCompressor):
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
+        if self.config.block:
+            header, bits = encode_blocked(tensor.detach().reshape(-1), self.config.block,
+                                          self.name, self.name)
+            return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
         bits, stats = encode_signs(tensor.detach().reshape(-1), self.name)
         header = _header([float(stats[0]) / tensor.numel()], tensor, self.name)
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
-    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        if not self.config.block:
+            return super().decompress_into(payload, out, add)
+        header, bits = payload.tensors
+        return decode_blocked(header, bits, out.numel(), self.config.block, self.name,
+                              out.dtype, out, add)
+
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor] | None:
+        if self.config.block:
+            return None  # one table per block: decoded by decompress_into, not combined
         header, bits = payload.tensors
         if not bool(torch.isfinite(header * 2).all()):  # 2 * scale overflows: use float64
             header = header.double()
@@ -253,6 +283,10 @@ class OneBitCompressor(TableCodedCompressor):
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
+        if self.config.block:
+            header, bits = encode_blocked(tensor.detach().reshape(-1), self.config.block,
+                                          self.name, self.name)
+            return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
         bits, stats = encode_signs(tensor.detach().reshape(-1), self.name)
         abs_sum, total, n_pos = (float(v) for v in stats)
         n_neg = tensor.numel() - n_pos
@@ -262,7 +296,16 @@ class OneBitCompressor(TableCodedCompressor):
         header = _header([neg, pos], tensor, self.name)
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
-    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor] | None:
+        if self.config.block:
+            return None  # one table per block: decoded by decompress_into, not combined
         header, bits = payload.tensors
         # bit 0 -> the negative half's mean, bit 1 -> the non-negative half's
         return 1, header.to(payload.dtype), bits
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        if not self.config.block:
+            return super().decompress_into(payload, out, add)
+        header, bits = payload.tensors
+        return decode_blocked(header, bits, out.numel(), self.config.block, self.name,
+                              out.dtype, out, add)

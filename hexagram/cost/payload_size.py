@@ -16,7 +16,7 @@ dtype: float32, float64 for float64 input):
 | qsgd | (G,) h, G = ceil(n / bucket_size); (ceil(n b / 8),) uint8, b = bit_length(2 levels) |
 | terngrad | (1,) h; (ceil(n / 4),) uint8 |
 | sign | ((1,) h if scaled); (ceil(n / 8),) uint8 |
-| efsign, onebit | (1,) resp. (2,) h; (ceil(n / 8),) uint8 |
+| efsign, onebit | (G,) resp. (G, 2) h, G = ceil(n / block) (0: (1,), (2,)); (ceil(n / 8),) u8 |
 | topk, randomk | (k,) input dtype; (k,) int32 (int64 from 2**31 elements), k = config.count(n) |
 | threshold | (1,) int32; (c,) input dtype; (c,) index dtype, c = capacity(n) |
 | powersgd | (rows, r) h; (cols, r) h: the matrix view of the input, r = min(rank, rows, cols) |
@@ -46,6 +46,7 @@ from hexagram.compress.lowrank import PowerSGDCompressor, matrix_shape
 from hexagram.compress.packing import packed_nbytes
 from hexagram.compress.quantize import MinMax8Compressor, QSGDCompressor, TernGradCompressor
 from hexagram.compress.quantize_fp import BF16Compressor, HalfCompressor
+from hexagram.compress.sign_blocks import header_shape
 from hexagram.compress.signs import EFSignCompressor, OneBitCompressor, SignCompressor
 from hexagram.compress.sparsify import RandomKCompressor, ThresholdCompressor, TopKCompressor
 
@@ -92,6 +93,9 @@ def _signs(header: int) -> Rule:
     def rule(c: Compressor, shape: tuple[int, ...], n: int, dtype: torch.dtype) -> Layout:
         count = header if header >= 0 else int(c.config.scaled)
         head: Layout = (((count,), _header(dtype)),) if count else ()
+        block = getattr(c.config, "block", 0)
+        if block:  # efsign / onebit with block-wise scales
+            head = ((header_shape(c.name, n, block), _header(dtype)),)
         return (*head, ((packed_nbytes(n, 1),), _U8))
     return rule
 
