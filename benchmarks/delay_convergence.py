@@ -111,8 +111,9 @@ def _train(spec: dict[str, Any], name: str, delay: int) -> dict[str, Any]:
 
     rank = dist.get_rank()
     net, source = _model_and_data(spec, rank)
-    if spec["task"] == "gpt" or name == "qadam":
-        opt = make_optimizer(name, net.parameters(), spec["lr"], adaptive=spec["task"] == "gpt",
+    if spec["task"] == "gpt" or name == "qadam" or spec.get("adamw"):
+        opt = make_optimizer(name, net.parameters(), spec["lr"],
+                             adaptive=spec["task"] == "gpt" or spec.get("adamw", False),
                              warmup=50)
     else:
         opt = torch.optim.SGD(net.parameters(), lr=spec["lr"], momentum=spec["momentum"],
@@ -189,6 +190,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="0.05 SGD (images), 3e-3 AdamW (gpt)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (images)")
     p.add_argument("--nesterov", action="store_true", help="Nesterov momentum (images)")
+    p.add_argument("--adamw", action="store_true", help="AdamW instead of SGD (images)")
     p.add_argument("--delays", default="0,1", help="which runs: 0, 1 or 0,1")
     p.add_argument("--no-predict", action="store_true",
                    help="delay=1 without weight prediction (plain one-step-stale SGD)")
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"task": a.task, "epochs": a.epochs, "steps": a.steps, "hidden": a.hidden,
             "batch": a.batch or (16 if gpt else 64), "lr": a.lr or (3e-3 if gpt else 0.05),
             "momentum": a.momentum, "nesterov": a.nesterov, "width": a.width,
-            "layers": a.layers, "block": a.block, "predict": not a.no_predict,
+            "layers": a.layers, "block": a.block, "predict": not a.no_predict, "adamw": a.adamw,
             "delays": [int(d) for d in a.delays.split(",")],
             "config": parse_settings(a.set)}
     rows: dict[str, Any] = {}
