@@ -4,6 +4,7 @@
   ``w[t+1] = w[t] - lr * mean_grad(w[t-1])``, zero gradient at step 0, the last gradient
   applied by ``synchronize()``; with ``gradient_as_bucket_view`` on and off, and composed
   with ``hierarchical=True`` (2 emulated hosts); all with ``predict=False``;
+- ``delay_warmup``: synchronous steps first, then the pipeline, by hand;
 - weight prediction (the default): heavy ball against a hand-computed sequence in which
   each rank computes its gradient at its own predicted weights and the true weights step
   on the stale mean;
@@ -51,8 +52,9 @@ def _loss(net: nn.Module, rank: int, step: int) -> torch.Tensor:
     return (net(x) - y).square().mean()
 
 
-def expected_delayed_sgd(steps: int) -> list[list[torch.Tensor]]:
-    """Weights after each step, then after the flush: plain float64 loop, no hexagram."""
+def expected_delayed_sgd(steps: int, warmup: int = 0) -> list[list[torch.Tensor]]:
+    """Weights after each step, then after the flush: plain float64 loop, no hexagram.
+    The first ``warmup`` steps are synchronous; the delay starts with a zero gradient."""
     net = _net()
     weights = [[p.detach().clone() for p in net.parameters()]]
     pending: list[torch.Tensor] | None = None  # mean gradient of the previous step
@@ -62,6 +64,9 @@ def expected_delayed_sgd(steps: int) -> list[list[torch.Tensor]]:
             per_rank = [torch.autograd.grad(_loss(net, r, step), list(net.parameters()))
                         for r in range(WORLD)]
             grads = [sum(gs) / WORLD for gs in zip(*per_rank)]
+        if step < warmup:  # synchronous: this step's own mean gradient
+            pending = grads
+            grads = None
         with torch.no_grad():
             for p, g in zip(net.parameters(), pending or [torch.zeros_like(p)
                                                           for p in net.parameters()]):
@@ -72,6 +77,7 @@ def expected_delayed_sgd(steps: int) -> list[list[torch.Tensor]]:
 
 
 MOMENTUM = 0.9
+WARMUP = 2
 
 
 def expected_predicted_heavy_ball(steps: int, rank: int,
@@ -120,14 +126,16 @@ def _sequence_worker(rank: int) -> dict[str, list[list[torch.Tensor]]]:
              "predicted": ("allreduce", True, False, MOMENTUM, True),
              # DGC at density 1 takes the momentum over and is heavy ball: the prediction
              # must read DGC's velocity, the optimizer's momentum then reads 0
-             "predicted_dgc": ("dgc", True, False, MOMENTUM, True)}
+             "predicted_dgc": ("dgc", True, False, MOMENTUM, True),
+             "warmup": ("allreduce", True, False, 0.0, False)}
     config = {"dgc": {"density": 1.0, "warmup_density": 1.0, "warmup_steps": 0}}
     out: dict[str, list[list[torch.Tensor]]] = {}
     for label, (name, as_view, hierarchical, momentum, predict) in cases.items():
         net = _net()
         opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=momentum)
         algo = hx.algorithms.wrap(hx.algorithms.get(name, **config.get(name, {})),
-                                  hierarchical=hierarchical, delay=1, predict=predict)
+                                  hierarchical=hierarchical, delay=1, predict=predict,
+                                  delay_warmup=WARMUP if label == "warmup" else None)
         model = hx.DistributedDataParallel(net, [opt], algo, bucket_size_mb=0.0,
                                            gradient_as_bucket_view=as_view)
         seen = []
@@ -161,13 +169,27 @@ def _fallback_worker(rank: int) -> list[tuple[list[torch.Tensor], dict[str, torc
     return seen
 
 
+def _warmup_default_worker() -> dict[str, int]:
+    """The default warm-up per optimizer (read once the optimizer is attached)."""
+    out = {}
+    for label, cls in (("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW),
+                       ("adam", torch.optim.Adam)):
+        net = _net()
+        model = hx.DistributedDataParallel(net, [cls(net.parameters(), lr=0.01)],
+                                           hx.algorithms.get("allreduce", delay=1))
+        out[label] = model.algorithm.warmup_steps
+        model.close()
+    return out
+
+
 def _worker() -> dict[str, Any]:
     """Every multi-rank case in one spawned job (one start-up for the module)."""
     os.environ["HEXAGRAM_HOST"] = os.environ["RANK"]  # 2 emulated hosts, 1 rank each
     rank = hx.init(timeout=60).rank
     out = {"sequences": _sequence_worker(rank), "compressed": _compressed_worker(rank),
            "resume": _resume_worker(rank), "every": _every_worker(rank),
-           "join": _join_worker(rank), "fallback": _fallback_worker(rank)}
+           "join": _join_worker(rank), "fallback": _fallback_worker(rank),
+           "warmup_default": _warmup_default_worker()}
     hx.shutdown()
     return out
 
@@ -198,6 +220,19 @@ def test_matches_hand_computed_delayed_sgd(label: str,
                                            msg=f"{label}, rank {rank}, after step {step}")
     # the flush moved the weights: the last gradient was applied, not dropped
     assert not torch.equal(expected[-1][0], expected[-2][0])
+
+
+def test_warmup_is_synchronous_then_delayed(sequences: list[dict[str, Any]]) -> None:
+    """``delay_warmup=2``: steps 0 and 1 apply their own mean gradient, step 2 starts the
+    pipeline (zero gradient), then one-step delay; the flush applies the last one."""
+    expected = expected_delayed_sgd(STEPS, warmup=WARMUP)
+    assert not torch.equal(expected[0][0], _net().state_dict()["0.weight"])  # step 0 moved
+    assert torch.equal(expected[WARMUP][0], expected[WARMUP - 1][0])  # the zero step
+    for rank, result in enumerate(sequences):
+        for step, (g, e) in enumerate(zip(result["warmup"], expected)):
+            for a, b in zip(g, e):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14,
+                                           msg=f"warm-up, rank {rank}, after step {step}")
 
 
 @pytest.mark.parametrize("label", ["predicted", "predicted_dgc"])
@@ -463,3 +498,17 @@ def test_other_optimizers_predict_by_repeating_the_last_update(
                     true[name] + (true[name] - seen[step - 1][1][name])
                 torch.testing.assert_close(weight, expected, rtol=0, atol=1e-15)
         assert not torch.equal(seen[3][0][0], seen[3][1][names[0]])  # it did move
+
+
+def test_default_warmup_is_for_adam_only(results: list[dict[str, Any]]) -> None:
+    from hexagram.algorithms.delay import ADAM_WARMUP
+
+    for r in results:
+        assert r["warmup_default"] == {"sgd": 0, "adamw": ADAM_WARMUP, "adam": ADAM_WARMUP}
+
+
+def test_delay_warmup_is_checked() -> None:
+    with pytest.raises(ConfigError, match="delay_warmup"):
+        hx.algorithms.get("topk", delay=1, delay_warmup=-1)
+    with pytest.raises(ConfigError, match="delay_warmup applies to delay=1 only"):
+        hx.algorithms.get("topk", delay_warmup=5)

@@ -54,6 +54,8 @@ gradient, not the mean on the wire. Consequences:
 - :meth:`Delayed.state_dict` carries the true weights, so a checkpoint of the module's
   predicted weights plus the algorithm state resumes bit-exactly;
 - cost: two more parameter-sized buffers (true weights, this step's own gradient);
+- with Adam or AdamW the first 100 steps run synchronously by default (``delay_warmup``,
+  :attr:`Delayed.warmup_steps`): time delayed runs after it;
 - ``predict=False`` gives plain one-step-stale SGD (the hand-computed sequence of the
   tests); use it with an AMP ``GradScaler`` (the local gradient is still scaled when the
   prediction reads it) or when the evaluation must see exactly the true weights mid-run.
@@ -82,10 +84,12 @@ from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
 from hexagram.errors import ConfigError
 
-__all__ = ["DELAYS", "Delayed", "check_delay"]
+__all__ = ["ADAM_WARMUP", "DELAYS", "Delayed", "check_delay"]
 
 #: the supported values of the ``delay`` wrapper option
 DELAYS = (0, 1)
+#: default synchronous steps before the delay starts with an Adam or AdamW optimizer
+ADAM_WARMUP = 100
 
 Key = tuple[str, ...]
 
@@ -112,13 +116,21 @@ class Delayed(Forwarding):
     name = "delayed"
     kind = "grad"
 
-    def __init__(self, inner: Algorithm, predict: bool = True) -> None:
+    def __init__(self, inner: Algorithm, predict: bool = True,
+                 warmup: int | None = None) -> None:
         _check_inner(inner)
         if not isinstance(predict, bool):
             raise ConfigError(f"algorithm {inner.name!r}: predict must be True or False, got "
                               f"{predict!r}")
+        if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int)
+                                   or warmup < 0):
+            raise ConfigError(f"algorithm {inner.name!r}: delay_warmup must be an integer >= 0 "
+                              f"(synchronous steps before the delay starts) or None (50 with "
+                              f"Adam, else 0), got {warmup!r}")
         super().__init__(inner)
         self.predict = predict
+        self._warmup = warmup
+        self._steps = 0  # backward passes seen (the warm-up counts them)
         self._stash: dict[Key, list[Bucket]] = {}  # two per layout: in flight / next
         self._flip: dict[Key, int] = {}
         self._inflight: dict[Key, tuple[Bucket, Handle[Tensor]]] = {}
@@ -138,7 +150,27 @@ class Delayed(Forwarding):
         self.inner.reset(ctx)
 
     # -- the hook ------------------------------------------------------------------------
-    def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
+    @property
+    def warmup_steps(self) -> int:
+        """Synchronous steps before the delay starts: ``delay_warmup``, or by default
+        :data:`ADAM_WARMUP` when an attached optimizer is Adam or AdamW (their first updates
+        are sign-like, where the weight prediction is least accurate: the small GPT at
+        AdamW lr 3e-3, 500 steps, ended 20 % above its synchronous validation loss without
+        a warm-up, 5.0 % above with 50 steps, 3.3 % with 100; at lr 1e-3 0.5 % without),
+        else 0 (heavy ball on Fashion-MNIST needs none)."""
+        if self._warmup is not None:
+            return self._warmup
+        adam = any(isinstance(o, (torch.optim.Adam, torch.optim.AdamW))
+                   for o in self.ctx.optimizers)
+        return ADAM_WARMUP if adam else 0
+
+    def after_backward(self) -> None:
+        self.inner.after_backward()
+        self._steps += 1
+
+    def bucket_ready(self, bucket: Bucket) -> Handle[Tensor] | None:
+        if self._steps < self.warmup_steps:  # synchronous: the inner reduction as is
+            return self.inner.bucket_ready(bucket)
         key = tuple(bucket.names)
         previous = self._take(key, bucket)  # step t-1's reduction (may live in a stash)
         stash = self._next_stash(key, bucket)  # not the one ``previous`` may live in
@@ -282,7 +314,7 @@ class Delayed(Forwarding):
         pending = self.pending()
         return {"delay": 1, "pending": {n: t.clone() for n, t in pending.items()},
                 "true_weights": {n: t.clone() for n, t in self._true.items()},
-                "inner": self.inner.state_dict()}
+                "steps": self._steps, "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("delay") != 1 or "pending" not in state:
@@ -294,6 +326,7 @@ class Delayed(Forwarding):
         # the module's own state holds the predicted weights; these are the true ones
         self._true = {n: t.to(device) for n, t in state.get("true_weights", {}).items()}
         self._fresh = {}
+        self._steps = int(state.get("steps", self._steps))
         self.inner.load_state_dict(state["inner"])
 
     def close(self) -> None:

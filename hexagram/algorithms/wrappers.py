@@ -43,16 +43,18 @@ from hexagram.errors import ConfigError
 __all__ = ["WRAPPER_OPTIONS", "Cast", "Delayed", "Hierarchical", "wrap"]
 
 #: the options :func:`hexagram.algorithms.get` accepts for any gradient algorithm
-WRAPPER_OPTIONS = ("hierarchical", "delay", "cast", "predict")
+WRAPPER_OPTIONS = ("hierarchical", "delay", "cast", "predict", "delay_warmup")
 
 
 def wrap(algorithm: Algorithm, *, hierarchical: bool = False, delay: int = 0,
-         cast: str | None = None, predict: bool | None = None) -> Algorithm:
+         cast: str | None = None, predict: bool | None = None,
+         delay_warmup: int | None = None) -> Algorithm:
     """``algorithm`` wrapped as asked (unchanged when nothing is asked). From the inside
     out: ``cast`` (so that with ``hierarchical`` only the inter-host stage is 16-bit),
     ``hierarchical``, and ``delay=1`` outermost (the whole reduction is what it delays).
     ``predict`` (default True with ``delay=1``) runs each step at the predicted weights
     (:mod:`hexagram.algorithms.predict`); ``predict=False`` keeps plain stale SGD.
+    ``delay_warmup`` synchronous steps come first (default: 100 with Adam/AdamW, else 0).
 
     Raises:
         ConfigError: a wrapper that needs a gradient algorithm around a weight algorithm,
@@ -66,10 +68,10 @@ def wrap(algorithm: Algorithm, *, hierarchical: bool = False, delay: int = 0,
     'Hierarchical'
     """
     delay = check_delay(algorithm, delay)
-    if predict is not None and not delay:
-        raise ConfigError(f"algorithm {algorithm.name!r}: predict applies to delay=1 only "
-                          "(it moves the weights to where a delayed gradient is applied); "
-                          "pass delay=1 or drop predict")
+    for option, value in (("predict", predict), ("delay_warmup", delay_warmup)):
+        if value is not None and not delay:
+            raise ConfigError(f"algorithm {algorithm.name!r}: {option} applies to delay=1 "
+                              f"only; pass delay=1 or drop {option}")
     dtype = check_cast(algorithm, cast)
     if dtype is not None:
         algorithm = Cast(algorithm, dtype)
@@ -77,7 +79,9 @@ def wrap(algorithm: Algorithm, *, hierarchical: bool = False, delay: int = 0,
         algorithm = Hierarchical(algorithm)
     elif hierarchical is not False:
         raise ConfigError(f"hierarchical must be True or False, got {hierarchical!r}")
-    return Delayed(algorithm, predict=predict is not False) if delay else algorithm
+    if not delay:
+        return algorithm
+    return Delayed(algorithm, predict=predict is not False, warmup=delay_warmup)
 
 
 class Hierarchical(Algorithm):

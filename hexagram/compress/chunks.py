@@ -234,12 +234,16 @@ class TableCodedCompressor(Compressor):
     EF-sign, TernGrad): subclasses implement :meth:`Compressor.code_table`; decoding (and
     adding into a buffer) goes straight from the packed bytes via :func:`decode_table`."""
 
-    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor] | None:
         raise NotImplementedError(f"{type(self).__name__} must implement code_table")
 
     def decompress(self, payload: Payload) -> Tensor:
         return decompress_via_into(self, payload)
 
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
-        bits, values, packed = self.code_table(payload)
+        table = self.code_table(payload)
+        if table is None:  # a subclass whose format has no single table overrides this
+            raise NotImplementedError(f"{type(self).__name__}: this payload has no code table; "
+                                      "override decompress_into")
+        bits, values, packed = table
         return decode_table(packed, bits, out.numel(), values, out, add)
