@@ -227,10 +227,10 @@ class DistributedDataParallel(nn.Module):
                 self.optimizers.append(opt)
             self._hooked.add(id(opt))
             # the hook holds the wrapper weakly, so an unreferenced wrapper is collected
-            for handle in (opt.register_step_pre_hook(lifecycle.weak_method(self._before_step)),
-                           opt.register_step_post_hook(lifecycle.weak_method(self._after_step))):
-                self._step_hooks.append(handle)
-                self._resources.hooks.append(handle)
+            pair = (opt.register_step_pre_hook(lifecycle.weak_method(self._before_step)),
+                    opt.register_step_post_hook(lifecycle.weak_method(self._after_step)))
+            self._step_hooks.append(pair)  # one entry per hooked optimizer
+            self._resources.hooks.extend(pair)
         if self._setup_pending and (self.optimizers or not needs_optimizers(self.algorithm)):
             self._setup_pending = False
             self.algorithm.setup(self._ctx)
