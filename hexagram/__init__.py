@@ -7,10 +7,9 @@ Example:
     ... # doctest: +SKIP
 """
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from hexagram import algorithms
-from hexagram.engine.ddp import DistributedDataParallel
 from hexagram.errors import (
     CommError,
     CommTimeoutError,
@@ -20,7 +19,11 @@ from hexagram.errors import (
     NonFiniteGradientError,
     NotInitializedError,
 )
-from hexagram.runtime import Runtime, get_runtime, init, is_initialized, shutdown
+
+if TYPE_CHECKING:
+    from hexagram import algorithms
+    from hexagram.engine.ddp import DistributedDataParallel
+    from hexagram.runtime import Runtime, get_runtime, init, is_initialized, shutdown
 
 __version__ = "0.1.0"
 
@@ -43,12 +46,30 @@ __all__ = [
 
 __all__ += ["load_checkpoint", "save_checkpoint"]
 
+#: public name -> the module that defines it, imported on first use. `import hexagram` itself
+#: imports neither torch nor any of these: torch costs ~2 CPU-s, the engine ~1.7 more
+#: (torch._dynamo, which its @torch.compiler.disable decorators import when the class is
+#: defined) and the checkpoint helpers torch.distributed.checkpoint; `hexagram --help`,
+#: `hexagram simulate --help` and the planning commands need none of them.
+_LAZY = {
+    "DistributedDataParallel": "hexagram.engine.ddp",
+    "Runtime": "hexagram.runtime",
+    "get_runtime": "hexagram.runtime",
+    "init": "hexagram.runtime",
+    "is_initialized": "hexagram.runtime",
+    "shutdown": "hexagram.runtime",
+    "load_checkpoint": "hexagram.elastic.checkpoint",
+    "save_checkpoint": "hexagram.elastic.checkpoint",
+}
+
 
 def __getattr__(name: str) -> Any:
-    # The checkpoint helpers import torch.distributed.checkpoint (DTensor and its op tables):
-    # about a quarter of `import hexagram`, paid by every rank process otherwise.
-    if name in ("load_checkpoint", "save_checkpoint"):
-        from hexagram.elastic import checkpoint
-
-        return getattr(checkpoint, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if not name.startswith("_"):  # a subpackage not imported yet: hx.algorithms, hx.elastic
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module 'hexagram' has no attribute {name!r}")

@@ -40,15 +40,16 @@ class LaunchError(HexagramError):
 def _context() -> Any:
     """Forkserver where the platform has one, spawn elsewhere.
 
-    The fork server imports torch and hexagram once and every rank is forked from it, ready
-    to run; with spawn each rank re-imports torch (about 3 CPU-seconds a rank on this
-    machine). Both start from a clean process (no parent threads, no CUDA context), so the
-    semantics are spawn's: ``fn`` and ``args`` are pickled, ``__main__`` is re-imported.
+    The fork server imports torch and hexagram's engine (runtime, algorithms) once and every
+    rank is forked from it, ready to run; with spawn each rank re-imports torch (about 3
+    CPU-seconds a rank on this machine). Both start from a clean process (no parent threads,
+    no CUDA context), so the semantics are spawn's: ``fn`` and ``args`` are pickled,
+    ``__main__`` is re-imported.
     """
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "hexagram"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "hexagram", "hexagram.engine.ddp"])
     return ctx
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -258,3 +260,18 @@ def test_large_p_latency_follows_the_backend() -> None:
     assert _row(nccl, "powersgd", 4096).step_s < 3 * _row(nccl, "powersgd", 64).step_s  # type: ignore[operator]
     mpi = simulate(["allreduce"], [4096], COMPUTE, Cluster(inter="25gbe", backend="mpi"))
     assert mpi[0].bytes == nccl[2].bytes and mpi[0].step_s is not None
+
+
+def test_cli_imports_only_what_it_runs() -> None:
+    """``--help`` imports no torch; a GPT run imports no ``torch._dynamo`` (the engine's
+    decorators and the meta device's ``normal_`` each did: ~1.7 of its 3-4 CPU-s)."""
+    code = ("import sys\nfrom hexagram.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'torch._dynamo') if m in sys.modules))")
+    run = [sys.executable, "-c", code, "simulate"]
+    out = subprocess.run([*run, "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--algorithms" in out and out.splitlines()[-1] == "[]"
+    out = subprocess.run([*run, "--model", "gpt", "--layers", "2", "--width", "64",
+                          "--world", "8,64", "--algorithms", "allreduce,topk"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "| topk | 64 |" in out and out.splitlines()[-1] == "['torch']"

@@ -11,6 +11,19 @@
 ``algorithm="auto"`` (:mod:`hexagram.algorithms.auto`) and ``hexagram advise`` read it.
 """
 
-from hexagram.cost.schedule import Message, TensorSpec, layout_of, step_schedule, wire_bytes
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hexagram.cost.schedule import Message, TensorSpec, layout_of, step_schedule, wire_bytes
 
 __all__ = ["Message", "TensorSpec", "layout_of", "step_schedule", "wire_bytes"]
+
+
+def __getattr__(name: str) -> Any:
+    # The schedule imports torch and the algorithms; the device and link presets and the
+    # collective schedules (`hexagram simulate --help`) need neither.
+    if name in __all__:
+        from hexagram.cost import schedule
+
+        return getattr(schedule, name)
+    raise AttributeError(f"module 'hexagram.cost' has no attribute {name!r}")

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm
@@ -182,6 +183,27 @@ def module_tensors(module: nn.Module) -> list[TensorSpec]:
     return specs[::-1]
 
 
+#: in-place random fills of weight initialisation (``nn.init`` functions, tensor methods)
+_RANDOM_FILLS = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+    "xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_", "random_", "bernoulli_",
+    "exponential_", "geometric_", "log_normal_", "cauchy_"})
+
+
+class _SkipRandomFills(TorchFunctionMode):
+    """Returns the tensor of every random initial fill unchanged. On the meta device a fill
+    computes nothing, but torch runs ``normal_`` there through a Python reference that
+    imports ``torch._dynamo`` on its first call: about 1.7 CPU-s of ``hexagram simulate``'s
+    3-4, for values that do not exist. Shapes, names and dtypes are unaffected."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _RANDOM_FILLS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def reference_tensors(name: str, params: int = 6_300_000, layers: int = 3, width: int = 256,
                       block: int = 64) -> tuple[list[TensorSpec], int]:
     """A registered reference model built on the meta device (nothing allocated): its
@@ -189,7 +211,7 @@ def reference_tensors(name: str, params: int = 6_300_000, layers: int = 3, width
     from hexagram.bench.workload import ModelSpec, build_workload
 
     spec = ModelSpec(name=name, params=params, layers=layers, width=width, block=block)
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipRandomFills():
         work = build_workload(spec)
     return module_tensors(work.model), block if name == "gpt" else 1
 

@@ -16,28 +16,17 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hexagram.algorithms import registry
-from hexagram.cost.choose import make
+# Only torch-free modules here, so that `hexagram simulate --help` starts in a fraction of
+# a second: the simulator (torch, every algorithm) is imported by the functions that run it.
 from hexagram.cost.collectives import BACKENDS
 from hexagram.cost.devices import EFFICIENCY, LINKS, device
-from hexagram.cost.profile import (
-    CompressorCost,
-    ComputeProfile,
-    measure_compressor,
-    profile_module,
-)
-from hexagram.cost.schedule import _compressor
-from hexagram.cost.simulate import (
-    Cluster,
-    Row,
-    device_compute,
-    params_tensors,
-    reference_tensors,
-    simulate,
-    skip_reason,
-)
 from hexagram.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hexagram.cost.profile import CompressorCost, ComputeProfile
+    from hexagram.cost.simulate import Row
 
 __all__ = ["EXAMPLE", "EXAMPLE_ARGS", "add_arguments", "format_rows", "plot_rows", "run"]
 
@@ -83,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _compute(args: argparse.Namespace) -> ComputeProfile:
+    from hexagram.cost.simulate import device_compute, params_tensors, reference_tensors
+
     if args.params is not None:
         tensors, tokens = params_tensors(args.params, args.layers or 24), 1
     else:
@@ -95,6 +86,7 @@ def _compute(args: argparse.Namespace) -> ComputeProfile:
         raise ConfigError("--device local measures a registered --model; --params has no "
                           "runnable model: use --device a100 or h100")
     from hexagram.bench.workload import ModelSpec, build_workload
+    from hexagram.cost.profile import profile_module
 
     work = build_workload(ModelSpec(name=args.model, params=args.model_params,
                                     layers=args.layers or 3, width=args.width,
@@ -104,6 +96,11 @@ def _compute(args: argparse.Namespace) -> ComputeProfile:
 
 def _local_costs(labels: Sequence[str]) -> dict[str, CompressorCost]:
     """Each lossy label's compressor timed on this machine's CPU (``--device local``)."""
+    from hexagram.cost.choose import make
+    from hexagram.cost.profile import measure_compressor
+    from hexagram.cost.schedule import _compressor
+    from hexagram.cost.simulate import skip_reason
+
     out = {}
     for label in labels:
         if skip_reason(label) is None:
@@ -161,6 +158,9 @@ def plot_rows(rows: Sequence[Row], path: str | Path, title: str = "") -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Simulate, print the table (or JSON), write the plot; 2 on bad input."""
+    from hexagram.algorithms import registry
+    from hexagram.cost.simulate import Cluster, simulate
+
     try:
         labels = ([n for n in registry.names()] if args.algorithms == "all"
                   else [a.strip() for a in args.algorithms.split(",") if a.strip()])
