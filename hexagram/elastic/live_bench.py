@@ -40,7 +40,7 @@ from hexagram.elastic.quorum import QuorumError
 from hexagram.launch import free_port
 from hexagram.testing.faults import FaultInjector, parse_faults
 
-__all__ = ["batch", "net", "replay", "run_live"]
+__all__ = ["batch", "net", "preload", "replay", "run_live"]
 
 
 def net(seed: int = 0) -> nn.Module:
@@ -160,7 +160,8 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
     Raises:
         RuntimeError: a replica failed (other than the injected kill) or overran ``timeout``.
     """
-    _warm_up()  # import lazily loaded modules once, not in every forked replica
+    preload()  # import lazily loaded modules once, not in every forked replica
+    _warm_up()
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     cfg = {"steps": steps, "kill": kill, "restart": restart, "algorithm": algorithm,
@@ -226,9 +227,20 @@ def _supervise(procs: dict[int, Any], start: Callable[[int], Any], restart: set[
     return time.monotonic() < deadline
 
 
-def _warm_up() -> None:
-    import hexagram  # noqa: F401  (the wrapper's modules)
+def preload() -> None:
+    """Import what a replica needs before forking replicas: `import hexagram` loads nothing
+    heavy, so without this every forked replica (a restarted one too, which then arrives
+    after the survivors finished) imports the engine (torch._dynamo, ~2 s), the live
+    trainer and the algorithms itself."""
+    import hexagram.algorithms.registry
+    import hexagram.elastic.trainer
+    import hexagram.engine.ddp
 
+    for name in hexagram.algorithms.registry.names():
+        hexagram.algorithms.registry.entries()[name].load()
+
+
+def _warm_up() -> None:
     module = net()
     opt = _optimizer(module)
     x, y = batch(0, 0)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hexagram.elastic.live_bench import _supervise
+from hexagram.elastic.live_bench import _supervise, preload
 from hexagram.elastic.quorum import QuorumError
 from hexagram.launch import free_port
 from hexagram.testing.faults import FaultInjector, parse_faults
@@ -134,6 +134,7 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
             ``deadline`` seconds.
     """
     _data(dataset)  # load before forking
+    preload()
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     cfg = {"steps": steps, "kill": kill, "algorithm": algorithm, "config": config or {},
