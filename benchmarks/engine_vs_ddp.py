@@ -37,7 +37,10 @@ def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
     b.load_state_dict(a.state_dict())
     opt_a = torch.optim.SGD(a.parameters(), lr=0.01)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.01)
-    algo = hx.algorithms.get(algorithm, **({"verbose": False} if algorithm == "auto" else {}))
+    from hexagram.cost.choose import parse_label
+
+    name, config = parse_label(algorithm)  # e.g. "allreduce:delay=1:predict=false"
+    algo = hx.algorithms.get(name, **config, **({"verbose": False} if name == "auto" else {}))
     ours = hx.DistributedDataParallel(a, [opt_a], algo, bucket_size_mb=bucket_mb)
     theirs = TorchDDP(b, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=ddp_views)
     gen = torch.Generator().manual_seed(rt.rank)

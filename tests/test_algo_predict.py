@@ -53,6 +53,10 @@ def test_prediction_equals_the_optimizers_next_update(
         update = predicted_update(opt, opt.param_groups[0], param, grad, None)
     assert update is not None
     assert str(opt.state_dict()) == str(state_before), "predicting must not move the state"
+    in_place = predicted_update(opt, opt.param_groups[0], param, grad.clone(), None,
+                                scratch=True)
+    assert in_place is not None
+    torch.testing.assert_close(in_place, update, rtol=1e-12, atol=1e-15)
     true = param.detach().clone()
     param.grad = grad
     opt.step()

@@ -255,8 +255,10 @@ class Delayed(Forwarding):
         if name is None or local is None:
             self._true.pop(name or "", None)  # no gradient this step: weights stay true
             return
-        local = self.inner.predicted_gradient(name, local)
-        update = predicted_update(optimizer, group, param, local, self._true.get(name))
+        hint = self.inner.predicted_gradient(name, local)
+        # our own copy of the gradient may serve as scratch; an algorithm's state may not
+        update = predicted_update(optimizer, group, param, hint, self._true.get(name),
+                                  scratch=hint is local)
         # the true weights are kept even without an update to add: the fallback
         # prediction (the last update repeated) needs them one step later
         if name in self._true:

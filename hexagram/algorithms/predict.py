@@ -57,18 +57,23 @@ __all__ = ["predicted_update"]
 
 
 def predicted_update(optimizer: torch.optim.Optimizer, group: dict[str, Any], param: Tensor,
-                     grad: Tensor, previous: Tensor | None) -> Tensor | None:
+                     grad: Tensor, previous: Tensor | None,
+                     scratch: bool = False) -> Tensor | None:
     """The update ``optimizer``'s next step would add to ``param`` given ``grad``.
 
     ``param`` holds the true weights, ``previous`` the true weights before the step just
     taken (used by optimizers without an exact formula; None: no prediction for them).
-    Returns None when nothing can be predicted (the step is then taken at the true weights).
+    With ``scratch`` the SGD update is computed in ``grad`` itself (no parameter-sized
+    temporaries: ``delay=1`` passes its own copy of the gradient). Returns None when
+    nothing can be predicted (the step is then taken at the true weights).
     """
     own = getattr(optimizer, "predicted_update", None)
     if callable(own):  # the optimizer knows its own next step (e.g. QAdamOptimizer)
         return own(param, grad)  # type: ignore[no-any-return]
     state = optimizer.state.get(param, {})
     if isinstance(optimizer, torch.optim.SGD):
+        if scratch:
+            return _sgd_in_place(group, state, param, grad)
         return _sgd(group, state, param, grad)
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and "exp_avg" in state:
         return _adam(optimizer, group, state, param, grad)
@@ -85,6 +90,25 @@ def _sgd(group: dict[str, Any], state: dict[str, Any], param: Tensor, grad: Tens
         v = g if buf is None else b * buf + (1 - group["dampening"]) * g
         g = g + b * v if group["nesterov"] else v
     return -_scalar(group["lr"]) * g
+
+
+def _sgd_in_place(group: dict[str, Any], state: dict[str, Any], param: Tensor,
+                  grad: Tensor) -> Tensor:
+    """:func:`_sgd`, written into ``grad`` (rounding may differ in the last bit)."""
+    if group.get("maximize", False):
+        grad.neg_()
+    if group["weight_decay"]:
+        grad.add_(param.detach(), alpha=group["weight_decay"])
+    b = group["momentum"]
+    buf = state.get("momentum_buffer") if b else None
+    if buf is not None:  # v = b buf + (1 - dampening) g; Nesterov: g + b v
+        if group["nesterov"]:
+            grad.mul_(1 + b * (1 - group["dampening"])).add_(buf, alpha=b * b)
+        else:
+            grad.mul_(1 - group["dampening"]).add_(buf, alpha=b)
+    elif b and group["nesterov"]:  # first step: v = g, so g + b v = (1 + b) g
+        grad.mul_(1 + b)
+    return grad.mul_(-_scalar(group["lr"]))
 
 
 def _adam(optimizer: torch.optim.Optimizer, group: dict[str, Any], state: dict[str, Any],
