@@ -125,8 +125,8 @@ class Delayed(Forwarding):
         if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int)
                                    or warmup < 0):
             raise ConfigError(f"algorithm {inner.name!r}: delay_warmup must be an integer >= 0 "
-                              f"(synchronous steps before the delay starts) or None (50 with "
-                              f"Adam, else 0), got {warmup!r}")
+                              f"(synchronous steps before the delay starts) or None "
+                              f"({ADAM_WARMUP} with Adam, else 0), got {warmup!r}")
         super().__init__(inner)
         self.predict = predict
         self._warmup = warmup
@@ -243,14 +243,14 @@ class Delayed(Forwarding):
         self.inner.after_step(optimizer)
         if not self._predicting():
             return
+        names = self._names
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
-                    self._predict_one(optimizer, group, param)
+                    self._predict_one(optimizer, group, param, names.get(id(param)))
 
     def _predict_one(self, optimizer: torch.optim.Optimizer, group: dict[str, Any],
-                     param: Tensor) -> None:
-        name = self._names.get(id(param))
+                     param: Tensor, name: str | None) -> None:
         local = None if name is None else self._fresh.pop(name, None)
         if name is None or local is None:
             self._true.pop(name or "", None)  # no gradient this step: weights stay true
@@ -270,6 +270,7 @@ class Delayed(Forwarding):
 
     @property
     def _names(self) -> dict[int, str]:
+        """Parameter id -> name (built once per call site, not per parameter)."""
         return {id(p): n for n, p in self.ctx.named_params}
 
     def _params_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor]]:

@@ -235,10 +235,12 @@ class SignCompressor(TableCodedCompressor):
         return total.div_(len(payloads))
 
 
-class EFSignCompressor(TableCodedCompressor):
-    """Scaled sign ``(||x||_1 / n) * sign(x)``, for use with error feedback."""
+class _ScaledSignCompressor(TableCodedCompressor):
+    """Shared by ``efsign`` and ``onebit``: sign bits plus reconstruction values, one set per
+    tensor, or per block of ``config.block`` elements (:mod:`hexagram.compress.sign_blocks`:
+    decoded by :meth:`decompress_into`, no single code table). Subclasses give the
+    per-tensor header (:meth:`_header_of`) and code table (:meth:`_table`)."""
 
-    name = "efsign"
     aggregation = Aggregation.GATHER
     unbiased = False
 
@@ -247,13 +249,16 @@ class EFSignCompressor(TableCodedCompressor):
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
+        flat = tensor.detach().reshape(-1)
         if self.config.block:
-            header, bits = encode_blocked(tensor.detach().reshape(-1), self.config.block,
-                                          self.name, self.name)
-            return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
-        bits, stats = encode_signs(tensor.detach().reshape(-1), self.name)
-        header = _header([float(stats[0]) / tensor.numel()], tensor, self.name)
+            header, bits = encode_blocked(flat, self.config.block, self.name, self.name)
+        else:
+            bits, stats = encode_signs(flat, self.name)
+            header = self._header_of(tensor, stats)
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
+
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor] | None:
+        return None if self.config.block else self._table(payload)
 
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         if not self.config.block:
@@ -262,50 +267,42 @@ class EFSignCompressor(TableCodedCompressor):
         return decode_blocked(header, bits, out.numel(), self.config.block, self.name,
                               out.dtype, out, add)
 
-    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor] | None:
-        if self.config.block:
-            return None  # one table per block: decoded by decompress_into, not combined
+    def _header_of(self, tensor: Tensor, stats: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
+        raise NotImplementedError
+
+
+class EFSignCompressor(_ScaledSignCompressor):
+    """Scaled sign ``(||x||_1 / n) * sign(x)``, for use with error feedback."""
+
+    name = "efsign"
+
+    def _header_of(self, tensor: Tensor, stats: Tensor) -> Tensor:
+        return _header([float(stats[0]) / tensor.numel()], tensor, self.name)
+
+    def _table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, bits = payload.tensors
         if not bool(torch.isfinite(header * 2).all()):  # 2 * scale overflows: use float64
             header = header.double()
         return 1, _sign_values(payload, header), bits
 
 
-class OneBitCompressor(TableCodedCompressor):
+class OneBitCompressor(_ScaledSignCompressor):
     """1-bit SGD: each sign half decodes to its mean (reconstruction values)."""
 
     name = "onebit"
-    aggregation = Aggregation.GATHER
-    unbiased = False
 
-    def __init__(self, config: SignConfig | None = None) -> None:
-        self.config = config or SignConfig()
-
-    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
-        check_compressible(tensor, self.name)
-        if self.config.block:
-            header, bits = encode_blocked(tensor.detach().reshape(-1), self.config.block,
-                                          self.name, self.name)
-            return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
-        bits, stats = encode_signs(tensor.detach().reshape(-1), self.name)
+    def _header_of(self, tensor: Tensor, stats: Tensor) -> Tensor:
         abs_sum, total, n_pos = (float(v) for v in stats)
         n_neg = tensor.numel() - n_pos
         # sum over x >= 0 is (sum x + sum |x|) / 2, over x < 0 (sum x - sum |x|) / 2
         pos = (total + abs_sum) / 2 / n_pos if n_pos else 0.0
         neg = (total - abs_sum) / 2 / n_neg if n_neg else 0.0
-        header = _header([neg, pos], tensor, self.name)
-        return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
+        return _header([neg, pos], tensor, self.name)
 
-    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor] | None:
-        if self.config.block:
-            return None  # one table per block: decoded by decompress_into, not combined
+    def _table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, bits = payload.tensors
         # bit 0 -> the negative half's mean, bit 1 -> the non-negative half's
         return 1, header.to(payload.dtype), bits
-
-    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
-        if not self.config.block:
-            return super().decompress_into(payload, out, add)
-        header, bits = payload.tensors
-        return decode_blocked(header, bits, out.numel(), self.config.block, self.name,
-                              out.dtype, out, add)
