@@ -26,8 +26,10 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,11 +40,11 @@ import torch.nn.functional as F
 
 from hexagram.elastic import soak
 from hexagram.elastic.live_bench import _supervise
-from hexagram.testing.faults import FaultInjector, parse_faults
+from hexagram.testing.faults import parse_faults
 
 
 def _torchft_replica(replica: int, world: int, lighthouse: str, cfg: dict[str, Any],
-                     restarted: bool, out: str) -> None:
+                     incarnation: int, out: str, barrier: Any) -> None:
     from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
     from torchft.optim import OptimizerWrapper
 
@@ -61,8 +63,10 @@ def _torchft_replica(replica: int, world: int, lighthouse: str, cfg: dict[str, A
         rank=0, world_size=1, lighthouse_addr=lighthouse,
         timeout=timedelta(seconds=cfg["timeout"]))
     ddp, optim = DistributedDataParallel(manager, model), OptimizerWrapper(manager, opt)
-    injector = FaultInjector([] if restarted else parse_faults(cfg["kill"]), replica)
-    report: dict[str, Any] = {"restarted": restarted, "log": [], "times": []}
+    if not incarnation:  # all start together, as Hexagram's replicas do: no late joiner
+        barrier.wait(cfg["timeout"])
+    injector = soak.injector_for(cfg["kill"], replica, incarnation)
+    report: dict[str, Any] = {"restarted": incarnation > 0, "log": [], "times": []}
     while manager.current_step() < cfg["steps"]:
         injector.at_step(manager.current_step())
         start = time.perf_counter()
@@ -78,35 +82,36 @@ def _torchft_replica(replica: int, world: int, lighthouse: str, cfg: dict[str, A
         report["times"].append(time.perf_counter() - start)
     report.update(step=manager.current_step(), accuracy=soak.accuracy(model, data),
                   stats={})
-    torch.save(report, Path(out) / f"replica{replica}_{int(restarted)}.pt")
+    torch.save(report, Path(out) / f"replica{replica}_{incarnation}.pt")
     manager.shutdown(wait=False)
     os._exit(0)  # torchft's threads would keep the process alive
 
 
 def run_torchft(world: int, steps: int, kill: str, dataset: str, batch: int, lr: float,
-                heartbeat_ms: int, deadline: float) -> dict[str, Any]:
+                heartbeat_ms: int, deadline: float, min_size: int) -> dict[str, Any]:
     """The torchft soak: :func:`hexagram.elastic.soak.run_soak`'s protocol on torchft."""
     from torchft.coordination import LighthouseServer
 
     os.environ.setdefault("RUST_LOG", "error")  # torchft logs every quorum at info
     soak._data(dataset)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=max(1, world - 1),
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_size,
                                   join_timeout_ms=1000, quorum_tick_ms=10,
                                   heartbeat_timeout_ms=heartbeat_ms)
     cfg = {"steps": steps, "kill": kill, "dataset": dataset, "batch": batch, "lr": lr,
-           "min_size": max(1, world - 1), "timeout": 30.0}
-    ctx = mp.get_context("fork")
-    started = time.perf_counter()
+           "min_size": min_size, "timeout": 30.0}
+    # spawn, not fork: forking a parent that runs the Lighthouse (a Rust runtime) and has
+    # run gloo left some replicas deadlocked before they reached the quorum
+    ctx = mp.get_context("spawn")
+    started, barrier = time.perf_counter(), ctx.Barrier(world)
     with tempfile.TemporaryDirectory() as out:
-        def start(r: int, again: bool) -> Any:
-            return ctx.Process(target=_torchft_replica,
-                               args=(r, world, lighthouse.address(), cfg, again, out))
+        def start(r: int, incarnation: int) -> Any:
+            return ctx.Process(target=_torchft_replica, args=(
+                r, world, lighthouse.address(), cfg, incarnation, out, barrier))
 
-        procs = {r: start(r, False) for r in range(world)}
+        procs = {r: start(r, 0) for r in range(world)}
         for proc in procs.values():
             proc.start()
-        in_time = _supervise(procs, lambda r: start(r, True),
-                             {f.rank for f in parse_faults(kill)}, 1.0,
+        in_time = _supervise(procs, start, Counter(f.rank for f in parse_faults(kill)), 1.0,
                              time.monotonic() + deadline)
         for proc in procs.values():
             if proc.is_alive():
@@ -123,24 +128,42 @@ def run_torchft(world: int, steps: int, kill: str, dataset: str, batch: int, lr:
     return row
 
 
+def _spread(values: list[float]) -> str:
+    """``median / max (n)`` of a list of seconds, ``-`` when empty."""
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f} / {max(values):.2f} ({len(values)})"
+
+
+def _cells(r: dict[str, Any], plain_ms: float | None) -> list[str]:
+    overhead = (f"{r['median_step_ms'] - plain_ms:+.1f}"
+                if plain_ms is not None and not r.get("kills") else "-")
+    agree = r.get("accuracy_spread")
+    return [str(r.get("steps_lost", "-")), str(r.get("dropped_attempts", "-")),
+            _spread(r.get("stall_s", [])),
+            f"{r['longest_step_s']:.2f}" if "longest_step_s" in r else "-",
+            _spread(r.get("heal_s", [])), f"{r['median_step_ms']:.1f}", overhead,
+            f"{r['accuracy']:.4f}", "yes" if agree == 0 else str(agree),
+            str(r.get("rejoined", "-")), f"{r['wall_s']:.0f}" if "wall_s" in r else "-"]
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The results as a table: one line per engine, algorithm and failure setting."""
-    lines = ["| engine | algorithm | kills | steps lost | dropped attempts | stall per failure "
-             "(s) | longest step (s) | healing (s) | median step (ms) | final accuracy | "
-             "replicas agree | rejoined | wall (s) |", "|" + "---|" * 13]
+    """The results as a table: one line per engine, algorithm and failure setting. Stall
+    and healing: median / max (count) in seconds; overhead: the failure-free median step
+    minus plain PyTorch DDP's (the first row)."""
+    head = ["engine", "algorithm", "kills", "steps lost", "dropped attempts",
+            "stall per failure (s)", "longest step (s)", "healing (s)", "median step (ms)",
+            "overhead vs plain DDP (ms)", "final accuracy", "replicas agree", "rejoined",
+            "wall (s)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    plain_ms = next((r["median_step_ms"] for r in rows if r["engine"].startswith("pytorch")
+                     and "error" not in r), None)
     for r in rows:
+        first = f"| {r['engine']} | {r['algorithm']} | {r['kill'] or 'none'} | "
         if "error" in r:
-            lines.append(f"| {r['engine']} | {r['algorithm']} | {r['kill'] or 'none'} | "
-                         f"{r['error']} |" + " |" * 9)
-            continue
-        stall = ", ".join(f"{s:.2f}" for s in r["stall_s"]) or "-"
-        heal = ", ".join(f"{s:.2f}" for s in r["heal_s"]) or "-"
-        lines.append(
-            f"| {r['engine']} | {r['algorithm']} | {r['kill'] or 'none'} | {r['steps_lost']} | "
-            f"{r['dropped_attempts']} | {stall} | {r['longest_step_s']:.2f} | {heal} | "
-            f"{r['median_step_ms']:.1f} | {r['accuracy']:.4f} | "
-            f"{'yes' if r['accuracy_spread'] == 0 else r['accuracy_spread']} | "
-            f"{r['rejoined']} | {r['wall_s']:.0f} |")
+            lines.append(first + f"{r['error']} |" + " |" * (len(head) - 4))
+        else:
+            lines.append(first + " | ".join(_cells(r, plain_ms)) + " |")
     return "\n".join(lines)
 
 
@@ -155,9 +178,12 @@ def _torchft_available() -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--kill", default="1@100,2@200")
-    parser.add_argument("--algorithms", default="allreduce")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--kill", default="1@100,2@200,3@300,1@400,2@500")
+    parser.add_argument("--min-size", type=int, default=2,
+                        help="replicas a step needs (both engines); at most two are down "
+                             "at once with a kill every 100 steps and 1 s restarts")
+    parser.add_argument("--algorithms", default="allreduce,powersgd,diloco")
     parser.add_argument("--dataset", default="auto")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
@@ -177,11 +203,13 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({"load_average": os.getloadavg(),
                                                    "rows": rows}, indent=1, default=str))
 
+    plain = soak.plain_ddp(args.world, args.steps, args.dataset, args.batch, args.lr)
+    record("pytorch-ddp (no fault tolerance)", "allreduce", "", plain)
     for algorithm in args.algorithms.split(","):
         for kill in ("", args.kill):
             record("hexagram", algorithm, kill, soak.run_soak(
                 args.world, args.steps, kill, algorithm, None, args.dataset, args.batch,
-                args.lr, deadline=args.deadline))
+                args.lr, min_size=args.min_size, deadline=args.deadline))
     missing = "skipped (--no-torchft)" if args.no_torchft else _torchft_available()
     for kill in ("", args.kill):
         if missing:
@@ -189,7 +217,7 @@ def main() -> None:
             continue
         record("torchft", "allreduce", kill, run_torchft(
             args.world, args.steps, kill, args.dataset, args.batch, args.lr,
-            args.torchft_heartbeat_ms, args.deadline))
+            args.torchft_heartbeat_ms, args.deadline, args.min_size))
     print(markdown(rows))
     if args.markdown:
         Path(args.markdown).write_text(markdown(rows) + "\n")

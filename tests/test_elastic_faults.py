@@ -9,9 +9,12 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from hexagram.elastic.live_bench import _supervise
+from hexagram.elastic.soak import injector_for
 from hexagram.errors import ConfigError
 from hexagram.testing.faults import EXIT_CODE, Fault, FaultInjector, InjectedFault, parse_faults
 
@@ -109,3 +112,35 @@ def test_train_kill_fails_the_run_naming_the_dead_rank(tmp_path: Path) -> None:
     assert "error" in row and "rank" in row["error"], row
     with pytest.raises(ConfigError, match="RANK@STEP"):
         train_cli.run(parser.parse_args(["--loopback", "--kill", "one@3"]))
+
+
+def _dies_until(incarnation: int, survives_from: int) -> None:
+    if incarnation < survives_from:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_supervise_restarts_a_replica_as_often_as_it_is_killed() -> None:
+    """A rank killed twice is started twice more (incarnations 1 and 2); a replica that
+    finishes normally is never restarted."""
+    ctx = mp.get_context("fork")
+    started: list[tuple[int, int]] = []
+
+    def start(rank: int, incarnation: int) -> Any:
+        started.append((rank, incarnation))
+        return ctx.Process(target=_dies_until, args=(incarnation, 2 if rank == 0 else 0))
+
+    procs = {r: start(r, 0) for r in (0, 1)}
+    for proc in procs.values():
+        proc.start()
+    assert _supervise(procs, start, {0: 2, 1: 2}, 0.0, time.monotonic() + 60)
+    for proc in procs.values():
+        proc.join(10)
+    assert started == [(0, 0), (1, 0), (0, 1), (0, 2)]
+    assert procs[0].exitcode == 0 and procs[1].exitcode == 0
+
+
+def test_a_restarted_replica_gets_only_its_later_faults() -> None:
+    kill = "1@50,2@20,1@10"
+    assert sorted(injector_for(kill, 1, 0).faults) == [10, 50]
+    assert sorted(injector_for(kill, 1, 1).faults) == [50]  # it may rejoin at step 10
+    assert not injector_for(kill, 1, 2).faults and not injector_for(kill, 0, 0).faults

@@ -28,7 +28,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -177,9 +177,9 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
                  for r in range(world)}
         for proc in procs.values():
             proc.start()
-        in_time = _supervise(procs, lambda r: ctx.Process(target=_replica,
-                                                          args=(r, world, port, cfg, True,
-                                                                out)),
+        in_time = _supervise(procs, lambda r, _: ctx.Process(target=_replica,
+                                                             args=(r, world, port, cfg,
+                                                                   True, out)),
                              killed if restart else set(), restart_delay,
                              time.monotonic() + timeout)
         for proc in procs.values():
@@ -204,25 +204,33 @@ def _frozen(proc: Any) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
-def _supervise(procs: dict[int, Any], start: Callable[[int], Any], restart: set[int],
-               restart_delay: float, deadline: float) -> bool:
-    """Wait for the replicas until ``deadline``; start each replica of ``restart`` again
-    ``restart_delay`` s after it died or froze (a frozen one is SIGKILLed first). A frozen
-    replica that is not restarted stays frozen until every other replica has ended.
-    Returns False when the deadline came first."""
-    restarted: set[int] = set()
+def _supervise(procs: dict[int, Any], start: Callable[[int, int], Any],
+               restart: Mapping[int, int] | set[int], restart_delay: float,
+               deadline: float) -> bool:
+    """Wait for the replicas until ``deadline``; start a replica of ``restart`` again
+    ``restart_delay`` s after it died or froze (a frozen one is SIGKILLed first), at most
+    ``restart[r]`` times (a set: once each); ``start(rank, incarnation)`` builds the new
+    process, ``incarnation`` counting from 1. A frozen replica that is not restarted stays
+    frozen until every other replica has ended. Returns False when the deadline came
+    first."""
+    left = dict.fromkeys(restart, 1) if isinstance(restart, set) else dict(restart)
+    incarnation: dict[int, int] = {}
     failed: dict[int, float] = {}
-    while any(p.is_alive() and not _frozen(p) for p in procs.values()) \
-            and time.monotonic() < deadline:
-        for r in restart - restarted:
-            if procs[r].exitcode is not None or _frozen(procs[r]):
-                failed.setdefault(r, time.monotonic())
-            if time.monotonic() > failed.get(r, deadline) + restart_delay:
+    def down(r: int) -> bool:  # killed or frozen with a restart left (0: it finished)
+        return left.get(r, 0) > 0 and (procs[r].exitcode not in (None, 0) or _frozen(procs[r]))
+
+    while (any(p.is_alive() and not _frozen(p) for p in procs.values())
+           or any(down(r) for r in procs)) and time.monotonic() < deadline:
+        for r in filter(down, list(procs)):
+            failed.setdefault(r, time.monotonic())
+            if time.monotonic() > failed[r] + restart_delay:
                 procs[r].kill()
                 procs[r].join()
-                procs[r] = start(r)
+                incarnation[r] = incarnation.get(r, 0) + 1
+                procs[r] = start(r, incarnation[r])
                 procs[r].start()
-                restarted.add(r)
+                left[r] -= 1
+                failed.pop(r)
         time.sleep(0.05)
     return time.monotonic() < deadline
 

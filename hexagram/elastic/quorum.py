@@ -37,7 +37,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hexagram.errors import HexagramError
+from hexagram.errors import CommError, HexagramError
 
 __all__ = ["Epoch", "Heartbeat", "Quorum", "QuorumError", "Watcher"]
 
@@ -184,6 +184,31 @@ class Quorum:
         record = json.dumps({"members": members, "steps": steps, "joins": joins})
         self.store.compare_set(f"{base}members", "", record)
         self.store.set("epoch", str(number))  # epochs close in order: no race on the value
+
+    def assemble(self, epoch: Epoch, timeout: float) -> None:
+        """Wait until every member of ``epoch`` is ready to build its process group.
+
+        A member that dies between the epoch's closing and its group's set-up would leave
+        the others in the group's rendezvous until its timeout (30 s by default); here a
+        stale heartbeat ends the wait at once.
+
+        Raises:
+            CommError: a member's heartbeat went stale first (form the next epoch).
+            QuorumError: not every member arrived within ``timeout`` s, all alive.
+        """
+        base = f"e{epoch.number}/ready/"
+        self.store.set(f"{base}{self.replica}", "1")
+        keys = [f"{base}{r}" for r in epoch.members]
+        deadline = time.monotonic() + timeout
+        while not self.store.check(keys):
+            dead = set(epoch.members) - self.alive()
+            if dead:
+                raise CommError(f"live mode: member(s) {sorted(dead)} of epoch "
+                                f"{epoch.number} died before its process group was set up")
+            if time.monotonic() > deadline:
+                raise QuorumError(f"live mode: members {list(epoch.members)} of epoch "
+                                  f"{epoch.number} did not all arrive within {timeout:.0f} s")
+            time.sleep(_POLL)
 
     # -- commit vote -------------------------------------------------------------------
     def vote(self, epoch: Epoch, step: int, ok: bool, timeout: float) -> str:

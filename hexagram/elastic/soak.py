@@ -25,6 +25,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ def accuracy(model: nn.Module, data: Any) -> float:
     return correct / len(data.y_test)
 
 
-def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], restarted: bool,
+def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], incarnation: int,
              out: str) -> None:
     from hexagram.elastic import live
 
@@ -91,17 +92,25 @@ def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], restarted
     data = _data(cfg["dataset"])
     model = model_for(data)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-    report: dict[str, Any] = {"restarted": restarted, "log": [], "times": []}
+    report: dict[str, Any] = {"restarted": incarnation > 0, "log": [], "times": []}
     try:
         trainer = live(model, [opt], cfg["algorithm"], algorithm_config=cfg["config"],
                        min_size=cfg["min_size"], heartbeat_timeout=cfg["heartbeat_timeout"],
                        timeout=cfg["timeout"], join_timeout=cfg["join_timeout"])
-        _train(trainer, data, world, cfg, FaultInjector(
-            [] if restarted else parse_faults(cfg["kill"]), replica), report)
+        _train(trainer, data, world, cfg, injector_for(cfg["kill"], replica, incarnation),
+               report)
     except QuorumError as exc:  # e.g. restarted after the others finished
         report["error"] = str(exc)
     report["accuracy"] = accuracy(model, data)
-    torch.save(report, Path(out) / f"replica{replica}_{int(restarted)}.pt")
+    torch.save(report, Path(out) / f"replica{replica}_{incarnation}.pt")
+
+
+def injector_for(kill: str, replica: int, incarnation: int) -> FaultInjector:
+    """The faults of ``replica``'s ``incarnation``-th restart: its rank's faults from the
+    ``incarnation``-th on, in step order (the earlier ones killed its predecessors; a
+    restarted replica may rejoin at the very step that killed the last one)."""
+    mine = sorted((f for f in parse_faults(kill) if f.rank == replica), key=lambda f: f.step)
+    return FaultInjector(mine[incarnation:], replica)
 
 
 def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any],
@@ -126,6 +135,7 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
              dataset: str = "auto", batch: int = 32, lr: float = 0.05,
              heartbeat_timeout: float = 0.5, timeout: float = 30.0,
              join_timeout: float = 30.0, restart_delay: float = 1.0,
+             min_size: int | None = None,
              deadline: float = 1800.0) -> dict[str, Any]:
     """Run the soak (see the module doc) and return :func:`summarize` of the replicas.
 
@@ -138,19 +148,20 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     cfg = {"steps": steps, "kill": kill, "algorithm": algorithm, "config": config or {},
-           "dataset": dataset, "batch": batch, "lr": lr, "min_size": max(1, world - 1),
+           "dataset": dataset, "batch": batch, "lr": lr,
+           "min_size": min_size or max(1, world - 1),
            "heartbeat_timeout": heartbeat_timeout, "timeout": timeout,
            "join_timeout": join_timeout}
-    killed = {f.rank for f in parse_faults(kill)}
+    kills = Counter(f.rank for f in parse_faults(kill))
     ctx = mp.get_context("fork")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        procs = {r: ctx.Process(target=_replica, args=(r, world, port, cfg, False, out))
+        procs = {r: ctx.Process(target=_replica, args=(r, world, port, cfg, 0, out))
                  for r in range(world)}
         for proc in procs.values():
             proc.start()
-        in_time = _supervise(procs, lambda r: ctx.Process(
-            target=_replica, args=(r, world, port, cfg, True, out)), killed,
+        in_time = _supervise(procs, lambda r, n: ctx.Process(
+            target=_replica, args=(r, world, port, cfg, n, out)), kills,
             restart_delay, time.monotonic() + deadline)
         for proc in procs.values():
             if proc.is_alive():
@@ -166,9 +177,43 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
     return summarize(reports, steps, kill, time.perf_counter() - started)
 
 
+def _plain_rank(steps: int, dataset: str, batch: int, lr: float) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    data = _data(dataset)
+    model = torch.nn.parallel.DistributedDataParallel(model_for(data))
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    rank, world, times = dist.get_rank(), dist.get_world_size(), []
+    for step in range(steps):
+        x, y = global_batch(data, step, rank, world, world, batch)
+        start = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    result = {"times": times, "accuracy": accuracy(model.module, data)}
+    dist.destroy_process_group()
+    return result
+
+
+def plain_ddp(world: int = 4, steps: int = 300, dataset: str = "auto", batch: int = 32,
+              lr: float = 0.05, timeout: float = 600.0) -> dict[str, Any]:
+    """The soak's training without fault tolerance: PyTorch DDP on gloo, the same model,
+    batches and optimizer. Its median step is the baseline that the per-step overhead of a
+    fault-tolerant engine is measured against."""
+    from hexagram.launch import run_local
+
+    _data(dataset)
+    ranks = run_local(_plain_rank, world, (steps, dataset, batch, lr), timeout=timeout)
+    times = [t for r in ranks for t in r["times"][1:]]  # the first step builds buckets
+    return {"steps": steps, "kills": 0, "median_step_ms": 1000 * statistics.median(times),
+            "accuracy": statistics.mean(r["accuracy"] for r in ranks),
+            "accuracy_spread": max(r["accuracy"] for r in ranks)
+            - min(r["accuracy"] for r in ranks)}
+
+
 def summarize(reports: dict[str, dict[str, Any]], steps: int, kill: str,
               wall_s: float) -> dict[str, Any]:
-    """One summary of the replicas' reports (keys ``"<replica>_<restarted>"``)."""
+    """One summary of the replicas' reports (keys ``"<replica>_<incarnation>"``)."""
     finished = [r for r in reports.values() if "step" in r]  # others: "error"
     survivors = [r for key, r in reports.items() if key.endswith("_0") and "step" in r]
     lost = max((r["step"] - len(r["log"]) for r in survivors), default=0)
@@ -185,8 +230,8 @@ def summarize(reports: dict[str, dict[str, Any]], steps: int, kill: str,
             "median_step_ms": 1000 * statistics.median(times) if times else 0.0,
             "accuracy": statistics.mean(accs) if accs else None,
             "accuracy_spread": max(accs) - min(accs) if accs else None,
-            "rejoined": sum(1 for key, r in reports.items()
-                            if key.endswith("_1") and "step" in r),
+            "rejoined": sum(1 for key, r in reports.items()  # restarts that finished
+                            if not key.endswith("_0") and "step" in r),
             "errors": [r["error"] for r in reports.values() if "error" in r]}
 
 

@@ -295,17 +295,22 @@ class LiveTrainer:
             epoch = self.quorum.form(number, self.step,
                                      min_size=first_size if first else None)
             if epoch is not None:
-                break
+                self.epoch = epoch
+                self.stats["epochs"] += 1
+                try:
+                    self._setup(epoch, own)
+                    return
+                except _FAILURES:  # a member died while the group was set up (or healed)
+                    self.stats["failures"] += 1
+                    self._teardown()
             number = max(number, self.quorum.last_epoch()) + 1
-        self.epoch = epoch
-        self.stats["epochs"] += 1
-        self._setup(epoch, own)
 
     def _setup(self, epoch: Epoch, own: dict[str, Any] | None) -> None:
         """The epoch's process group and wrapper; heal members that are behind."""
         import hexagram as hx
         from hexagram.runtime import adopt_group
 
+        self.quorum.assemble(epoch, self.timeout)  # a member lost here: the next epoch
         store = dist.PrefixStore(f"e{epoch.number}/pg/", self._store)
         dist.init_process_group("gloo", store=store, rank=epoch.rank_of(self.replica),
                                 world_size=len(epoch.members),
