@@ -55,7 +55,7 @@ def _model_and_data(spec: dict[str, Any], rank: int) -> tuple[nn.Module, Any]:
         cfg = GPTConfig(vocab_size=corpus.vocab_size, block_size=spec["block"],
                         n_layer=spec["layers"], n_head=max(1, spec["width"] // 64),
                         n_embd=spec["width"])
-        torch.manual_seed(0)
+        torch.manual_seed(spec.get("seed", 0))
         return GPT(cfg), corpus
     from hexagram.data import load, shard
     from hexagram.models import mlp
@@ -63,7 +63,7 @@ def _model_and_data(spec: dict[str, Any], rank: int) -> tuple[nn.Module, Any]:
     data = load("fashion-mnist")
     x, y = shard(data.x_train, data.y_train, rank, WORLD)
     side = data.x_train.shape[-1]
-    torch.manual_seed(0)
+    torch.manual_seed(spec.get("seed", 0))
     return mlp(side * side, spec["hidden"], 1, data.classes), (data, x, y)
 
 
@@ -71,12 +71,13 @@ def _batches(spec: dict[str, Any], source: Any, rank: int) -> list[tuple[Tensor,
     """Every training batch of the run, in order (the same for delay 0 and 1)."""
     batch = spec["batch"]
     if spec["task"] == "gpt":
-        g = torch.Generator().manual_seed(1000 + rank)
+        g = torch.Generator().manual_seed(1000 + rank + 10_000 * spec.get("seed", 0))
         return [source.batch("train", batch, spec["block"], g) for _ in range(spec["steps"])]
     _, x, y = source
     out = []
     for epoch in range(spec["epochs"]):
-        perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(97 * epoch + rank))
+        perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(
+            97 * epoch + rank + 10_000 * spec.get("seed", 0)))
         out += [(x[perm[i:i + batch]], y[perm[i:i + batch]])
                 for i in range(0, len(y) - batch + 1, batch)]
     return out
@@ -200,6 +201,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=64, help="GPT context")
     p.add_argument("--set", action="append", default=[], metavar="ALGO.FIELD=VALUE")
     p.add_argument("--timeout", type=float, default=1800.0, help="per algorithm (s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="model initialisation and data order (0: the published runs)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--resume", action="store_true", help="skip algorithms in --json")
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": a.batch or (16 if gpt else 64), "lr": a.lr or (3e-3 if gpt else 0.05),
             "momentum": a.momentum, "nesterov": a.nesterov, "width": a.width,
             "layers": a.layers, "block": a.block, "predict": not a.no_predict, "adamw": a.adamw,
-            "delays": [int(d) for d in a.delays.split(",")],
+            "delays": [int(d) for d in a.delays.split(",")], "seed": a.seed,
             "config": parse_settings(a.set)}
     rows: dict[str, Any] = {}
     if a.resume and a.json and a.json.exists():

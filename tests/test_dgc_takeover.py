@@ -1,5 +1,9 @@
 """DGC takes the optimizer's SGD momentum over (a drop-in) and gives it back on close.
 
+Random-k with error feedback shares the same momentum correction (:mod:`hexagram.
+algorithms.momentum_correction`); at density 1 it too is the optimizer's momentum SGD.
+Without feedback (its default, unbiased) it leaves the optimizer's momentum alone.
+
 An explicit DGC momentum stacked on the optimizer's is warned with its lr factor; at
 density 1 DGC with the momentum taken over *is* the optimizer's momentum SGD (with weight
 decay), and with the paper's momentum factor masking it is SGD without momentum.
@@ -33,7 +37,8 @@ def _wrap(label: str, opt_kwargs: dict[str, Any]) -> dict[str, Any]:
     model(torch.randn(3, 4)).sum().backward()  # one step runs with the taken-over momentum
     opt.step()
     model.close()
-    return {"warnings": [str(w.message) for w in caught if "dgc" in str(w.message)],
+    return {"warnings": [str(w.message) for w in caught if label.split(":")[0] in
+                         str(w.message)],
             "wrapped": wrapped, "factors": factors,
             "closed": {k: opt.param_groups[0][k] for k in ("momentum", "weight_decay")}}
 
@@ -42,9 +47,10 @@ def _wrap_all(cases: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     return [_wrap(label, kw) for label, kw in cases]
 
 
-def _same_as_sgd(masking: bool, momentum: float) -> float:
+def _same_as_sgd(masking: bool | None, momentum: float) -> float:
     """Max |w_dgc - w_sgd| after 5 steps: DGC at density 1 (1 rank, taking SGD momentum 0.9
-    over) against plain torch SGD with ``momentum``."""
+    over) against plain torch SGD with ``momentum``; ``masking=None``: random-k at density
+    1 instead of DGC."""
     torch.manual_seed(0)
     ref, net = nn.Linear(8, 4), nn.Linear(8, 4)
     net.load_state_dict(ref.state_dict())
@@ -53,8 +59,10 @@ def _same_as_sgd(masking: bool, momentum: float) -> float:
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(
-            "dgc", density=1.0, warmup_density=1.0, masking=masking))
+        algo = hx.algorithms.get("randomk", density=1.0, error_feedback=True) \
+            if masking is None else \
+            hx.algorithms.get("dgc", density=1.0, warmup_density=1.0, masking=masking)
+        model = hx.DistributedDataParallel(net, [opt], algo)
     for step in range(5):
         x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
         for m, o in ((model, opt), (ref, ref_opt)):
@@ -68,7 +76,7 @@ def _same_as_sgd(masking: bool, momentum: float) -> float:
 def _run_all(cases: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     return {"wraps": [_wrap(label, kw) for label, kw in cases],
             "exact": {(m, mom): _same_as_sgd(m, mom) for m, mom in
-                      ((False, 0.9), (True, 0.0), (True, 0.9))}}
+                      ((False, 0.9), (True, 0.0), (True, 0.9), (None, 0.9))}}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +84,9 @@ def results() -> dict[str, Any]:
     cases = [("dgc", {"momentum": 0.9, "weight_decay": 1e-4}),
              ("dgc:momentum=0.9", {"momentum": 0.9}),
              ("dgc:momentum=0.9", {}),
-             ("dgc", {"momentum": 0.9, "nesterov": True})]
+             ("dgc", {"momentum": 0.9, "nesterov": True}),
+             ("randomk:error_feedback=true", {"momentum": 0.9, "weight_decay": 1e-4}),
+             ("randomk", {"momentum": 0.9})]
     return run_local(_run_all, 1, args=(cases,), timeout=120)[0]
 
 
@@ -90,7 +100,7 @@ def test_dgc_takes_the_sgd_momentum_over_and_gives_it_back(results: dict[str, An
 
 
 def test_dgc_stacked_momentum_warns_with_the_factor(results: dict[str, Any]) -> None:
-    stacked, alone, nesterov = results["wraps"][1:]
+    stacked, alone, nesterov = results["wraps"][1:4]
     (message,) = stacked["warnings"]
     assert "multiplied by about 0.1" in message and "momentum=0.9" in message, message
     assert stacked["wrapped"]["momentum"] == 0.9  # not taken over: the user chose both
@@ -104,3 +114,15 @@ def test_dense_dgc_is_the_optimizers_momentum_sgd(results: dict[str, Any]) -> No
     assert exact[False, 0.9] < 1e-5  # taken over, no masking: momentum SGD + weight decay
     assert exact[True, 0.0] < 1e-5  # masking drops all velocity at density 1
     assert exact[True, 0.9] > 1e-3  # the comparison can tell the two apart
+
+
+def test_randomk_takes_the_momentum_over_and_is_momentum_sgd_when_dense(
+        results: dict[str, Any]) -> None:
+    took = results["wraps"][4]
+    (message,) = took["warnings"]
+    assert message.startswith("algorithm 'randomk': took over the optimizer's SGD momentum")
+    assert took["wrapped"] == {"momentum": 0.0, "weight_decay": 0.0}
+    assert took["closed"] == {"momentum": 0.9, "weight_decay": 1e-4}
+    assert results["exact"][None, 0.9] < 1e-5
+    unbiased = results["wraps"][5]
+    assert unbiased["warnings"] == [] and unbiased["wrapped"]["momentum"] == 0.9

@@ -45,31 +45,19 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import Tensor
 
 from hexagram import compress
-from hexagram.algorithms.base import AlgorithmContext
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, Segment
-from hexagram.algorithms.recipe import LrNote
-from hexagram.buckets import BucketEntry
+from hexagram.algorithms.momentum_correction import MomentumCorrection, entry_part
 from hexagram.compress.base import Compressor, Payload
 from hexagram.config import check_choice, check_float, check_int
 
 __all__ = ["DGCAlgorithm", "DGCConfig", "density_at"]
 
 WARMUP_STAGES = 4
-
-
-def _part(segment: Segment, flat: Tensor, entry: BucketEntry) -> Tensor:
-    """``entry``'s slice of the segment's 1-D ``flat``."""
-    start = entry.offset - segment.start
-    return flat[start : start + entry.numel]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,9 +117,9 @@ def density_at(config: DGCConfig, step: int) -> float:
                                        * stage / WARMUP_STAGES)
 
 
-class DGCAlgorithm(CompressorAlgorithm):
-    """DGC's top-k with momentum correction, clipping, masking, warm-up; see
-    :class:`DGCConfig`."""
+class DGCAlgorithm(MomentumCorrection, CompressorAlgorithm):
+    """DGC's top-k with momentum correction (:class:`MomentumCorrection`), clipping,
+    masking, warm-up; see :class:`DGCConfig`."""
 
     name = "dgc"
     custom_encoding = True
@@ -139,72 +127,9 @@ class DGCAlgorithm(CompressorAlgorithm):
     def __init__(self, config: DGCConfig | None = None) -> None:
         super().__init__(config or DGCConfig())
         self.config: DGCConfig
-        self.momenta: dict[str, Tensor] = {}
-        #: per tensor name: (momentum, weight decay) of the correction (set at setup)
-        self.factors: dict[str, tuple[float, float]] = {}
-        self._taken: list[tuple[dict[str, Any], float, float]] = []  # (group, m, wd) to restore
-        self._params: dict[str, Tensor] = {}
         self._by_density: dict[float, Compressor] = {}
         # the accumulated velocity v is DGC's error-feedback residual
         self.use_compressor(self._compressor(self.config.density), feedback=True)
-
-    # -- the optimizer's momentum: taken over, or stacked (module doc) ---------------------
-    def setup(self, ctx: AlgorithmContext) -> None:
-        """Set up; with ``momentum=None`` take the SGD momentum over (warned), else warn
-        when DGC's momentum stacks on the optimizer's (:meth:`lr_note`)."""
-        super().setup(ctx)
-        self._params = {n: p for n, p in ctx.named_params}
-        if self.factors:  # set up before (or restored from a checkpoint): keep
-            return
-        taken = self._take_over(ctx) if self.config.momentum is None else []
-        if taken:
-            m = sorted({f"{g['momentum']:g}" for g, _, _ in taken})
-            wd = sorted({f"{g['weight_decay']:g}" for g, _, _ in taken})
-            warnings.warn(
-                f"algorithm 'dgc': took over the optimizer's SGD momentum {'/'.join(m)} "
-                f"(weight decay {'/'.join(wd)}) as DGC's momentum correction, the paper's "
-                "formulation (velocity accumulated before sparsifying); its param_groups "
-                "read momentum=0, weight_decay=0 until the model is closed. Pass "
-                "dgc momentum=<float> with a momentum-free optimizer to set it yourself",
-                UserWarning, stacklevel=2)
-            for group, _, _ in taken:
-                group["momentum"], group["weight_decay"] = 0.0, 0.0
-            self._taken = [(g, m_, wd_) for g, m_, wd_ in taken]
-        note = self.lr_note(ctx.optimizers)
-        if note:
-            warnings.warn(note.message("dgc"), UserWarning, stacklevel=2)
-
-    def _take_over(self, ctx: AlgorithmContext) -> list[tuple[dict[str, Any], float, float]]:
-        """Per parameter, the momentum and weight decay of a plain momentum-SGD group
-        (those groups are returned with their original values); 0 elsewhere."""
-        name_of = {id(p): n for n, p in ctx.named_params}
-        taken = []
-        for opt in ctx.optimizers:
-            for group in opt.param_groups:
-                m = float(group.get("momentum", 0.0) or 0.0)
-                plain = isinstance(opt, torch.optim.SGD) and m > 0 \
-                    and not group.get("nesterov") and not group.get("dampening")
-                if not plain:
-                    continue
-                wd = float(group.get("weight_decay", 0.0) or 0.0)
-                for p in group["params"]:
-                    if id(p) in name_of:
-                        self.factors[name_of[id(p)]] = (m, wd)
-                taken.append((group, m, wd))
-        return taken
-
-    def lr_note(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> LrNote | None:
-        """The lr factor needed with ``optimizers``: an explicit ``momentum`` on top of an
-        optimizer's momentum moves about ``1 / (1 - momentum)`` times as far; else None."""
-        m = self.config.momentum
-        stacked = [float(g.get("momentum", 0.0) or 0.0) for o in optimizers
-                   for g in o.param_groups]
-        if not m or not any(stacked):
-            return None
-        return LrNote(round(1.0 - m, 6), f"momentum={m:g} stacks DGC's momentum correction on "
-                      f"the optimizer's momentum {max(stacked):g} (digits MLP, SGD lr 0.05: "
-                      "37% against 91.5% for allreduce); leave dgc momentum unset (None, the "
-                      "default) to take the optimizer's over, a drop-in")
 
     def density_at(self, step: int) -> float:
         """Density used at ``step`` (see :func:`density_at`)."""
@@ -222,9 +147,9 @@ class DGCAlgorithm(CompressorAlgorithm):
         (Top-k is gathered, never summed: ``divisor`` is 1.) Every rank's payload is then
         decoded by any of our top-k compressors: decoding does not depend on the density."""
         self._clip(tensor)
-        ef, moms = self._feedback(), self._momenta(segment, tensor)
+        ef, moms = self._feedback(), self.velocities(segment, tensor)
         for e, u in zip(segment.entries, moms):  # v = u + residual, in the bucket's view
-            ef.correct_(e.name, _part(segment, tensor, e).copy_(u))
+            ef.correct_(e.name, entry_part(segment, tensor, e).copy_(u))
         comp = self._compressor(self.density_at(self.step))
         payload = comp.compress(tensor, self.generator)
         values, indices = payload.tensors
@@ -245,42 +170,3 @@ class DGCAlgorithm(CompressorAlgorithm):
             norm = float(grad.norm())
             if norm > limit:
                 grad.mul_(limit / norm)
-
-    def _momenta(self, segment: Segment, grad: Tensor) -> list[Tensor]:
-        """u <- momentum * u + g (+ wd * w, taken over) per tensor of the segment."""
-        out, default = [], (self.config.momentum or 0.0, 0.0)
-        for e in segment.entries:
-            u = self.momenta.get(e.name)
-            if u is None or u.shape != (e.numel,) or u.dtype != grad.dtype:
-                u = grad.new_zeros(e.numel)
-            m, wd = self.factors.get(e.name, default)
-            u.mul_(m).add_(_part(segment, grad, e))
-            if wd and e.name in self._params:
-                u.add_(self._params[e.name].detach().reshape(-1), alpha=wd)
-            self.momenta[e.name] = u
-            out.append(u)
-        return out
-
-    def predicted_gradient(self, name: str, grad: Tensor) -> Tensor:
-        """The velocity ``u`` (this step's gradient included): with the optimizer's momentum
-        taken over, the next update is about ``-lr * u``, not ``-lr * grad``."""
-        u = self.momenta.get(name)
-        if u is None or self.factors.get(name, (self.config.momentum or 0.0, 0.0))[0] == 0:
-            return grad
-        return u.view_as(grad)
-
-    def close(self) -> None:
-        """Give the optimizer its momentum and weight decay back (module doc)."""
-        for group, m, wd in self._taken:
-            group["momentum"], group["weight_decay"] = m, wd
-        self._taken = []
-        super().close()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "factors": dict(self.factors),
-                "momenta": {n: t.clone() for n, t in self.momenta.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.momenta = {n: t.clone() for n, t in state["momenta"].items()}
-        self.factors.update(state.get("factors", {}))
