@@ -12,10 +12,39 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from hexagram.parallel.plans import Plan, StagePlan
-from hexagram.parallel.verify import ParitySpec, _diff, _optimizer, build
+from hexagram.parallel.verify import ParitySpec, _diff, _optimizer
+from hexagram.parallel.verify import build as _build_known
+
+
+class Positional(nn.Module):
+    """A model whose first stage hands on a tensor that does not scale with the batch
+    (``pos``: 4 x hidden, like position embeddings) next to the batch's activations."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.pos = nn.Linear(4, hidden)
+        self.inp = nn.Linear(12, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = self.pos(torch.eye(4, dtype=x.dtype, device=x.device))
+        h = torch.relu(self.inp(x))
+        return self.out(torch.einsum("bh,ph->bp", torch.relu(self.mid(h)), pos))
+
+
+def build(spec: ParitySpec) -> tuple[nn.Module, Any, Any]:
+    """:func:`hexagram.parallel.verify.build`, plus ``model="positional"``."""
+    if spec.model != "positional":
+        return _build_known(spec)
+    torch.manual_seed(spec.seed)
+    return (Positional(spec.hidden).to(spec.dtype),
+            torch.randn(spec.batch, 12, dtype=spec.dtype), torch.randint(0, 5, (spec.batch,)))
 
 
 def joined(stages: list[StagePlan], like: Plan, **changes: Any) -> Plan:
