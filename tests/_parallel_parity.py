@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.parallel.plans import Plan, StagePlan
-from hexagram.parallel.verify import ParitySpec, _diff, _optimizer
+from hexagram.parallel.verify import ParitySpec, _diff, _local_elems, _optimizer
 from hexagram.parallel.verify import build as _build_known
 
 
@@ -78,7 +78,8 @@ def fixed_plan_worker(spec: ParitySpec, plan_json: str, zero_stage: int = 3
     opt, ref_opt = _optimizer(spec, pm.parameters()), _optimizer(spec, ref.parameters())
     ref_params = dict(ref.named_parameters())
     out: dict[str, Any] = {"grad_diff": 0.0, "loss_diff": 0.0, "losses": [],
-                           "stage": pm.stage_index}
+                           "stage": pm.stage_index, "local_params": _local_elems(pm.module),
+                           "stage_params": sum(q.numel() for q in pm.module.parameters())}
     for step in range(spec.steps):
         xs, ys = (x, y) if step == 0 else build(dataclasses.replace(
             spec, seed=spec.seed + step))[1:]
