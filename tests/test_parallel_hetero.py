@@ -21,6 +21,7 @@ from hexagram.errors import HexagramError
 from hexagram.launch import run_local
 from hexagram.parallel import Cluster, Constraints, Plan, plan
 from hexagram.parallel.apply import check_executable, is_heterogeneous
+from hexagram.parallel.hetero import order
 from hexagram.parallel.split import Boundary, boundaries
 from hexagram.parallel.verify import ParitySpec
 
@@ -66,8 +67,10 @@ def test_heterogeneous_stage_meshes_match_single_process() -> None:
     gpt = ParitySpec(model="gpt", layers=2, hidden=16)
     mlp = ParitySpec(model="mlp", layers=2, hidden=16, batch=12)
     res = ParitySpec(model="residual", layers=2, hidden=16)
-    plans = [_two_shapes(gpt, {"dp": 2}, {"tp": 2}), _one_to_three(mlp),
+    plans = [_two_shapes(gpt, {"dp": 2}, {"tp": 2}),
+             dataclasses.replace(_one_to_three(mlp), schedule="gpipe"),
              _two_shapes(res, {"tp": 2}, {"dp": 2})]
+    assert [p.schedule for p in plans] == ["1f1b", "gpipe", "1f1b"]
     shapes = [[(s.dp, s.tp) for s in p.stages] for p in plans]
     assert shapes == [[(2, 1), (1, 2)], [(1, 1), (3, 1)], [(1, 2), (2, 1)]]
     assert "colwise" in plans[0].stages[1].shardings.values()
@@ -136,3 +139,19 @@ def test_heterogeneous_plan_without_example_inputs_names_the_fix() -> None:
         check_executable(model, chosen, 4)
     with pytest.raises(HexagramError, match="plan is for 4 devices but 2 ranks run"):
         check_executable(model, chosen, 2, example_inputs=build(spec)[1])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_schedule_order_runs_each_micro_batch_forward_then_backward(schedule: str) -> None:
+    for stages, micro in itertools.product((1, 2, 3, 4), (1, 2, 3, 4, 8)):
+        for index in range(stages):
+            steps = order(stages, index, micro, schedule)
+            assert sorted(steps) == sorted([("F", m) for m in range(micro)]
+                                           + [("B", m) for m in range(micro)])
+            assert all(steps.index(("F", m)) < steps.index(("B", m)) for m in range(micro))
+            live, peak = 0, 0
+            for kind, _m in steps:
+                live += 1 if kind == "F" else -1
+                peak = max(peak, live)
+            # 1F1B keeps at most (stages - index) micro-batches in flight; GPipe all of them
+            assert peak == (micro if schedule == "gpipe" else min(stages - index, micro))

@@ -176,18 +176,27 @@ def _plan_ops(moves: list[_Move], me: int, dtype: list[torch.dtype],
 
 def exchange(tensors: Sequence[torch.Tensor | None], shapes: Sequence[Sequence[int]],
              dtypes: Sequence[torch.dtype], src: Sequence[MeshLayout],
-             dst: Sequence[MeshLayout], device: torch.device) -> list[torch.Tensor | None]:
+             dst: Sequence[MeshLayout], device: torch.device,
+             pending: list[tuple[list[dist.Work], list[dist.P2POp]]] | None = None
+             ) -> list[torch.Tensor | None]:
     """Reshard several tensors at once (one ``batch_isend_irecv``); every rank of either
     mesh calls it with the same shapes and layouts. ``tensors[k]``: this rank's part of
     tensor ``k`` (None where it is not a source). Returns this rank's part of each tensor
-    on its destination mesh (None where it is not a destination); summands are added."""
+    on its destination mesh (None where it is not a destination); summands are added.
+    ``pending``: a rank that only sends appends its requests (and the ops, which keep the
+    send buffers alive) there instead of waiting; the caller waits them later, e.g. at the
+    end of a pipeline step."""
     me = dist.get_rank()
     moves = [_Move(t, tuple(int(n) for n in s), a, b)
              for t, s, a, b in zip(tensors, shapes, src, dst)]
     ops, received = _plan_ops(moves, me, list(dtypes), device)
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        works = dist.batch_isend_irecv(ops)
+        if pending is not None and all(op.op is dist.isend for op in ops):
+            pending.append((works, ops))
+        else:
+            for work in works:
+                work.wait()
     for k, mv in enumerate(moves):
         if me in mv.dst.ranks:
             mv.out = torch.zeros(_size(mv.dst.box(mv.shape, me)), dtype=dtypes[k],

@@ -1,9 +1,10 @@
-"""Pipelines whose stages have different ``dp x tp`` meshes: a GPipe schedule of our own.
+"""Pipelines whose stages have different ``dp x tp`` meshes: GPipe / 1F1B schedules of our own.
 
 ``torch.distributed.pipelining`` links one rank per stage per pipeline, so it cannot join a
 stage on 2 data-parallel ranks to one on a 2-way tensor-parallel mesh. Here every stage runs
-its micro-batches forward (all of them, GPipe order), then backward in reverse order; between
-stages, activations and their gradients move by cross-mesh resharding
+its micro-batches in the plan's order (:func:`order`: GPipe, all forwards then all
+backwards; or 1F1B, at most ``stages - index`` micro-batches in flight); between stages,
+activations and their gradients move by cross-mesh resharding
 (:mod:`hexagram.parallel.crossmesh`): each rank of the next stage receives exactly the rows
 it needs from the ranks that hold them, point to point.
 
@@ -34,9 +35,11 @@ from hexagram.parallel.crossmesh import MeshLayout, exchange
 from hexagram.parallel.plans import Plan, StagePlan
 from hexagram.parallel.split import Boundary
 
-__all__ = ["CrossMeshPipeline"]
+__all__ = ["CrossMeshPipeline", "order"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: a micro-batch between its forward and backward: inputs, outputs, loss (last stage)
+_Saved = tuple[list[torch.Tensor], tuple[torch.Tensor, ...], torch.Tensor | None]
 
 
 def _layout(st: StagePlan, batch: bool, partial: bool = False) -> MeshLayout:
@@ -53,6 +56,25 @@ def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
+def order(stages: int, index: int, microbatches: int, schedule: str) -> list[tuple[str, int]]:
+    """Stage ``index``'s sequence of ``("F", m)`` / ``("B", m)`` steps.
+
+    Sends never block (their requests are waited at the end of the step) and receives come
+    in the order the neighbour sends, so the stages cannot wait on each other in a cycle.
+
+    Example:
+        >>> order(2, 0, 3, "1f1b")  # stage 0 of 2, 3 micro-batches
+        [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
+    """
+    if schedule == "gpipe":
+        return [("F", m) for m in range(microbatches)] + \
+            [("B", m) for m in reversed(range(microbatches))]
+    warm = min(stages - 1 - index, microbatches)
+    steady = [step for i in range(microbatches - warm) for step in (("F", warm + i), ("B", i))]
+    return [("F", m) for m in range(warm)] + steady + \
+        [("B", m) for m in range(microbatches - warm, microbatches)]
+
+
 class CrossMeshPipeline:
     """This rank's stage of a pipeline over stage meshes of any shapes (see the module doc).
 
@@ -67,6 +89,7 @@ class CrossMeshPipeline:
         self.bounds, self.loss_fn, self.device = bounds, loss_fn, device
         self.stage = plan.stages[index]
         self.dp_index = self.stage.ranks.index(torch.distributed.get_rank()) // self.stage.tp
+        self._pending: list[tuple[list[torch.distributed.Work], list[Any]]] = []
 
     @property
     def is_first(self) -> bool:
@@ -93,10 +116,9 @@ class CrossMeshPipeline:
                for x in bounds]
         dst = [_layout(a if backward else b, x.batch) for x in bounds]
         return exchange(tensors, [_shape(x, rows) for x in bounds], [x.dtype for x in bounds],
-                        src, dst, self.device)
+                        src, dst, self.device, pending=self._pending)
 
-    def _forward(self, x: torch.Tensor, m: int, rows: int
-                 ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+    def _forward(self, x: torch.Tensor, y: torch.Tensor, m: int, rows: int) -> _Saved:
         if self.is_first:
             inputs = [self._rows(x, m)]
         else:
@@ -104,9 +126,10 @@ class CrossMeshPipeline:
                              backward=False)
             inputs = [t.requires_grad_(t.is_floating_point()) for t in got if t is not None]
         out = _as_tuple(self.module(*inputs))
-        if not self.is_last:
-            self._move(self.index, [t.detach() for t in out], rows, backward=False)
-        return inputs, out
+        if self.is_last:
+            return inputs, out, self.loss_fn(out[0], self._rows(y, m)) / self.plan.microbatches
+        self._move(self.index, [t.detach() for t in out], rows, backward=False)
+        return inputs, out, None
 
     def _backward(self, inputs: list[torch.Tensor], out: tuple[torch.Tensor, ...],
                   loss: torch.Tensor | None, rows: int) -> None:
@@ -138,14 +161,19 @@ class CrossMeshPipeline:
                 raise HexagramError(f"batch {inputs.shape[0]} must divide into "
                                     f"{n} micro-batches x dp={st.dp}")
         rows = inputs.shape[0] // n
-        saved, total = [], torch.zeros((), dtype=torch.float64, device=self.device)
-        for m in range(n):
-            ins, out = self._forward(inputs, m, rows)
-            loss = None
-            if self.is_last:
-                loss = self.loss_fn(out[0], self._rows(targets, m)) / n
-                total += loss.detach().to(torch.float64)
-            saved.append((ins, out, loss))
-        for ins, out, loss in reversed(saved):
-            self._backward(ins, out, loss, rows)
+        saved: dict[int, _Saved] = {}
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for kind, m in order(len(self.plan.stages), self.index, n, self.plan.schedule):
+            if kind == "F":
+                saved[m] = self._forward(inputs, targets, m, rows)
+                loss = saved[m][2]
+                if loss is not None:
+                    total += loss.detach().to(torch.float64)
+            else:
+                ins, out, mb_loss = saved.pop(m)
+                self._backward(ins, out, mb_loss, rows)
+        for works, _ops in self._pending:
+            for work in works:
+                work.wait()
+        self._pending.clear()
         return total if self.is_last else None
