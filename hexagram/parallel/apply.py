@@ -6,7 +6,7 @@
   ``tp`` mesh (DTensor does the plan's reshardings at the linears' edges).
 - :func:`apply_pipeline`: a ``torch.distributed.pipelining`` stage and a GPipe / 1F1B schedule
   when every stage has the same ``dp x tp`` shape; otherwise a
-  :class:`~hexagram.parallel.hetero.CrossMeshPipeline` (GPipe order) that links stage meshes
+  :class:`~hexagram.parallel.hetero.CrossMeshPipeline` (GPipe or 1F1B) that links stage meshes
   of any shapes by cross-mesh resharding of activations and their gradients.
 - :func:`apply_zero`: real ZeRO: every module the plan marks ``+zero`` is sharded over the
   stage's ``dp`` mesh with FSDP2 (``fully_shard``): parameters, gradients and optimizer
