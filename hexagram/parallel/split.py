@@ -9,7 +9,9 @@ the last stage returns the model's output. Parameter names stay the model's own.
 
 Example:
     >>> stages = split_stages(model, x, plan)             # doctest: +SKIP
-    >>> stages[1](*stages[0](x))                          # the model's forward, in two parts
+    >>> out = stages[1](*stages[0](x))  # the model's forward, in two parts  # doctest: +SKIP
+    >>> boundaries(model, x, plan)[0]   # what crosses: shapes, dtypes, batch dims  # doctest: +SKIP
+    [Boundary(shape=(8, 16), dtype=torch.float64, batch=True)]
 """
 
 from __future__ import annotations
