@@ -10,6 +10,7 @@ parameter differences. :func:`joined` builds such plans from the planner's own s
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -98,6 +99,7 @@ def fixed_plan_worker(spec: ParitySpec, plan_json: str, zero_stage: int = 3
     full = pm.full_parameters()
     out["param_diff"] = _diff(full, {n: ref_params[n].detach() for n in full})
     dist.barrier()
+    out["cpu_s"] = time.process_time()  # this rank's CPU seconds so far (import included)
     return out
 
 
