@@ -92,8 +92,8 @@ def test_batch_independent_tensor_and_planner_chosen_stages_match_single_process
     pos = ParitySpec(model="positional", batch=6)
     one_three = _one_to_three(pos)
     spec, chosen = _planner_heterogeneous()
-    assert [(s.dp, s.tp, len(s.ranks)) for s in chosen.stages] == \
-        [(1, 1, 1), (1, 1, 1), (1, 2, 2)]
+    # today 1x1+1x1+1x2 (three stages, two sizes); any heterogeneous choice must run
+    assert is_heterogeneous(chosen), chosen.summary()
     jobs = [(pos, one_three.to_json(), 3), (spec, chosen.to_json(), 3)]
     _check(jobs, run_local(many, 4, args=(jobs,), timeout=280))
 
@@ -128,8 +128,8 @@ def test_every_plan_the_planner_emits_is_executable() -> None:
         check_executable(model, p, cluster.devices, x)  # raises if the executor refuses
         emitted.append(p)
     # the grid does reach plans with stage meshes of different shapes and sizes
-    assert sum(is_heterogeneous(p) for p in emitted) >= 2
-    assert any(len({len(s.ranks) for s in p.stages}) > 1 for p in emitted)
+    # (today 2 of 10 plans: 1x1+1x1+1x2 for both models on the slow 2x2)
+    assert any(is_heterogeneous(p) for p in emitted), [p.summary() for p in emitted]
 
 
 def test_heterogeneous_plan_without_example_inputs_names_the_fix() -> None:
