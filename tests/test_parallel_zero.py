@@ -2,7 +2,8 @@
 sharded over the stage's data-parallel ranks (gloo CPU, float64).
 
 Parity: 5 Adam steps of the sharded plan match the single-process model (1e-6), and each
-rank really holds a 1/dp shard. Memory: on dp=4 the measured per-rank peak of the step
+rank really holds a 1/dp shard; the same with ``zero_stage=2`` (parameters kept gathered
+from forward to backward). Memory: on dp=4 the measured per-rank peak of the step
 (state + allocator peak, see hexagram.parallel.memory) is at most 35% of the unsharded plan.
 """
 
@@ -56,3 +57,36 @@ def test_zero3_cuts_per_rank_peak_to_35_percent_on_dp4() -> None:
         assert 0.25 <= ratio < 0.26
         assert sharded["peak_bytes"] <= 0.35 * full["peak_bytes"]
         assert full["peak_bytes"] >= full["state_after_step"]["total"]
+
+
+@pytest.mark.timeout(300)
+def test_zero_stage_2_plan_with_adam_matches_single_process() -> None:
+    # ZeRO-2: parameters stay gathered from forward to backward; gradients and Adam state
+    # are still 1/dp shards. Same plan as ZeRO-3 above, run with zero_stage=2.
+    from _parallel_parity import many  # tests/ is on sys.path under pytest
+
+    from hexagram.parallel import Constraints, plan
+    from hexagram.parallel.verify import build
+
+    spec = ParitySpec(model="mlp", layers=2, hidden=16, optimizer="adam", lr=0.01)
+    model, x, _ = build(spec)
+    p = plan(model, x, _tiny(2), Constraints(dp=2))
+    assert all(k.endswith("+zero") for k in p.stages[0].shardings.values())
+    ranks = run_local(many, 2, args=([(spec, p.to_json(), 2)],), timeout=280)
+    for (r,) in ranks:
+        assert r["grad_diff"] < TOL and r["param_diff"] < TOL and r["loss_diff"] < TOL
+        assert all(v is not None for v in r["losses"])
+        assert r["local_params"] < 0.6 * r["stage_params"]  # sharded between steps
+
+
+def test_zero_stage_1_is_refused_with_the_reason() -> None:
+    from torch import nn
+
+    from hexagram.errors import HexagramError
+    from hexagram.parallel.plans import StagePlan
+    from hexagram.parallel.zero import apply_zero
+
+    stage = StagePlan(layers=(0, 1), ranks=[0, 1], dp=2, tp=1, latency_s=0.0,
+                      memory_bytes=0.0, shardings={"0": "replicate+zero"})
+    with pytest.raises(HexagramError, match=r"zero_stage must be 2 or 3.*ZeRO-1"):
+        apply_zero(nn.Sequential(nn.Linear(2, 2)), stage, None, zero_stage=1)  # type: ignore[arg-type]

@@ -4,7 +4,10 @@
   ``nn.Sequential``, or the stage's graph of any fx-traceable model.
 - :func:`apply_sharding`: ``parallelize_module`` with Colwise/Rowwise styles on the stage's
   ``tp`` mesh (DTensor does the plan's reshardings at the linears' edges).
-- :func:`apply_pipeline`: a ``torch.distributed.pipelining`` stage and a GPipe / 1F1B schedule.
+- :func:`apply_pipeline`: a ``torch.distributed.pipelining`` stage and a GPipe / 1F1B schedule
+  when every stage has the same ``dp x tp`` shape; otherwise a
+  :class:`~hexagram.parallel.hetero.CrossMeshPipeline` (GPipe or 1F1B) that links stage meshes
+  of any shapes by cross-mesh resharding of activations and their gradients.
 - :func:`apply_zero`: real ZeRO: every module the plan marks ``+zero`` is sharded over the
   stage's ``dp`` mesh with FSDP2 (``fully_shard``): parameters, gradients and optimizer
   state live as ``1/dp`` shards; parameters are all-gathered for forward and backward and
@@ -44,14 +47,15 @@ from torch.distributed.tensor.parallel import (
 
 from hexagram.comm.device import group_device
 from hexagram.errors import HexagramError
+from hexagram.parallel.hetero import CrossMeshPipeline
 from hexagram.parallel.plans import Plan, StagePlan
 from hexagram.parallel.runner import ParallelModel
-from hexagram.parallel.split import split_stages
+from hexagram.parallel.split import boundaries, split_stages
 from hexagram.parallel.zero import apply_zero, fsdp_managed
 from hexagram.runtime import get_runtime, is_initialized
 
 __all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "apply_zero", "check_executable",
-           "default_loss", "parallelize", "sync_gradients"]
+           "default_loss", "is_heterogeneous", "parallelize", "sync_gradients"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -59,6 +63,11 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the last dimension (``[..., C]`` logits, ``[...]`` labels)."""
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def is_heterogeneous(plan: Plan) -> bool:
+    """Stages of different ``dp x tp`` shapes (linked by cross-mesh resharding)."""
+    return len({(s.dp, s.tp) for s in plan.stages}) > 1
 
 
 def check_executable(model: nn.Module, plan: Plan, world_size: int,
@@ -76,9 +85,10 @@ def check_executable(model: nn.Module, plan: Plan, world_size: int,
     if plan.devices != world_size:
         raise HexagramError(f"the plan is for {plan.devices} devices but {world_size} ranks "
                             f"run: launch with torchrun --nproc-per-node {plan.devices}")
-    if len({(s.dp, s.tp) for s in plan.stages}) > 1:
-        raise HexagramError("stages of different dp x tp shapes cannot be linked by "
-                            "torch.distributed.pipelining here; plan with Constraints(dp=, tp=)")
+    if is_heterogeneous(plan) and example_inputs is None:
+        raise HexagramError("the plan's stages have different dp x tp shapes: linking them "
+                            "traces the model to find the tensors crossing each stage "
+                            "boundary, so pass parallelize(model, plan, example_inputs=...)")
     if plan.blockers:
         raise HexagramError("the plan reshards between non-linear operators, which this "
                             f"executor cannot place: {plan.blockers[:3]}")
@@ -163,14 +173,16 @@ def sync_gradients(module: nn.Module, stage: StagePlan, group: dist.ProcessGroup
 
 def _groups(plan: Plan, rank: int, device: torch.device
             ) -> tuple[int, DeviceMesh, dist.ProcessGroup | None]:
-    """(my stage, my stage's dp x tp mesh, my pipeline group); collective on all ranks."""
+    """(my stage, my stage's dp x tp mesh, my pipeline group: None for one stage or for
+    stages of different shapes); collective on all ranks."""
     mine, my_mesh, my_pp = -1, None, None
     for k, st in enumerate(plan.stages):
         mesh = DeviceMesh(device.type, torch.tensor(st.ranks).view(st.dp, st.tp),
                           mesh_dim_names=("dp", "tp"))
         if rank in st.ranks:
             mine, my_mesh = k, mesh
-    for local in range(len(plan.stages[0].ranks)):
+    pipelines = 0 if is_heterogeneous(plan) else len(plan.stages[0].ranks)
+    for local in range(pipelines):
         ranks = [st.ranks[local] for st in plan.stages]
         group = dist.new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
@@ -197,11 +209,20 @@ def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss,
     device = get_runtime().device if is_initialized() else group_device(None)
     index, mesh, pp_group = _groups(plan, rank, device)
     stage = plan.stages[index]
+    # traced before the model's modules are sharded in place (fx cannot trace DTensors)
+    bounds = boundaries(model, example_inputs, plan) if is_heterogeneous(plan) else []
     part = apply_stage(model, stage, plan, example_inputs).to(device)
     module = apply_sharding(part, stage, mesh["tp"])
     apply_zero(module, stage, mesh["dp"], zero_stage)
-    schedule = apply_pipeline(module, plan, index, pp_group, loss_fn, device) \
-        if pp_group is not None else None
+    schedule: Any = None
+    if is_heterogeneous(plan):
+        if isinstance(model, nn.Sequential) and any(len(b) != 1 for b in bounds):
+            raise HexagramError(f"an nn.Sequential stage hands on one tensor, but the traced "
+                                f"model passes {[len(b) for b in bounds]} across its stage "
+                                f"boundaries: wrap it in a plain nn.Module")
+        schedule = CrossMeshPipeline(module, plan, index, bounds, loss_fn, device)
+    elif pp_group is not None:
+        schedule = apply_pipeline(module, plan, index, pp_group, loss_fn, device)
     dp_rank = stage.ranks.index(rank) // stage.tp
     return ParallelModel(module=module, plan=plan, stage_index=index, dp_rank=dp_rank,
                          dp_group=mesh.get_group("dp"), schedule=schedule, loss_fn=loss_fn,

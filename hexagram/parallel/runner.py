@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.errors import HexagramError
+from hexagram.parallel.hetero import CrossMeshPipeline
 from hexagram.parallel.plans import Plan
 
 __all__ = ["ParallelModel"]
@@ -34,7 +35,8 @@ class ParallelModel:
     Attributes:
         module: the stage's layers (linears sharded over tp as DTensors).
         stage_index, dp_rank: where this rank sits in the plan.
-        schedule: the pipelining schedule (None for a single stage).
+        schedule: the pipelining schedule (None for a single stage; a
+            :class:`~hexagram.parallel.hetero.CrossMeshPipeline` when stage shapes differ).
     """
 
     module: nn.Module
@@ -89,9 +91,13 @@ class ParallelModel:
         """Forward + backward of the global batch (every rank passes the same one), then
         average gradients over dp; the batch is moved to the stage's device. Returns the
         mean loss on the last stage, else None."""
-        x = self._my_share(inputs).to(self.device)
-        y = self._my_share(targets).to(self.device)
-        loss = self._single_stage(x, y) if self.schedule is None else self._pipelined(x, y)
+        if isinstance(self.schedule, CrossMeshPipeline):  # picks its rows per micro-batch
+            loss = self.schedule.step(inputs, targets)
+        else:
+            x = self._my_share(inputs).to(self.device)
+            y = self._my_share(targets).to(self.device)
+            loss = self._single_stage(x, y) if self.schedule is None else \
+                self._pipelined(x, y)
         self.sync(self.module, self.plan.stages[self.stage_index], self.dp_group)
         if loss is None:
             return None
