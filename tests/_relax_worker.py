@@ -47,7 +47,7 @@ def _replicas_agree(pm: Any) -> float:
     full = pm.full_parameters()
     flat = torch.cat([t.reshape(-1) for _, t in sorted(full.items())])
     other = flat.clone()
-    dist.broadcast(other, src=pm.plan.stages[pm.stage_index].ranks[0])
+    dist.broadcast(other, src=pm.plan.stages[pm.stage_index].ranks[0], group=pm.dp_group)
     return (flat - other).abs().max().item()
 
 
