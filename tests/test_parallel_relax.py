@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -150,3 +151,15 @@ def test_planner_keeps_allreduce_unless_allowed_and_compresses_slow_dp() -> None
     relaxed = _gpt_plan(Constraints(dp=8, dp_algorithms=("allreduce", "fp16", "powersgd")))
     assert relaxed.stages[0].dp_algorithm == "powersgd"
     assert relaxed.step_time_s < default.step_time_s
+
+
+def test_wire_bytes_follow_the_payload_formats() -> None:
+    from hexagram.parallel.relax_cost import wire_bytes
+
+    n = 512 * 256
+    assert wire_bytes("allreduce", (512, 256), 4) == (4.0 * n,)
+    assert wire_bytes("fp16", (512, 256), 4) == (2.0 * n,)
+    assert wire_bytes("powersgd", (512, 256), 4) == (512 * 2 * 4.0, 256 * 2 * 4.0)  # rank 2
+    assert wire_bytes("powersgd", (512,), 4) == (4.0 * 512,)  # vectors go dense
+    k = math.ceil(0.02 * n)  # top-k's default density: values + int32 indices
+    assert wire_bytes("topk", (512, 256), 4) == (8.0 * k,)
