@@ -10,7 +10,8 @@ characters), a pp=2 x dp=2 plan whose stage k runs on rank k of each host: pipel
 transfers stay inside a host, each stage's dp pair crosses the slow link. The same plan is
 trained twice from the same weights and batches, its stages synchronised by allreduce and by
 PowerSGD; per run: mean step time (slowest rank), bytes the busiest host sent on its link
-per step (interface counter), loss at the end (mean of the last 20 steps).
+per step (interface counter), training loss at the end (mean of the last 20 steps) and the
+validation loss of the trained model (16 x 64 fixed windows of the held-out text).
 
     python benchmarks/plan_relax.py plan
     sudo .venv/bin/python benchmarks/plan_relax.py lab --steps 200 --bandwidth 100mbit
@@ -51,6 +52,30 @@ def _stage_ranks(plan: Any) -> Any:
     """Stage k on rank k of each host (hosts of 2 ranks): dp pairs cross hosts."""
     stages = [dataclasses.replace(s, ranks=[k, k + 2]) for k, s in enumerate(plan.stages)]
     return dataclasses.replace(plan, stages=stages)
+
+
+def _valid_loss(pm: Any, fresh: Any, corpus: Any, spec: dict[str, Any]) -> float | None:
+    """Validation loss of the trained model (stages' parameters gathered on rank 0; the
+    stage modules keep the model's parameter names): 16 batches of 64 fixed windows."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {n: t.cpu() for n, t in pm.full_parameters().items()})
+    if dist.get_rank() != 0:
+        return None
+    loaded = fresh.load_state_dict({k: v for part in parts for k, v in part.items()},
+                                   strict=False)
+    missing = set(loaded.missing_keys) & {n for n, _ in fresh.named_parameters()}
+    if missing:
+        raise RuntimeError(f"stages did not return parameters {sorted(missing)[:3]}")
+    gen, total = torch.Generator().manual_seed(1234), 0.0
+    with torch.no_grad():
+        for _ in range(16):
+            x, y = corpus.batch("valid", 64, spec["block"], gen)
+            total += F.cross_entropy(fresh(x).reshape(-1, 96), y.reshape(-1)).item() / 16
+    return total
 
 
 def rank_main(spec: dict[str, Any], out: Path) -> None:
@@ -96,6 +121,7 @@ def rank_main(spec: dict[str, Any], out: Path) -> None:
     sync = stage_sync(pm.module)
     result = {"rank": dist.get_rank(), "stage": pm.stage_index, "times": times,
               "losses": losses, "plan": p.to_json(indent=None),
+              "valid_loss": _valid_loss(pm, GPT(cfg), corpus, spec),
               "bytes_counted": sync.bytes_sent() if sync is not None else None,
               "stage_params": sum(q.numel() for q in pm.module.parameters())}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
@@ -123,8 +149,9 @@ def _summary(label: str, run: dict[str, Any], skip: int) -> str:
     last = [r["losses"] for r in ranks if r["losses"][0] is not None]
     end = sum(sum(ls[-20:]) / 20 for ls in last) / len(last)
     first = sum(ls[0] for ls in last) / len(last)
+    valid = next(r["valid_loss"] for r in ranks if r["valid_loss"] is not None)
     return (f"| {label} | {per_step:.3f} | {run['tx_bytes'] / steps / 1e6:.2f} | "
-            f"{first:.3f} | {end:.3f} | {run['wall_s']:.0f} |")
+            f"{first:.3f} | {end:.3f} | {valid:.3f} | {run['wall_s']:.0f} |")
 
 
 def lab_main(args: argparse.Namespace) -> None:
@@ -146,8 +173,8 @@ def lab_main(args: argparse.Namespace) -> None:
           f"{base['microbatches']} micro-batches, AdamW lr {base['lr']}, {args.steps} steps; "
           f"stages on ranks {[s['ranks'] for s in stage]}\n")
     print("| dp sync | s/step (steps > " f"{args.skip}) | MB/step on busiest host link | "
-          "loss step 1 | loss, last 20 steps | wall s |")
-    print("|---|---|---|---|---|---|")
+          "loss step 1 | loss, last 20 steps | validation loss | wall s |")
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 
