@@ -158,8 +158,8 @@ def lab_main(args: argparse.Namespace) -> None:
     from hexagram.bench.lab import LabConfig, NetworkLab
 
     base = {**WORKER_DEFAULTS, "steps": args.steps}
-    runs = [("allreduce", "allreduce", {}),
-            (f"powersgd rank {args.rank}", "powersgd", {"rank": args.rank})]
+    runs = [("allreduce", "allreduce", {})] if args.allreduce else []
+    runs += [(f"powersgd rank {r}", "powersgd", {"rank": r}) for r in args.ranks]
     rows = []
     with NetworkLab(LabConfig(hosts=2, ranks_per_host=2, bandwidth=args.bandwidth,
                               prefix="hxr")) as lab:
@@ -185,7 +185,10 @@ def main() -> int:
     parser.add_argument("--bandwidth", default="100mbit", help="lab: link rate")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--skip", type=int, default=20, help="steps left out of the mean")
-    parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
+    parser.add_argument("--ranks", type=lambda t: [int(v) for v in t.split(",")],
+                        default=[4], help="PowerSGD ranks to run, e.g. 4,8")
+    parser.add_argument("--no-allreduce", dest="allreduce", action="store_false",
+                        help="skip the allreduce run")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     parser.add_argument("--rank-mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
