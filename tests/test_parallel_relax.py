@@ -139,17 +139,20 @@ def test_constraints_refuse_unpriced_or_unusable_algorithms() -> None:
 
 
 def _gpt_plan(cons: Constraints) -> Plan:
-    model = gpt(layers=4, hidden=256, heads=4, vocab=1000, seq=64, device="meta")
-    x = torch.zeros(32, 64, dtype=torch.long, device="meta")
-    slow = Cluster(hosts=4, devices_per_host=2, inter_host_gbps=0.1, dtype_bytes=4)
-    return plan(model, x, slow, cons)
+    """GPT (2 blocks, hidden 1024, GPT-2's vocabulary) on 4 hosts x 8 devices, 10 Gbit/s
+    between hosts."""
+    model = gpt(layers=2, hidden=1024, heads=16, device="meta")
+    x = torch.zeros(64, 256, dtype=torch.long, device="meta")
+    return plan(model, x, Cluster(hosts=4, devices_per_host=8, inter_host_gbps=10), cons)
 
 
 def test_planner_keeps_allreduce_unless_allowed_and_compresses_slow_dp() -> None:
-    default = _gpt_plan(Constraints(dp=8))
+    default = _gpt_plan(Constraints())
     assert all(s.dp_algorithm == "allreduce" for s in default.stages)
-    relaxed = _gpt_plan(Constraints(dp=8, dp_algorithms=("allreduce", "fp16", "powersgd")))
-    assert relaxed.stages[0].dp_algorithm == "powersgd"
+    relaxed = _gpt_plan(Constraints(dp_algorithms=("allreduce", "fp16", "powersgd")))
+    # the dp sync that crosses hosts is compressed, and the plan is predicted faster
+    crossing = [s for s in relaxed.stages if s.dp * s.tp > 8]
+    assert crossing and all(s.dp_algorithm == "powersgd" for s in crossing)
     assert relaxed.step_time_s < default.step_time_s
 
 
