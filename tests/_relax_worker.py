@@ -47,7 +47,7 @@ def _replicas_agree(pm: Any) -> float:
     full = pm.full_parameters()
     flat = torch.cat([t.reshape(-1) for _, t in sorted(full.items())])
     other = flat.clone()
-    dist.broadcast(other, src=pm.plan.stages[pm.stage_index].ranks[0], group=pm.dp_group)
+    dist.broadcast(other, group=pm.dp_group, group_src=0)
     return (flat - other).abs().max().item()
 
 
