@@ -159,9 +159,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def sync_gradients(module: nn.Module, stage: StagePlan, group: dist.ProcessGroup) -> None:
     """Average gradients over the stage's data-parallel ranks (``group``); parameters
-    sharded by :func:`apply_zero` are skipped (FSDP2 already reduce-scattered them)."""
+    sharded by :func:`apply_zero` are skipped (FSDP2 already reduce-scattered them). A stage
+    whose ``dp_algorithm`` is not ``"allreduce"`` is synchronised by that algorithm
+    (:func:`hexagram.parallel.relax.algorithm_sync`)."""
     if stage.dp == 1:
         return
+    if stage.dp_algorithm != "allreduce":  # a relaxation: the stage's Hexagram algorithm
+        from hexagram.parallel.relax import algorithm_sync
+        return algorithm_sync(module, stage, group)
     managed = fsdp_managed(module)
     for p in module.parameters():
         if p.grad is None or id(p) in managed:

@@ -137,6 +137,10 @@ class Constraints:
         microbatches: micro-batches per step; more => smaller bubbles, smaller matmuls.
         schedule: ``"1f1b"`` (activations of at most #stages micro-batches live) or
             ``"gpipe"`` (all micro-batches live).
+        dp_algorithms: gradient algorithms a stage's data-parallel sync may use, one more
+            choice per stage (:mod:`hexagram.parallel.relax`); the default, allreduce only,
+            is exact. Adding lossy ones (``("allreduce", "fp16", "powersgd")``) lets the
+            planner trade gradient fidelity for bytes on slow links.
     """
 
     pp: int | None = None
@@ -144,12 +148,17 @@ class Constraints:
     dp: int | None = None
     microbatches: int | None = None
     schedule: str = "1f1b"
+    dp_algorithms: tuple[str, ...] = ("allreduce",)
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "dp", "microbatches"):
             if getattr(self, name) is not None:
                 check_int(self, name, low=1)
         check_choice(self, "schedule", ("1f1b", "gpipe"))
+        if tuple(self.dp_algorithms) != ("allreduce",):
+            from hexagram.parallel.relax_cost import check_priced
+
+            object.__setattr__(self, "dp_algorithms", check_priced(self.dp_algorithms))
 
     def validate(self, cluster: Cluster) -> None:
         """Degrees must multiply to (or divide) the cluster's devices; error names the field."""

@@ -42,6 +42,8 @@ class Mesh:
     b: float
     microbatches: int
     spans_hosts: bool = False
+    #: gradient algorithm of the ``d`` sync (``hexagram.parallel.relax_cost.PRICED``)
+    dp_algorithm: str = "allreduce"
 
     def _link(self, axis: str) -> tuple[float, float, int]:
         """(alpha, bytes/s per ring, ring size) of a mesh axis."""
@@ -85,11 +87,16 @@ class Strategy:
     act: float
 
 
-def _param_costs(op: Op, mesh: Mesh, psplit: int, zero: bool) -> tuple[float, float]:
+def _param_costs(op: Op, mesh: Mesh, psplit: int, zero: bool,
+                 in_elems: float = 0.0) -> tuple[float, float]:
     """(seconds per micro-batch incl. amortised sync, state bytes) of an op's parameters."""
     c = mesh.cluster
     pbytes = op.params * c.dtype_bytes / psplit
     state = op.params * (2 * c.dtype_bytes + c.optimizer_bytes) / psplit
+    if mesh.dp_algorithm != "allreduce" and not zero and mesh.d > 1:  # a relaxed dp sync
+        from hexagram.parallel.relax_cost import sync_cost
+        sync, extra = sync_cost(op, in_elems, mesh, psplit)
+        return sync / mesh.microbatches, state + extra
     if not zero or mesh.d == 1:
         return mesh.collective("allreduce", "d", pbytes) / mesh.microbatches, state
     # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients once
@@ -108,7 +115,7 @@ def _make(op: Op, in_elems: float, mesh: Mesh, name: str, layouts: tuple[str, st
     time = mesh.compute(op.flops * b / split, moved) if op.kind not in ("input", "view") else 0.0
     if name == "colwise":  # backward: the replicated input's gradient is partial -> allreduce
         time += mesh.collective("allreduce", "t", in_elems * b * c.dtype_bytes)
-    sync, state = _param_costs(op, mesh, psplit, zero) if op.params else (0.0, 0.0)
+    sync, state = _param_costs(op, mesh, psplit, zero, in_elems) if op.params else (0.0, 0.0)
     act = (op.out_elems * b / (mesh.t if layouts[1] == "S" else 1) + op.out_const) \
         * c.dtype_bytes if op.kind not in ("input", "view") else 0.0
     return Strategy(name, layouts[0], layouts[1], zero, time + sync, state, act)

@@ -91,8 +91,9 @@ def _meshes(graph: ModelGraph, cluster: Cluster, cons: Constraints, b_mb: int,
     for d, t in logical_meshes(sub, cluster):
         if (cons.tp and t != cons.tp) or (cons.dp and d != cons.dp) or b_mb % d:
             continue
-        out.append(Mesh(cluster=cluster, d=d, t=t, b=b_mb // d,
-                        microbatches=graph.batch // b_mb, spans_hosts=sub.hosts > 1))
+        for algo in cons.dp_algorithms if d > 1 else ("allreduce",):  # dp sync choices
+            out.append(Mesh(cluster=cluster, d=d, t=t, b=b_mb // d, dp_algorithm=algo,
+                            microbatches=graph.batch // b_mb, spans_hosts=sub.hosts > 1))
     return out
 
 

@@ -79,7 +79,8 @@ def _stage_plan(graph: ModelGraph, st: StageChoice, first_rank: int,
     return StagePlan(layers=(st.start, st.end),
                      ranks=list(range(first_rank, first_rank + st.sub.devices)),
                      dp=st.mesh.d, tp=st.mesh.t, latency_s=st.latency, memory_bytes=st.memory,
-                     shardings=shard, layouts=layouts, sharded_ops=sharded)
+                     shardings=shard, layouts=layouts, sharded_ops=sharded,
+                     dp_algorithm=st.mesh.dp_algorithm)
 
 
 def to_plan(graph: ModelGraph, cluster: Cluster, microbatches: int, schedule: str,

@@ -42,6 +42,11 @@ class StagePlan:
         shardings: ``nn.Linear`` module path -> ``colwise|rowwise|replicate[+zero]``.
         layouts: module path -> (layout it receives, layout it hands on): ``"R"``/``"S"``.
         sharded_ops: non-linear operators run on sharded (``S``) activations, for display.
+        dp_algorithm: the Hexagram gradient algorithm that synchronises the stage's
+            gradients over its ``dp`` ranks (``hexagram.algorithms.names()``); ``"allreduce"``
+            (default) is the exact average, ``"fp16"`` / ``"powersgd"`` / ``"topk"`` send
+            fewer bytes (see :mod:`hexagram.parallel.relax`).
+        dp_options: that algorithm's config (e.g. ``{"rank": 4}`` for PowerSGD).
     """
 
     layers: tuple[int, int]
@@ -53,6 +58,20 @@ class StagePlan:
     shardings: dict[str, str] = field(default_factory=dict)
     layouts: dict[str, tuple[str, str]] = field(default_factory=dict)
     sharded_ops: int = 0
+    dp_algorithm: str = "allreduce"
+    dp_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dp_algorithm != "allreduce" or self.dp_options:
+            from hexagram.parallel.relax import check_dp_algorithm  # loads the algorithms
+
+            check_dp_algorithm(self.dp_algorithm, self.dp_options)
+
+    @property
+    def sync_label(self) -> str:
+        """``powersgd(rank=4)``: the stage's dp sync, for display."""
+        opts = ",".join(f"{k}={v}" for k, v in sorted(self.dp_options.items()))
+        return f"{self.dp_algorithm}({opts})" if opts else self.dp_algorithm
 
 
 @dataclass
@@ -102,7 +121,9 @@ class Plan:
                          f"{s.ranks[0]}-{s.ranks[-1]} as dp={s.dp} x tp={s.tp}; "
                          f"{s.latency_s * 1e3:.3f} ms/micro-batch, "
                          f"{s.memory_bytes / 1e9:.2f} GB; linears "
-                         + ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())))
+                         + ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items()))
+                         + (f"; dp sync {s.sync_label}" if s.dp_algorithm != "allreduce"
+                            else ""))
         if self.unknown_ops:
             lines.append(f"  replicated unknown operators: {', '.join(self.unknown_ops)}")
         return "\n".join(lines)

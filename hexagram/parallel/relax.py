@@ -1,0 +1,177 @@
+"""Relaxations inside plans: a stage's data-parallel gradient sync by any Hexagram gradient
+algorithm (fp16, PowerSGD, top-k, QSGD, ...), on the stage's own ``dp`` process group.
+
+A :class:`~hexagram.parallel.plans.StagePlan` with ``dp_algorithm="powersgd"`` (and
+``dp_options={"rank": 4}``) is synchronised by :class:`StageSync`: after the stage's
+backward (all micro-batches accumulated), the stage's gradients are copied into the
+engine's :class:`~hexagram.buckets.Bucket` buffers and handed, bucket by bucket, to the
+algorithm's ``bucket_ready`` on a :class:`~hexagram.comm.communicator.Communicator` over
+the stage's ``dp`` group; the reduced buckets are written back into ``.grad`` and the
+algorithm's ``after_backward`` ends its step. Compression, error feedback and warm starts
+are the algorithm's own (nothing re-implemented here); its state (PowerSGD's Q, residuals)
+lives in one :class:`StageSync` per stage module, kept across steps.
+
+What combines: tensor-parallel (DTensor) parameters are synchronised through their local
+shards (each ``dp`` group holds ranks of the same ``tp`` index, hence the same shards);
+parameters a ``+zero`` plan shards with FSDP2 keep FSDP's reduce-scatter (their gradients
+are sharded, not whole), the algorithm syncs all others. What is refused
+(:func:`check_dp_algorithm`): weight algorithms (local SGD, DiLoCo, decentralized, async:
+they average weights after optimizer steps, not gradients), algorithms that hook the
+optimizer (QAdam) or measure every rank (``auto``), and the wrapper options (``delay``,
+``hierarchical``: they hook optimizer steps or group ranks by host over the whole world).
+
+Example:
+    >>> check_dp_algorithm("powersgd", {"rank": 4})
+    >>> check_dp_algorithm("local_sgd")
+    Traceback (most recent call last):
+    ...
+    hexagram.errors.ConfigError: dp_algorithm 'local_sgd' cannot synchronise a stage's \
+gradients: it averages weights after optimizer steps (a weight algorithm); use a gradient \
+algorithm, e.g. allreduce, fp16, powersgd, topk
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hexagram.algorithms import registry
+from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.algorithms.wrappers import WRAPPER_OPTIONS
+from hexagram.buckets import Bucket, build_buckets
+from hexagram.comm.communicator import Communicator, Handle
+from hexagram.errors import ConfigError, HexagramError
+from hexagram.parallel.plans import StagePlan
+from hexagram.parallel.zero import fsdp_managed
+from hexagram.runtime import get_runtime, is_initialized
+
+__all__ = ["StageSync", "algorithm_sync", "check_dp_algorithm", "stage_sync"]
+
+_MB = 1024 * 1024
+#: gradient algorithms that need more than a process group (they are refused, with why)
+_REFUSED = {
+    "auto": "it measures compute and the network over every rank of the job",
+    "qadam": "it hooks the optimizer (frozen Adam variance), which a stage sync never sees",
+}
+_EXAMPLES = "allreduce, fp16, powersgd, topk"
+
+
+def check_dp_algorithm(name: str, options: Mapping[str, Any] | None = None) -> None:
+    """Raise a :class:`ConfigError` naming the problem if ``name`` with ``options`` cannot
+    synchronise a stage's gradients; unknown names list the valid ones (the registry's
+    ``ValueError``), bad options name the field (the config's ``ConfigError``)."""
+    options = dict(options or {})
+    wrappers = sorted(k for k in options if k in WRAPPER_OPTIONS)
+    if wrappers:
+        raise ConfigError(f"dp_algorithm option(s) {wrappers} cannot be used for a stage's "
+                          f"sync: they hook optimizer steps or group ranks by host over the "
+                          f"whole job; drop them (the stage's dp group is the sync group)")
+    entry = registry.entries().get(name)
+    if entry is None:
+        raise ValueError(f"unknown dp_algorithm {name!r}; valid names: "
+                         f"{', '.join(registry.names())}")
+    if entry.kind == "weight":
+        raise ConfigError(f"dp_algorithm {name!r} cannot synchronise a stage's gradients: it "
+                          f"averages weights after optimizer steps (a weight algorithm); use "
+                          f"a gradient algorithm, e.g. {_EXAMPLES}")
+    if name in _REFUSED:
+        raise ConfigError(f"dp_algorithm {name!r} cannot synchronise a stage's gradients: "
+                          f"{_REFUSED[name]}; use e.g. {_EXAMPLES}")
+    registry.get(name, **options)  # the config's own checks (names the bad field)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (sharing its storage), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class StageSync:
+    """A gradient algorithm bound to one stage module and its ``dp`` process group.
+
+    Args:
+        module: the stage's module (after sharding and ZeRO).
+        group: the stage's data-parallel group.
+        algorithm: a gradient algorithm (``registry.get(name, **options)``), not yet set up.
+        bucket_size_mb: bucket capacity, as :class:`hexagram.DistributedDataParallel`'s.
+
+    Call it after backward on every rank of the group (all micro-batches accumulated):
+    ``sync()`` leaves the algorithm's reduced gradient in every synchronised ``.grad``.
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, algorithm: Algorithm,
+                 bucket_size_mb: float = 25.0) -> None:
+        if not is_initialized():
+            raise HexagramError("a stage's dp_algorithm runs on Hexagram's runtime: call "
+                                "hexagram.init() before parallelize")
+        runtime = get_runtime()
+        managed = fsdp_managed(module)
+        # proxies over the local shards (no copy): buckets need plain tensors
+        self.params = [(n, p, nn.Parameter(_local(p).detach(), requires_grad=False))
+                       for n, p in module.named_parameters()
+                       if p.requires_grad and id(p) not in managed]
+        named = [(n, proxy) for n, _, proxy in self.params]
+        cap = int(bucket_size_mb * _MB)
+        self.buckets: list[Bucket] = build_buckets(list(reversed(named)), cap,
+                                                   min(_MB, cap)) if named else []
+        self.comm = Communicator(group, runtime.timeout, name=f"stage-{algorithm.name}")
+        self.algorithm = algorithm
+        algorithm.setup(AlgorithmContext(module, [], runtime, self.comm, named,
+                                         list(self.buckets)))
+
+    def __call__(self) -> None:
+        if not self.buckets:
+            return
+        for _, p, proxy in self.params:
+            proxy.grad = None if p.grad is None else _local(p.grad)
+        handles: list[Handle[torch.Tensor] | None] = []
+        for bucket in self.buckets:  # launched in order: the same on every rank
+            for entry in bucket.entries:
+                bucket.copy_in_grad(entry)
+            handles.append(self.algorithm.bucket_ready(bucket))
+        for bucket, handle in zip(self.buckets, handles):
+            if handle is not None:
+                bucket.copy_out_grads(handle.wait())
+        self.algorithm.after_backward()
+        for _, p, proxy in self.params:  # a parameter unused here still gets the mean
+            if p.grad is None and not hasattr(p, "to_local"):
+                p.grad = proxy.grad
+
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent for the stage's sync since set-up (measured, by the comm)."""
+        return self.algorithm.bytes_sent()
+
+
+_SYNCS: weakref.WeakKeyDictionary[nn.Module, StageSync] = weakref.WeakKeyDictionary()
+
+
+def stage_sync(module: nn.Module) -> StageSync | None:
+    """The :class:`StageSync` of a stage module once it has synchronised (else None)."""
+    return _SYNCS.get(module)
+
+
+def algorithm_sync(module: nn.Module, stage: StagePlan, group: dist.ProcessGroup) -> None:
+    """Synchronise ``module``'s gradients over ``group`` by ``stage.dp_algorithm``.
+
+    The drop-in for :func:`hexagram.parallel.apply.sync_gradients` (same signature): the
+    first call sets the algorithm up (collective over ``group``), later calls reuse it and
+    its state. ``dp_algorithm="allreduce"`` takes this path too when called directly.
+
+    Example:
+        >>> pm = parallelize(model, plan)          # a stage with dp_algorithm="powersgd"
+        ... # doctest: +SKIP
+        >>> pm.train_step(x, y)                    # calls algorithm_sync after backward
+        ... # doctest: +SKIP
+    """
+    if stage.dp == 1:
+        return
+    sync = _SYNCS.get(module)
+    if sync is None:
+        check_dp_algorithm(stage.dp_algorithm, stage.dp_options)
+        algorithm = registry.get(stage.dp_algorithm, **dict(stage.dp_options))
+        sync = _SYNCS[module] = StageSync(module, group, algorithm)
+    sync()

@@ -1,0 +1,145 @@
+"""Price of a stage's data-parallel gradient sync by a Hexagram algorithm (the cost model's
+side of :mod:`hexagram.parallel.relax`).
+
+The wire bytes come from :mod:`hexagram.cost.payload_size` (each compressor's payload from
+shapes and config, checked against real payloads by the tests there), the seconds from the
+stage mesh's alpha-beta collectives (:meth:`hexagram.parallel.cost.Mesh.collective`):
+
+| algorithm | collective over ``d`` per tensor |
+|---|---|
+| allreduce | allreduce of the gradient |
+| fp16 | allreduce of the 16-bit payload |
+| powersgd | allreduce of P (rows x r), then of Q (cols x r); dense if not smaller |
+| topk | allgather of ``d`` payloads ((k,) values + (k,) int32 indices) |
+
+plus the encode/decode time on the device (memory passes over the gradient; PowerSGD's
+three matmuls as FLOPs) and the state it keeps (error-feedback residuals: one gradient-sized
+buffer; PowerSGD's Q). Parameter shapes are not in the captured graph, only counts: a
+linear's ``(out, in)`` is recovered from its output/input widths, an embedding is priced as
+a square matrix (PowerSGD's factors of a tall vocab x hidden table are larger: this
+under-prices them by ~2-4x, a few kB against a table of MBs), norms and other parameters
+as vectors (never compressed).
+
+Example:
+    >>> from hexagram.parallel.cluster import Cluster
+    >>> from hexagram.parallel.cost import Mesh
+    >>> from hexagram.parallel.graph import Op
+    >>> slow = Cluster(hosts=2, devices_per_host=1, inter_host_gbps=1, dtype_bytes=4)
+    >>> op = Op("linear", "fc", params=1024 * 1024 + 1024, out_elems=1024)
+    >>> secs = {a: sync_cost(op, 1024, Mesh(cluster=slow, d=2, t=1, b=1, microbatches=1,
+    ...         spans_hosts=True, dp_algorithm=a), 1)[0] for a in PRICED}
+    >>> secs["powersgd"] < secs["fp16"] < secs["allreduce"]
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache, lru_cache
+from typing import TYPE_CHECKING
+
+import torch
+
+from hexagram.compress.base import Compressor
+from hexagram.cost.payload_size import payload_layout
+
+if TYPE_CHECKING:
+    from hexagram.parallel.cost import Mesh
+    from hexagram.parallel.graph import Op
+
+__all__ = ["PRICED", "check_priced", "op_shapes", "sync_cost", "wire_bytes"]
+
+#: algorithms the planner can price (the executor runs any gradient algorithm)
+PRICED = ("allreduce", "fp16", "powersgd", "topk")
+_DTYPE = {1: torch.float16, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+#: memory passes over the gradient to encode + decode (read/write), per algorithm
+_PASSES = {"allreduce": 0.0, "fp16": 3.0, "powersgd": 6.0, "topk": 5.0}
+
+
+@cache
+def _compressor(name: str) -> Compressor | None:
+    from hexagram.algorithms import registry
+
+    return getattr(registry.get(name), "compressor", None)
+
+
+def op_shapes(op: Op, in_elems: float, psplit: int) -> list[tuple[int, ...]]:
+    """Shapes of an operator's parameter tensors on one device (``psplit``: tp shards)."""
+    n = op.params / psplit
+    if op.kind == "linear" and in_elems > 0 and op.out_elems > 0:
+        ratio = op.out_elems / in_elems  # out_features / in_features
+        cols = max(1, round(math.sqrt(op.params / ratio)))
+        out = max(1, round(ratio * cols))
+        weight = (max(1, out // psplit), cols)
+        bias = op.params - out * cols
+        return [weight, (max(1, out // psplit),)] if bias * 2 >= out else [weight]
+    if op.kind == "embedding":
+        side = max(1, math.isqrt(int(n)))
+        return [(side, max(1, int(n) // side))]
+    return [(max(1, int(n)),)]
+
+
+@lru_cache(maxsize=65536)
+def wire_bytes(name: str, shape: tuple[int, ...], dtype_bytes: int) -> tuple[float, ...]:
+    """Bytes of each message one rank contributes for a gradient of ``shape`` (PowerSGD: P,
+    then Q; the others: one message), from :func:`~hexagram.cost.payload_size.payload_layout`."""
+    dense = (float(math.prod(shape) * dtype_bytes),)
+    comp = _compressor(name)
+    if comp is None:
+        return dense
+    if name == "powersgd" and (len(shape) < 2 or not comp.worthwhile(  # type: ignore[attr-defined]
+            torch.Size(shape))):
+        return dense  # sent uncompressed in the P message
+    layout = payload_layout(comp, shape, _DTYPE[dtype_bytes])
+    if layout is None:
+        return dense
+    sizes = tuple(float(math.prod(s) * d.itemsize) for s, d in layout)
+    return sizes if name == "powersgd" else (sum(sizes),)
+
+
+def _encode_seconds(name: str, shape: tuple[int, ...], mesh: Mesh) -> float:
+    c, n = mesh.cluster, math.prod(shape)
+    if name == "allreduce":
+        return 0.0
+    secs = _PASSES[name] * n * 4 / (c.memory_gbps * 1e9) + c.op_overhead_us * 1e-6
+    if name == "powersgd" and len(shape) >= 2:  # M Q, M^T P, P Q^T
+        rank = _compressor(name).config.rank  # type: ignore[union-attr]
+        secs += 6.0 * n * rank / (c.device_tflops * 1e12)
+    return secs
+
+
+def sync_cost(op: Op, in_elems: float, mesh: Mesh, psplit: int) -> tuple[float, float]:
+    """(seconds per step to synchronise ``op``'s gradients over the mesh's ``d`` axis by
+    ``mesh.dp_algorithm``, extra state bytes per device it keeps)."""
+    name, c = mesh.dp_algorithm, mesh.cluster
+    secs = extra = 0.0
+    for shape in op_shapes(op, in_elems, psplit):
+        msgs = wire_bytes(name, shape, c.dtype_bytes)
+        if name == "topk":
+            secs += mesh.collective("allgather", "d", msgs[0] * mesh.d)
+        else:
+            secs += sum(mesh.collective("allreduce", "d", b) for b in msgs)
+        secs += _encode_seconds(name, shape, mesh)
+        if name == "topk" or (name == "powersgd" and len(msgs) == 2):
+            extra += math.prod(shape) * c.dtype_bytes  # error-feedback residual
+            if name == "powersgd":
+                extra += msgs[-1]  # warm-start Q
+    return secs, extra
+
+
+def check_priced(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """``Constraints.dp_algorithms`` checked: usable for a stage's sync and priced here;
+    ``allreduce`` must be among them (the exact sync stays a choice)."""
+    from hexagram.errors import ConfigError
+    from hexagram.parallel.relax import check_dp_algorithm
+
+    out = tuple(names)
+    for name in out:
+        check_dp_algorithm(name)
+        if name not in PRICED:
+            raise ConfigError(f"Constraints.dp_algorithms: {name!r} is not priced by the "
+                              f"planner's cost model; priced: {', '.join(PRICED)} (set any "
+                              f"gradient algorithm on a plan's StagePlan.dp_algorithm by hand)")
+    if "allreduce" not in out:
+        raise ConfigError(f"Constraints.dp_algorithms={out} must include 'allreduce'")
+    return out
