@@ -142,13 +142,14 @@ def calibrated(measured: dict[str, float], devices: int, dtype: torch.dtype) -> 
     """A one-host :class:`Cluster` of ``devices`` ranks from :func:`measure_job`'s figures
     (overheads absent from ``measured`` stay 0)."""
     keys = ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us")
+    overheads: dict[str, float] = {k: measured[k] for k in keys if k in measured}
     return Cluster(hosts=1, devices_per_host=devices, intra_host_gbps=measured["gbps"],
                    inter_host_gbps=measured["gbps"], intra_latency_us=measured["latency_us"],
                    inter_latency_us=measured["latency_us"],
                    device_tflops=measured["device_tflops"], memory_gbps=measured["memory_gbps"],
                    op_overhead_us=measured["op_overhead_us"],
                    dtype_bytes=torch.empty((), dtype=dtype).element_size(),
-                   device_memory_gb=4.0, **{k: measured[k] for k in keys if k in measured})
+                   device_memory_gb=4.0).replace(**overheads)
 
 
 def calibrated_cluster(devices: int, dtype: torch.dtype = torch.float64,
