@@ -139,7 +139,9 @@ def edge_cost(src: str, dst: str, elems: float, mesh: Mesh) -> float:
     nbytes = elems * mesh.b * mesh.cluster.dtype_bytes
     gather = mesh.collective("allgather", "t", nbytes)
     if src == "R" or src == "S":  # R->S: backward gathers the gradient; S->R: forward gathers
-        return gather
+        # a DTensor redistribute of its own (PrepareModuleInput/Output): one more call's
+        # overhead; P->* is folded into the row-wise linear that produced P
+        return gather + mesh.cluster.tp_overhead_us * 1e-6
     if dst == "R":  # P->R
         return mesh.collective("allreduce", "t", nbytes)
     return mesh.collective("reduce_scatter", "t", nbytes) + gather  # P->S
