@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from hexagram.parallel.cluster import Cluster, Constraints, Submesh
 from hexagram.parallel.cost import Mesh
 from hexagram.parallel.graph import ModelGraph
-from hexagram.parallel.inter import StageChoice, transfer_time
+from hexagram.parallel.inter import StageChoice, step_time, transfer_time
 from hexagram.parallel.intra import megatron
 from hexagram.parallel.planner import microbatch_choices, to_plan
 from hexagram.parallel.plans import Plan
@@ -87,8 +87,7 @@ def evaluate_fixed(graph: ModelGraph, cluster: Cluster, pp: int, dp: int, tp: in
         stages = _stages(graph, cluster, pp, dp, tp, zero, b, schedule)
         if stages is None:
             continue
-        lat = [s.latency for s in stages]
-        step = sum(lat) + (b - 1) * max(lat)
+        step = step_time([s.latency for s in stages], b, cluster)
         if best is None or step < best.step_time_s:
             best = to_plan(graph, cluster, b, schedule, stages, step)
     return best

@@ -57,6 +57,16 @@ class Cluster:
         memory_gbps: device memory bandwidth (GB/s) for memory-bound operators.
         intra_latency_us, inter_latency_us: alpha of one message on each link.
         op_overhead_us: fixed cost per operator launch (kernel launch, Python dispatch).
+        tp_overhead_us: per tensor-parallel ``nn.Linear``, forward + backward: DTensor's
+            dispatch and redistribute bookkeeping beyond its collectives' alpha-beta time;
+            higher => tensor parallelism of small operators loses.
+        zero_overhead_us: per ZeRO-sharded module and micro-batch: FSDP2's hooks and
+            all-gather / reduce-scatter bookkeeping; higher => fewer ZeRO plans.
+        microbatch_overhead_us: per micro-batch and pipeline stage (forward + backward):
+            ``torch.distributed.pipelining``'s send/recv and schedule work; higher => fewer
+            stages and micro-batches.
+        step_overhead_us: per training step whatever the plan (the end-of-step
+            synchronisation of the ranks).
         dtype_bytes: bytes per element of parameters, gradients and activations.
         optimizer_bytes: optimizer state bytes per parameter (Adam fp32 master + m + v: 12).
     """
@@ -71,6 +81,10 @@ class Cluster:
     intra_latency_us: float = 10.0
     inter_latency_us: float = 25.0
     op_overhead_us: float = 5.0
+    tp_overhead_us: float = 0.0
+    zero_overhead_us: float = 0.0
+    microbatch_overhead_us: float = 0.0
+    step_overhead_us: float = 0.0
     dtype_bytes: int = 2
     optimizer_bytes: int = 12
 
@@ -83,7 +97,8 @@ class Cluster:
         for name in ("intra_host_gbps", "inter_host_gbps", "device_memory_gb", "device_tflops",
                      "memory_gbps"):
             check_float(self, name, low=0.0, low_open=True)
-        for name in ("intra_latency_us", "inter_latency_us", "op_overhead_us"):
+        for name in ("intra_latency_us", "inter_latency_us", "op_overhead_us", "tp_overhead_us",
+                     "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us"):
             check_float(self, name, low=0.0)
         check_choice(self, "dtype_bytes", (1, 2, 4, 8))
         check_int(self, "optimizer_bytes", low=0)

@@ -54,13 +54,14 @@ class Mesh:
         share = min(self.t, self.cluster.devices_per_host) if self.spans_hosts else 1
         return alpha, rate / share, self.d
 
-    def collective(self, kind: str, axis: str, nbytes: float) -> float:
-        """Seconds of a collective of ``nbytes`` (full tensor) over mesh axis ``"d"``/``"t"``."""
+    def collective(self, kind: str, axis: str, nbytes: float, count: int = 1) -> float:
+        """Seconds of ``count`` collectives of ``nbytes`` in all (full tensors) over mesh axis
+        ``"d"``/``"t"``: each pays the latency, the bytes are paid once."""
         alpha, rate, n = self._link(axis)
         if n <= 1 or nbytes <= 0:
             return 0.0
         f = _FACTOR[kind]
-        return f * (n - 1) * alpha + f * (n - 1) / n * nbytes / rate
+        return f * (n - 1) * alpha * max(1, count) + f * (n - 1) / n * nbytes / rate
 
     def compute(self, flops: float, nbytes: float) -> float:
         """Forward + backward seconds of an operator (backward ~ 2x forward)."""
@@ -97,10 +98,11 @@ def _param_costs(op: Op, mesh: Mesh, psplit: int, zero: bool,
         from hexagram.parallel.relax_cost import sync_cost
         sync, extra = sync_cost(op, in_elems, mesh, psplit)
         return sync / mesh.microbatches, state + extra
-    if not zero or mesh.d == 1:
-        return mesh.collective("allreduce", "d", pbytes) / mesh.microbatches, state
-    # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients once
-    per_mb = 2 * mesh.collective("allgather", "d", pbytes)
+    if not zero or mesh.d == 1:  # one allreduce per parameter tensor
+        return mesh.collective("allreduce", "d", pbytes, op.tensors) / mesh.microbatches, state
+    # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients once;
+    # the module is one FSDP unit (its tensors travel flattened together)
+    per_mb = 2 * mesh.collective("allgather", "d", pbytes) + c.zero_overhead_us * 1e-6
     return per_mb + mesh.collective("reduce_scatter", "d", pbytes) / mesh.microbatches, \
         state / mesh.d
 
@@ -115,6 +117,8 @@ def _make(op: Op, in_elems: float, mesh: Mesh, name: str, layouts: tuple[str, st
     time = mesh.compute(op.flops * b / split, moved) if op.kind not in ("input", "view") else 0.0
     if name == "colwise":  # backward: the replicated input's gradient is partial -> allreduce
         time += mesh.collective("allreduce", "t", in_elems * b * c.dtype_bytes)
+    if psplit > 1:  # DTensor's per-call dispatch and redistribute work (measured)
+        time += c.tp_overhead_us * 1e-6
     sync, state = _param_costs(op, mesh, psplit, zero, in_elems) if op.params else (0.0, 0.0)
     act = (op.out_elems * b / (mesh.t if layouts[1] == "S" else 1) + op.out_const) \
         * c.dtype_bytes if op.kind not in ("input", "view") else 0.0
@@ -142,7 +146,9 @@ def edge_cost(src: str, dst: str, elems: float, mesh: Mesh) -> float:
     nbytes = elems * mesh.b * mesh.cluster.dtype_bytes
     gather = mesh.collective("allgather", "t", nbytes)
     if src == "R" or src == "S":  # R->S: backward gathers the gradient; S->R: forward gathers
-        return gather
+        # a DTensor redistribute of its own (PrepareModuleInput/Output): one more call's
+        # overhead; P->* is folded into the row-wise linear that produced P
+        return gather + mesh.cluster.tp_overhead_us * 1e-6
     if dst == "R":  # P->R
         return mesh.collective("allreduce", "t", nbytes)
     return mesh.collective("reduce_scatter", "t", nbytes) + gather  # P->S

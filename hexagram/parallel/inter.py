@@ -23,7 +23,7 @@ from hexagram.parallel.cost import Mesh, logical_meshes
 from hexagram.parallel.graph import ModelGraph
 from hexagram.parallel.intra import LayerOption, fastest, layer_options
 
-__all__ = ["StageChoice", "Tables", "build_tables", "solve", "transfer_time"]
+__all__ = ["StageChoice", "Tables", "build_tables", "solve", "step_time", "transfer_time"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,26 @@ class Tables:
     arg: np.ndarray                       # [Q, nsub, L+1, L+1] index into ``configs``
     configs: list[tuple[Mesh, list[list[LayerOption]], int]]  # mesh, options, option index
     memory: np.ndarray                    # [Q, nsub, L+1, L+1] bytes of the chosen config
+    cluster: Cluster | None = None        # its measured overheads enter :func:`step_time`
+
+
+def step_time(latencies: list[float], microbatches: int, cluster: Cluster | None = None
+              ) -> float:
+    """Seconds of one step of a pipeline whose stages take ``latencies`` per micro-batch:
+    ``sum + (B - 1) max``, plus the cluster's measured overheads: pipelining's per
+    micro-batch and stage cost on each of the ``S + B - 1`` slots of the critical path
+    (pipelines only: one stage runs no pipelining) and the per-step cost.
+
+    Example:
+        >>> step_time([1.0, 2.0], 4)
+        9.0
+    """
+    total = sum(latencies) + (microbatches - 1) * max(latencies)
+    if cluster is None:
+        return total
+    if len(latencies) > 1:
+        total += (len(latencies) + microbatches - 1) * cluster.microbatch_overhead_us * 1e-6
+    return total + cluster.step_overhead_us * 1e-6
 
 
 def transfer_time(cluster: Cluster, sub: Submesh, nbytes: float) -> float:
@@ -129,7 +149,7 @@ def build_tables(graph: ModelGraph, cluster: Cluster, cons: Constraints, microba
         list(range(1, min(max_stages, microbatches) + 1))
     shape = (len(inflight), len(subs), n_layers + 1, n_layers + 1)
     tables = Tables(microbatches, subs, inflight, np.full(shape, np.inf),
-                    np.zeros(shape, dtype=np.int64), [], np.full(shape, np.inf))
+                    np.zeros(shape, dtype=np.int64), [], np.full(shape, np.inf), cluster)
     out_bytes = [0.0] + [layer.out_elems * b_mb * cluster.dtype_bytes for layer in graph.layers]
     for si, sub in enumerate(subs):
         send = np.array([transfer_time(cluster, sub, x) for x in out_bytes])
@@ -214,8 +234,7 @@ def solve(tables: Tables, devices: int, stage_counts: list[int], eps: float = 0.
         for s in stage_counts:
             if s < f.shape[0] and np.isfinite(f[s, 0, devices]):
                 stages = _rebuild(tables, choice, s, devices)
-                lat = [st.latency for st in stages]
-                total = sum(lat) + (b - 1) * max(lat)
+                total = step_time([st.latency for st in stages], b, tables.cluster)
                 if best is None or total < best[0]:
                     best = (total, stages)
     return best

@@ -1,0 +1,86 @@
+"""The measured framework overheads: where the cost model charges them, and measuring them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hexagram.launch import run_local
+from hexagram.parallel import Cluster, Constraints, capture, gpt, plan_graph
+from hexagram.parallel.calibrate import calibrated, job_worker
+from hexagram.parallel.cost import Mesh, strategies
+from hexagram.parallel.graph import ModelGraph
+from hexagram.parallel.inter import step_time
+
+
+def _gpt_graph() -> ModelGraph:
+    m = gpt(layers=2, hidden=256, heads=4, vocab=200, seq=32, device="meta")
+    return capture(m, torch.zeros(16, 32, dtype=torch.long, device="meta"))
+
+
+def test_step_time_adds_pipelining_overhead_per_slot_and_the_step_overhead() -> None:
+    c = Cluster(hosts=1, devices_per_host=2, microbatch_overhead_us=1000, step_overhead_us=500)
+    # 2 stages x 4 micro-batches: 5 slots on the critical path, each pays 1 ms
+    assert step_time([0.01, 0.02], 4, c) == pytest.approx(0.01 + 0.02 * 4 + 5e-3 + 5e-4)
+    # one stage runs no pipelining: only the step overhead
+    assert step_time([0.01], 4, c) == pytest.approx(0.04 + 5e-4)
+    assert step_time([0.01, 0.02], 4) == pytest.approx(0.09)
+
+
+def test_tp_and_zero_overheads_are_charged_per_sharded_linear_and_unit() -> None:
+    layer = _gpt_graph().layers[1]
+    fc = next(i for i, op in enumerate(layer.ops) if op.kind == "linear")
+    base = Cluster(hosts=1, devices_per_host=4)
+    costly = base.replace(tp_overhead_us=700.0, zero_overhead_us=300.0)
+
+    def times(c: Cluster, d: int, t: int) -> dict[tuple[str, bool], float]:
+        mesh = Mesh(cluster=c, d=d, t=t, b=4, microbatches=1)
+        return {(s.name, s.zero): s.time for s in strategies(layer, fc, mesh)}
+
+    before, after = times(base, 1, 4), times(costly, 1, 4)
+    assert after["colwise", False] - before["colwise", False] == pytest.approx(700e-6)
+    assert after["rowwise", False] - before["rowwise", False] == pytest.approx(700e-6)
+    assert after["replicate", False] == pytest.approx(before["replicate", False])
+    before, after = times(base, 4, 1), times(costly, 4, 1)
+    assert after["replicate", True] - before["replicate", True] == pytest.approx(300e-6)
+    assert after["replicate", False] == pytest.approx(before["replicate", False])
+
+
+def test_data_parallel_sync_pays_one_latency_per_parameter_tensor() -> None:
+    g = capture(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, bias=False)), torch.zeros(4, 8))
+    with_bias, no_bias = g.layers[0].ops[1], g.layers[1].ops[1]
+    assert (with_bias.tensors, no_bias.tensors) == (2, 1)
+    c = Cluster(hosts=1, devices_per_host=2, intra_latency_us=1000.0)
+    mesh = Mesh(cluster=c, d=2, t=1, b=2, microbatches=1)
+    t_bias = strategies(g.layers[0], 1, mesh)[0].time
+    t_none = strategies(g.layers[1], 1, mesh)[0].time
+    # 2 allreduces of 2(n-1) latencies each against 1: 2 ms more (the bytes differ by 64 B)
+    assert t_bias - t_none == pytest.approx(2e-3, rel=1e-3)
+
+
+def test_measured_dtensor_overhead_steers_the_planner_off_tensor_parallelism() -> None:
+    graph = _gpt_graph()
+    cheap = Cluster(hosts=1, devices_per_host=2, intra_host_gbps=2400, inter_host_gbps=2400,
+                    device_tflops=0.05, dtype_bytes=8)
+    tp = plan_graph(graph, cheap, Constraints(pp=1))
+    assert tp.stages[0].tp == 2
+    costly = plan_graph(graph, cheap.replace(tp_overhead_us=50_000.0), Constraints(pp=1))
+    assert costly.stages[0].tp == 1
+    assert costly.step_time_s > tp.step_time_s
+
+
+@pytest.mark.timeout(240)
+def test_calibration_measures_the_overheads_on_two_ranks() -> None:
+    res = run_local(job_worker, 2, args=(torch.float64, 5), timeout=220)
+    figures = res[0]
+    assert res[1] == figures  # the median over ranks, the same on every rank
+    for key in ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us",
+                "step_overhead_us", "latency_us", "op_overhead_us"):
+        assert math.isfinite(figures[key]) and figures[key] >= 0.0, key
+    # DTensor and pipelining cost more than the bare formulas on any CPU
+    assert figures["tp_overhead_us"] > 0.0 and figures["microbatch_overhead_us"] > 0.0
+    cluster = calibrated(figures, 2, torch.float64)
+    assert cluster.tp_overhead_us == figures["tp_overhead_us"] and cluster.dtype_bytes == 8
