@@ -82,6 +82,6 @@ def _replicated_bytes(spec: ParitySpec) -> float:
 
     model, x, _ = build(spec)
     roomy = Cluster(hosts=1, devices_per_host=2, dtype_bytes=8, device_memory_gb=1.0)
-    p = plan(model, x, roomy, Constraints(**spec.constraints))
+    p = plan(model, x, roomy, Constraints(**spec.constraints, zero=False))
     assert not any(k.endswith("+zero") for s in p.stages for k in s.shardings.values())
     return float(p.memory_bytes)

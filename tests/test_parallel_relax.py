@@ -31,10 +31,10 @@ def _run(spec: RelaxSpec, world: int, timeout: float = 150) -> list[dict]:
 
 @pytest.mark.timeout(180)
 def test_allreduce_through_algorithm_path_matches_existing_sync() -> None:
-    # ZeRO priced out: with one latency per parameter tensor (the calibrated model) the
-    # planner would shard this tiny MLP with FSDP2 and no gradient would take the path
-    ps = ParitySpec(model="mlp", layers=2, hidden=16, constraints={"dp": 2},
-                    cluster=cluster(2, zero_overhead_us=1e6))
+    # no ZeRO: with one latency per parameter tensor (the calibrated model) the planner
+    # would shard this tiny MLP with FSDP2 and no gradient would take the path
+    ps = ParitySpec(model="mlp", layers=2, hidden=16, constraints={"dp": 2, "zero": False},
+                    cluster=cluster(2))
     for r in _run(RelaxSpec(parity=ps), 2):
         assert r["loss_diff"] < TOL and r["grad_diff"] < TOL and r["param_diff"] < TOL
         assert r["bytes_sent"] > 0  # the algorithm path ran (it counts its bytes)
@@ -55,9 +55,9 @@ def test_algorithm_path_with_zero_stage_matches_existing_sync() -> None:
 
 @pytest.mark.timeout(240)
 def test_algorithm_path_with_tensor_parallel_stage_matches_existing_sync() -> None:
-    ps = ParitySpec(model="mlp", layers=2, hidden=16, constraints={"dp": 2, "tp": 2},
-                    cluster=cluster(4, device_tflops=1e-6, op_overhead_us=0.0,
-                                    zero_overhead_us=1e6))  # no ZeRO: see the first test
+    ps = ParitySpec(model="mlp", layers=2, hidden=16,
+                    constraints={"dp": 2, "tp": 2, "zero": False},  # see the first test
+                    cluster=cluster(4, device_tflops=1e-6, op_overhead_us=0.0))
     results = _run(RelaxSpec(parity=ps, algorithm="allreduce"), 4, timeout=200)
     stage = json.loads(results[0]["plan"])["stages"][0]
     assert stage["tp"] == 2 and "colwise" in stage["shardings"].values()
@@ -67,8 +67,8 @@ def test_algorithm_path_with_tensor_parallel_stage_matches_existing_sync() -> No
 
 @pytest.mark.timeout(180)
 def test_powersgd_stage_equals_hexagram_ddp_powersgd() -> None:
-    ps = ParitySpec(model="mlp", layers=2, hidden=32, constraints={"dp": 2},
-                    cluster=cluster(2, zero_overhead_us=1e6), steps=6)  # no ZeRO (above)
+    ps = ParitySpec(model="mlp", layers=2, hidden=32, constraints={"dp": 2, "zero": False},
+                    cluster=cluster(2), steps=6)
     opts = {"rank": 2, "start_iter": 1}  # one allreduce step, then compressed
     results = _run(RelaxSpec(parity=ps, algorithm="powersgd", options=opts, compare="ddp"), 2)
     for r in results:

@@ -121,8 +121,10 @@ def _style(kind: str, given: str, handed: str) -> ParallelStyle | None:
     if given == "S" and handed == "S":
         raise HexagramError("a replicated linear between sharded tensors is not executable")
     if given == "S":
+        # a plain local tensor for the replicated linear's plain parameters (a DTensor
+        # input would meet them in addmm: "got mixed torch.Tensor and DTensor")
         return PrepareModuleInput(input_layouts=(Shard(-1),), desired_input_layouts=(
-            Replicate(),))
+            Replicate(),), use_local_output=True)
     if handed == "S":
         return PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(
             Shard(-1),))

@@ -156,6 +156,9 @@ class Constraints:
             choice per stage (:mod:`hexagram.parallel.relax`); the default, allreduce only,
             is exact. Adding lossy ones (``("allreduce", "fp16", "powersgd")``) lets the
             planner trade gradient fidelity for bytes on slow links.
+        zero: whether the planner may ZeRO-shard parameters over a stage's ``dp`` ranks
+            (FSDP2); False => every stage keeps whole parameters (e.g. to compare a plan
+            with its unsharded twin).
     """
 
     pp: int | None = None
@@ -164,12 +167,14 @@ class Constraints:
     microbatches: int | None = None
     schedule: str = "1f1b"
     dp_algorithms: tuple[str, ...] = ("allreduce",)
+    zero: bool = True
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "dp", "microbatches"):
             if getattr(self, name) is not None:
                 check_int(self, name, low=1)
         check_choice(self, "schedule", ("1f1b", "gpipe"))
+        check_choice(self, "zero", (True, False))
         if tuple(self.dp_algorithms) != ("allreduce",):
             from hexagram.parallel.relax_cost import check_priced
 

@@ -44,6 +44,8 @@ class Mesh:
     spans_hosts: bool = False
     #: gradient algorithm of the ``d`` sync (``hexagram.parallel.relax_cost.PRICED``)
     dp_algorithm: str = "allreduce"
+    #: whether parameters may be ZeRO-sharded over ``d`` (``Constraints.zero``)
+    zero: bool = True
 
     def _link(self, axis: str) -> tuple[float, float, int]:
         """(alpha, bytes/s per ring, ring size) of a mesh axis."""
@@ -135,7 +137,7 @@ def strategies(layer: Layer, i: int, mesh: Mesh) -> list[Strategy]:
         kinds = [("replicate", ("R", "R")), ("sharded", ("S", "S"))]
     else:  # input, source, norm, embedding, unknown: replicated over t
         kinds = [("replicate", ("R", "R"))]
-    zeros = (False, True) if op.params and mesh.d > 1 else (False,)
+    zeros = (False, True) if op.params and mesh.d > 1 and mesh.zero else (False,)
     return [_make(op, in_elems, mesh, name, lay, z) for name, lay in kinds for z in zeros]
 
 

@@ -113,7 +113,8 @@ def _meshes(graph: ModelGraph, cluster: Cluster, cons: Constraints, b_mb: int,
             continue
         for algo in cons.dp_algorithms if d > 1 else ("allreduce",):  # dp sync choices
             out.append(Mesh(cluster=cluster, d=d, t=t, b=b_mb // d, dp_algorithm=algo,
-                            microbatches=graph.batch // b_mb, spans_hosts=sub.hosts > 1))
+                            microbatches=graph.batch // b_mb, spans_hosts=sub.hosts > 1,
+                            zero=cons.zero))
     return out
 
 

@@ -136,7 +136,7 @@ def memory_plan(spec: MemorySpec) -> Plan:
     budget = (1 / spec.dp + 0.25 if spec.zero else 4.0) * state
     cluster = Cluster(hosts=1, devices_per_host=spec.dp, dtype_bytes=8, optimizer_bytes=16,
                       device_memory_gb=budget / 1e9)
-    return plan(model, x, cluster, Constraints(dp=spec.dp, tp=1, pp=1))
+    return plan(model, x, cluster, Constraints(dp=spec.dp, tp=1, pp=1, zero=spec.zero))
 
 
 def _measure(spec: MemorySpec, p: Plan, device: torch.device) -> dict[str, Any]:
