@@ -23,7 +23,9 @@ Example:
     >>> w = torch.nn.Parameter(torch.ones(2))
     >>> opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
     >>> wm = WorkerMomentum(None)
-    >>> wm.take_over([opt], [("w", w)])
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:  # it warns that it took over
+    ...     wm.take_over([opt], [("w", w)])
     >>> opt.param_groups[0]["momentum"]
     0.0
     >>> b = Bucket(0, [("w", w)])
