@@ -35,6 +35,9 @@ def test_taken_over_momentum_is_sgds_buffer_and_is_given_back() -> None:
     sent = wm.apply(bucket)
     assert torch.allclose(sent, torch.tensor([2.65, -0.2, -5.0]))
     assert torch.equal(bucket.flat, torch.tensor([2.0, 0.0, -5.0]))  # gradient untouched
+    # weight prediction steps by the momentum where it was taken over, else the gradient
+    assert torch.allclose(wm.velocity("a"), torch.tensor([2.65, -0.2]))
+    assert wm.velocity("b") is None
     state = wm.state_dict()
     wm.restore()
     assert opt.param_groups[0]["momentum"] == 0.5 and opt.param_groups[0]["weight_decay"] == 0.1

@@ -135,6 +135,12 @@ class RobustAlgorithm(Algorithm):
             return handle
         return handle.then(lambda out: self._remember(bucket.index, out))
 
+    def predicted_gradient(self, name: str, grad: Tensor) -> Tensor:
+        """With the optimizer's momentum taken over, the next update is about ``-lr m`` (this
+        rank's momentum), not ``-lr grad``; ``grad`` otherwise."""
+        m = self.worker.velocity(name)
+        return grad if m is None else m.view_as(grad)
+
     def close(self) -> None:
         """Give the optimizer its momentum and weight decay back."""
         self.worker.restore()

@@ -59,6 +59,7 @@ class WorkerMomentum:
         #: per tensor name: (momentum, weight decay) taken from the optimizer
         self.factors: dict[str, tuple[float, float]] = {}
         self.buffers: dict[int, Tensor] = {}  # bucket index -> momentum (flat)
+        self.views: dict[str, Tensor] = {}  # tensor name -> its taken-over momentum (a view)
         self._taken: list[tuple[dict[str, Any], float, float]] = []  # (group, m, wd)
 
     def take_over(self, optimizers: Sequence[torch.optim.Optimizer],
@@ -109,11 +110,19 @@ class WorkerMomentum:
         for e in bucket.entries:
             beta, wd = self.factors.get(e.name, (0.0, 0.0))
             view = m[e.offset:e.offset + e.numel]
+            if beta:
+                self.views[e.name] = view
             if not first:
                 view.mul_(beta).add_(bucket.flat[e.offset:e.offset + e.numel])
             if wd:
                 view.add_(e.param.detach().reshape(-1), alpha=wd)
         return m
+
+    def velocity(self, name: str) -> Tensor | None:
+        """The taken-over momentum of tensor ``name`` (flat, this step's gradient included),
+        or None where none was taken: what momentum-free SGD will step by (weight
+        prediction, :meth:`hexagram.algorithms.base.Algorithm.predicted_gradient`)."""
+        return self.views.get(name)
 
     def _ema(self, bucket: Bucket, beta: float) -> Tensor:
         if beta == 0.0:
