@@ -98,7 +98,7 @@ def markdown(out: dict[str, Any]) -> str:
         lines.append(f"| {a} | " + " | ".join(
             "-" if v is None else ("failed" if "error" in v else f"{100 * v['final']:.1f}")
             for v in vals) + " |")
-    lines += ["", "| algorithm | step (ms, clean) | MB sent/step/rank |", "|---|---|---|"]
+    lines += ["", f"| algorithm | step (ms, {attacks[0]}) | MB sent/step/rank |", "|---|---|---|"]
     for a in algos:
         v = cell.get((attacks[0], a))
         if v and "error" not in v:
@@ -123,6 +123,10 @@ def plot_worst(out: dict[str, Any], path: str) -> str:
         if r["attack"] == worst:
             ax.plot([p["epoch"] for p in r["curve"]], [p["metric"] for p in r["curve"]],
                     marker=".", label=r["algorithm"])
+    for r in out["rows"]:  # the reference the targets read against, dashed
+        if r["attack"] == "none" and r["algorithm"] == "allreduce" and "error" not in r:
+            ax.plot([p["epoch"] for p in r["curve"]], [p["metric"] for p in r["curve"]],
+                    "k--", label="allreduce, no attack")
     ax.set_xlabel("epochs")
     ax.set_ylabel("test accuracy")
     ax.set_title(f"Fashion-MNIST, {out['settings']['partition']}, attack {worst}")

@@ -116,12 +116,13 @@ class _Net(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _train(algorithm: Any, steps: int = 4) -> list[torch.Tensor]:
+def _train(algorithm: Any, steps: int = 4, momentum: float = 0.0) -> list[torch.Tensor]:
     import hexagram as hx
 
     torch.manual_seed(0)
     net = _Net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum,
+                          weight_decay=0.01 if momentum else 0.0)
     ddp = hx.DistributedDataParallel(net, [opt], algorithm=algorithm, bucket_size_mb=0.0005,
                                      first_bucket_mb=0.0005)
     g = torch.Generator().manual_seed(3)  # the same data on every rank
@@ -131,14 +132,27 @@ def _train(algorithm: Any, steps: int = 4) -> list[torch.Tensor]:
         opt.step()
         opt.zero_grad()
     ddp.close()
+    assert opt.param_groups[0]["momentum"] == momentum  # given back at close
     return [p.detach().clone() for p in net.parameters()]
 
 
 def _ddp_part(rt: Any) -> dict[str, Any]:
     import hexagram as hx
+    from hexagram.robust.harness import SentAttacked
     from hexagram.testing.attacks import AttackConfig, AttackedAlgorithm
 
     out: dict[str, Any] = {"allreduce": _train("allreduce")}
+    # worker momentum taken over from SGD momentum 0.9 + weight decay: a drop-in
+    out["allreduce_m"] = _train("allreduce", momentum=0.9)
+    out["robust_m"] = _train("robust", momentum=0.9)
+    sent = SentAttacked(hx.algorithms.get("robust", aggregator="median"),
+                        AttackConfig(name="nan", ranks=(rt.world_size - 1,)))
+    out["nan_m"] = _train(sent, momentum=0.9)
+    # the attacker corrupts what it sends, its own momentum stays finite
+    out["attacker_finite"] = all(bool(torch.isfinite(m).all())
+                                 for m in sent.inner.worker.buffers.values())
+    out["sent_allreduce"] = _train(SentAttacked(hx.algorithms.get("allreduce"), AttackConfig(
+        name="sign_flip", ranks=(rt.world_size - 1,))))
     out["robust"] = _train("robust")  # defaults: trimmed mean, f = 1
     for attack, aggregator in ATTACKED:
         algo = AttackedAlgorithm(hx.algorithms.get("robust", aggregator=aggregator),
@@ -169,6 +183,12 @@ def test_robust_trains_like_allreduce_when_honest_and_resists_attacks(
                 assert torch.allclose(a, b, atol=1e-5), (attack, aggregator)
         # the attack is real: allreduce averages the flipped gradient in (3/5 of it is left)
         assert not torch.allclose(out["attacked_allreduce"][0], reference[0], atol=1e-3)
+        for a, b in zip(out["sent_allreduce"], out["attacked_allreduce"]):
+            assert torch.equal(a, b)  # no outgoing/send: SentAttacked attacks the gradient
+        for a, b, c in zip(out["robust_m"], out["nan_m"], results[0]["allreduce_m"]):
+            assert torch.allclose(a, c, atol=1e-5) and torch.allclose(b, c, atol=1e-5)
+        assert not torch.allclose(out["allreduce_m"][0], reference[0], atol=1e-3)
+        assert out["attacker_finite"]
         assert "f=2" in out["error"] and "world size 5" in out["error"] \
             and "2f + 3 = 7" in out["error"]
 

@@ -9,9 +9,11 @@ median, centered clipping) and pre-aggregation (NNM, bucketing) add one allreduc
 ``P x P`` Gram matrix summed from the shards. Rows with NaN/Inf are treated as Byzantine.
 
 The aggregate replaces the mean, so the result is on the scale of one gradient. Centered
-clipping starts from the previous aggregate (its "history", Karimireddy et al. 2021);
-optional worker momentum (``momentum``) is applied before sending, as that paper
-recommends with plain SGD. With ``compressor``
+clipping starts from the previous aggregate (its "history", Karimireddy et al. 2021).
+Each rank sends its *momentum*, not its gradient (:mod:`hexagram.robust.momentum`): by
+default the optimizer's SGD momentum is taken over by the workers, as those papers do, which
+leaves training unchanged for the mean and hands the aggregator vectors with far less noise
+to confuse with an attack. With ``compressor``
 both legs carry compressed payloads, decoded before aggregation (no error feedback).
 
 Example:
@@ -37,6 +39,7 @@ from hexagram.comm.shards import ShardInfo, shard_map
 from hexagram.compress.base import Compressor
 from hexagram.config import check_float
 from hexagram.errors import ConfigError
+from hexagram.robust.momentum import WorkerMomentum
 from hexagram.robust.shard_reduce import AGGREGATORS, ReduceSpec, reduce_rows
 
 __all__ = ["AGGREGATORS", "RobustAlgorithm", "RobustConfig"]
@@ -49,11 +52,13 @@ class RobustConfig(ReduceSpec):
     once) plus what the algorithm adds around the reduction.
 
     Attributes:
-        momentum: worker momentum applied before sending, ``m = beta m + (1 - beta) g``
-            (higher => less variance for the aggregator to confuse with attacks, more lag).
-            Karimireddy et al. (2021) pair it with plain SGD on the update; on top of an
-            optimizer that has momentum already (SGD momentum 0.9, Adam) the two filters
-            compound and training can diverge, so the default is 0 (drop-in).
+        momentum: worker momentum, what each rank sends instead of its gradient. None (the
+            default): take the optimizer's plain SGD momentum (and weight decay) over, so
+            every rank sends ``m = beta m + g + wd w``, the buffer SGD would keep, and the
+            optimizer steps with momentum 0 until the model is closed (a drop-in; no worker
+            momentum when the optimizer has none). A float ``beta``: ``m = beta m +
+            (1 - beta) g`` on top of the optimizer (0: send the gradient; stacked on SGD
+            momentum 0.9 the two filters compound and training can diverge).
         compressor: compress both legs with this registered compressor (e.g. ``"minmax8"``,
             ``"topk"``), or None for full precision.
         seed: bucketing's shared permutations and the compressor's noise.
@@ -63,7 +68,7 @@ class RobustConfig(ReduceSpec):
         True
     """
 
-    momentum: float = 0.0
+    momentum: float | None = None
     compressor: str | None = None
     seed: int = 0
 
@@ -72,7 +77,8 @@ class RobustConfig(ReduceSpec):
         if self.compressor is not None and self.compressor not in compress.names():
             raise ConfigError(f"RobustConfig.compressor {self.compressor!r} is unknown; valid: "
                               f"None, {', '.join(compress.names())}")
-        check_float(self, "momentum", low=0.0, high=1.0, high_open=True)
+        if self.momentum is not None:
+            check_float(self, "momentum", low=0.0, high=1.0, high_open=True)
 
 
 class RobustAlgorithm(Algorithm):
@@ -87,7 +93,7 @@ class RobustAlgorithm(Algorithm):
         c = self.config
         self.compressor: Compressor | None = (
             None if c.compressor is None else compress.get(c.compressor))
-        self.momenta: dict[int, Tensor] = {}   # bucket index -> worker momentum (flat)
+        self.worker = WorkerMomentum(c.momentum)
         self.centers: dict[int, Tensor] = {}   # bucket index -> previous aggregate (flat)
         self.calls = 0                          # buckets reduced: seeds bucketing's draws
         self.generator = torch.Generator()
@@ -96,13 +102,23 @@ class RobustAlgorithm(Algorithm):
     def setup(self, ctx: AlgorithmContext) -> None:
         self.config.check_world_size(ctx.comm.size)
         super().setup(ctx)
+        self.worker.take_over(ctx.optimizers, ctx.named_params)
         self.generator = torch.Generator(device=ctx.runtime.device)
         self.generator.manual_seed(self.config.seed * 1_000_003 + ctx.comm.rank)
         self.reduce_generator = torch.Generator(device=ctx.runtime.device)
         self.reduce_generator.manual_seed(self.config.seed * 1_000_003 + ctx.comm.rank + 500_009)
 
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
-        flat = self._with_momentum(bucket)
+        return self.send(bucket, self.outgoing(bucket))
+
+    def outgoing(self, bucket: Bucket) -> Tensor:
+        """What this rank sends for ``bucket``: its worker momentum (updated now) or the
+        gradient itself. An attack harness may replace it before :meth:`send`."""
+        return self.worker.apply(bucket)
+
+    def send(self, bucket: Bucket, flat: Tensor) -> Handle[Tensor]:
+        """Aggregate every rank's ``flat`` for ``bucket`` robustly; the handle's result is
+        the aggregate (it does not modify ``flat``)."""
         center = self.centers.get(bucket.index) if self.config.aggregator == "centered_clip" \
             else None
         seed = self.config.seed * 1_000_003 + self.calls  # same on every rank
@@ -119,29 +135,29 @@ class RobustAlgorithm(Algorithm):
             return handle
         return handle.then(lambda out: self._remember(bucket.index, out))
 
-    def _with_momentum(self, bucket: Bucket) -> Tensor:
-        beta = self.config.momentum
-        if beta == 0.0:
-            return bucket.flat
-        m = self.momenta.get(bucket.index)
-        if m is None or m.shape != bucket.flat.shape:
-            m = self.momenta[bucket.index] = bucket.flat.detach().clone()
-        else:
-            m.mul_(beta).add_(bucket.flat, alpha=1 - beta)
-        return m
+    def predicted_gradient(self, name: str, grad: Tensor) -> Tensor:
+        """With the optimizer's momentum taken over, the next update is about ``-lr m`` (this
+        rank's momentum), not ``-lr grad``; ``grad`` otherwise."""
+        m = self.worker.velocity(name)
+        return grad if m is None else m.view_as(grad)
+
+    def close(self) -> None:
+        """Give the optimizer its momentum and weight decay back."""
+        self.worker.restore()
+        super().close()
 
     def _remember(self, index: int, out: Tensor) -> Tensor:
         self.centers[index] = out.detach().clone()
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"momenta": {k: v.clone() for k, v in self.momenta.items()},
+        return {"worker": self.worker.state_dict(),
                 "centers": {k: v.clone() for k, v in self.centers.items()},
                 "calls": self.calls, "generator": self.generator.get_state(),
                 "reduce_generator": self.reduce_generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.momenta = {int(k): v.clone() for k, v in state["momenta"].items()}
+        self.worker.load_state_dict(state["worker"])
         self.centers = {int(k): v.clone() for k, v in state["centers"].items()}
         self.calls = int(state["calls"])
         self.generator.set_state(state["generator"])

@@ -4,7 +4,11 @@
 last ``F`` ranks Byzantine: they train on flipped labels (``label_flip``) or send
 :func:`hexagram.testing.attacks.corrupt`'s vector instead of their gradient (every other
 attack), through :class:`~hexagram.testing.attacks.AttackedAlgorithm`, so no algorithm's
-code changes. ``--partition dirichlet`` gives each rank a non-IID share of the training set:
+code changes. An algorithm whose ranks send something other than the gradient (``robust``
+sends its worker momentum: ``outgoing``/``send``) is attacked on what it sends
+(:class:`SentAttacked`), the papers' threat model: the attacker replaces the vector on the
+wire, and the omniscient ones see the honest ranks' vectors.
+``--partition dirichlet`` gives each rank a non-IID share of the training set:
 for every class, the fractions going to the ranks are drawn from ``Dirichlet(alpha)``
 (smaller alpha => more skewed); every rank gets the same number of samples per epoch (its
 share, cycled) so all ranks run the same number of steps.
@@ -26,16 +30,20 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from hexagram.buckets import Bucket
+from hexagram.comm.communicator import Handle
 from hexagram.testing.attacks import (
     ATTACKS,
+    OMNISCIENT,
     AttackConfig,
     AttackedAlgorithm,
     byzantine_ranks,
     check_attack,
+    corrupt,
     flip_labels,
 )
 
-__all__ = ["add_arguments", "attacked_wrap", "dirichlet_indices", "spec_fields",
+__all__ = ["SentAttacked", "add_arguments", "attacked_wrap", "dirichlet_indices", "spec_fields",
            "training_shard"]
 
 
@@ -107,9 +115,35 @@ def attacked_wrap(spec: dict[str, Any], module: nn.Module, optimizer: torch.opti
     inner = hx.algorithms.get(name, **dict(spec.get("config") or {}))
     attack = AttackConfig(name=spec["attack"], ranks=byzantine_ranks(spec["byzantine"], world),
                           seed=spec.get("seed", 0))
-    algorithm = AttackedAlgorithm(inner, attack)
+    algorithm = SentAttacked(inner, attack)
     mb = spec.get("bucket_mb")
     kwargs = {} if mb is None else {"bucket_size_mb": mb, "first_bucket_mb": min(1.0, mb)}
     ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm, **kwargs)
     return Wrapped(ddp, lambda: None, ddp.bytes_sent, estimated=False, close=ddp.close,
                    in_backward=True)
+
+
+class SentAttacked(AttackedAlgorithm):
+    """:class:`~hexagram.testing.attacks.AttackedAlgorithm` that corrupts the vector the
+    inner algorithm *sends* when it exposes ``outgoing(bucket)`` and ``send(bucket, vec)``
+    (``robust`` with worker momentum sends its momentum; corrupting the gradient before it
+    would let the attacker's own momentum average the attack away); otherwise the same.
+
+    Example:
+        >>> import hexagram as hx
+        >>> a = SentAttacked(hx.algorithms.get("robust"), AttackConfig(name="scale", ranks=(1,)))
+        >>> a.inner.name
+        'robust'
+    """
+
+    def bucket_ready(self, bucket: Bucket) -> Handle[Tensor] | None:
+        inner: Any = self.inner
+        if not (hasattr(inner, "outgoing") and hasattr(inner, "send")):
+            return super().bucket_ready(bucket)
+        vec = inner.outgoing(bucket)  # every rank: the omniscient ones gather honest vectors
+        a = self.attack
+        honest = self._honest(vec) if a.name in OMNISCIENT else None
+        if self.ctx.comm.rank in a.ranks:
+            vec = corrupt(a.name, vec, honest, scale=a.scale, sigma=a.sigma, tau=a.tau,
+                          generator=self._generator)  # a new tensor: its momentum stays
+        return inner.send(bucket, vec)
