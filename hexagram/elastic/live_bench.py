@@ -86,15 +86,20 @@ def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], restarted
 
 
 def _digest(trainer: Any) -> dict[str, str]:
-    """Hashes of this replica's model, optimizer and algorithm state (equal iff equal)."""
-    from hexagram.elastic.state import collect_rank_state, flatten
+    """Hashes of this replica's model, optimizer and algorithm state (equal iff equal);
+    ``"shared"``: the algorithm state without its error-feedback residuals (what a healed
+    replica takes from its source), ``"residual"``: the residuals alone."""
+    from hexagram.elastic.state import collect_rank_state, flatten, without_residuals
 
     state = collect_rank_state(trainer.model, trainer.optimizers, trainer.step, None)
+    parts = {**state, "shared": without_residuals(state)["algorithm"],
+             "residual": state["algorithm"].get("feedback", {}).get("residuals", {})}
     out = {}
-    for part in ("model", "optimizers", "algorithm"):
-        flat = flatten(state[part], rank=0)
+    for part in ("model", "optimizers", "algorithm", "shared", "residual"):
+        flat = flatten(parts[part], rank=0)
         blob = b"".join(flat[k].numpy().tobytes() for k in sorted(flat))
         out[part] = hashlib.sha256(blob).hexdigest()
+    out["residual_is_zero"] = str(all(not t.any() for t in parts["residual"].values()))
     return out
 
 

@@ -101,6 +101,39 @@ def collect_rank_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimi
             "rng": _rng_state(), "extra": extra}
 
 
+def without_residuals(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` for a *different* rank: error-feedback residuals (the ``"residuals"`` of
+    every ``"feedback"`` entry of the algorithm state) zeroed, everything else kept.
+
+    A residual is the part of its own rank's gradients not yet sent: a debt that rank's
+    next steps pay. A rank healed from a peer's state must not inherit the peer's, or the
+    peer's unsent gradient would be applied twice; with none, the members' pending
+    correction stays what the survivors hold. (Momenta and PowerSGD's warm-start Q are
+    kept: they estimate the same mean quantity on every rank.)
+
+    >>> import torch
+    >>> s = {"algorithm": {"feedback": {"residuals": {"w": torch.ones(2)},
+    ...                                 "compressor": {"q": torch.ones(1)}}}}
+    >>> fb = without_residuals(s)["algorithm"]["feedback"]
+    >>> fb["residuals"]["w"].tolist(), fb["compressor"]["q"].tolist()
+    ([0.0, 0.0], [1.0])
+    """
+    def zeroed(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return torch.zeros_like(obj)
+        if isinstance(obj, dict):
+            return {k: zeroed(v) for k, v in obj.items()}
+        return obj
+
+    def walk(obj: Any, parent: str = "") -> Any:
+        if isinstance(obj, dict):
+            return {k: zeroed(v) if (parent, k) == ("feedback", "residuals") else walk(v, k)
+                    for k, v in obj.items()}
+        return obj
+
+    return {**state, "algorithm": walk(state.get("algorithm", {}))}
+
+
 def apply_rank_state(state: dict[str, Any], model: nn.Module,
                      optimizers: Sequence[torch.optim.Optimizer], restore_rng: bool) -> None:
     """Load ``state`` (from :func:`collect_rank_state`) into the live objects."""

@@ -52,7 +52,12 @@ from torch import nn
 
 from hexagram.comm.communicator import abort_all
 from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError, Watcher
-from hexagram.elastic.state import CheckpointError, apply_rank_state, collect_rank_state
+from hexagram.elastic.state import (
+    CheckpointError,
+    apply_rank_state,
+    collect_rank_state,
+    without_residuals,
+)
 from hexagram.errors import CommError, ConfigError
 
 __all__ = ["LiveTrainer", "QuorumError", "live"]
@@ -322,8 +327,8 @@ class LiveTrainer:
         if newest >= 0 and min(epoch.steps) < newest:
             box = [own if epoch.rank_of(self.replica) == source else None]
             dist.broadcast_object_list(box, src=source)
-            if self.step < newest:
-                own = box[0]
+            if self.step < newest and box[0] is not None:  # healed from the source:
+                own = without_residuals(box[0])  # its residuals are its own debt
         name, config = self.algorithm
         self.model = hx.DistributedDataParallel(
             self.module, self.optimizers, hx.algorithms.get(name, **config),
