@@ -42,6 +42,7 @@ from hexagram.algorithms.base import AlgorithmContext
 from hexagram.algorithms.compressed import Segment
 from hexagram.algorithms.recipe import LrNote
 from hexagram.buckets import BucketEntry
+from hexagram.optim.takeover import TakenMomentum, take_sgd_momentum
 
 __all__ = ["MomentumCorrection", "entry_part"]
 
@@ -65,7 +66,7 @@ class MomentumCorrection:
         self.momenta: dict[str, Tensor] = {}
         #: per tensor name: (momentum, weight decay) of the correction (set at setup)
         self.factors: dict[str, tuple[float, float]] = {}
-        self._taken: list[tuple[dict[str, Any], float, float]] = []  # (group, m, wd)
+        self._taken = TakenMomentum()  # the optimizer groups to give back at close
         self._params: dict[str, Tensor] = {}
 
     def setup(self, ctx: AlgorithmContext) -> None:
@@ -75,21 +76,17 @@ class MomentumCorrection:
         self._params = {n: p for n, p in ctx.named_params}
         if self.factors:  # set up before (or restored from a checkpoint): keep
             return
-        taken = self._take_over(ctx) \
-            if self.config.momentum is None and self.takes_momentum_over() else []
-        if taken:
-            m = sorted({f"{g['momentum']:g}" for g, _, _ in taken})
-            wd = sorted({f"{g['weight_decay']:g}" for g, _, _ in taken})
+        if self.config.momentum is None and self.takes_momentum_over():
+            self._taken = take_sgd_momentum(ctx.optimizers, ctx.named_params)
+            self.factors.update(self._taken.factors)
+        if self._taken.groups:
             warnings.warn(
-                f"algorithm {self.name!r}: took over the optimizer's SGD momentum "
-                f"{'/'.join(m)} (weight decay {'/'.join(wd)}) as momentum correction "
-                "(velocity accumulated before sparsifying, as DGC does); its param_groups "
-                "read momentum=0, weight_decay=0 until the model is closed. Pass "
+                f"algorithm {self.name!r}: took over the optimizer's SGD "
+                f"{self._taken.describe()} as momentum correction (velocity accumulated "
+                "before sparsifying, as DGC does); its param_groups read momentum=0, "
+                "weight_decay=0 until the model is closed. Pass "
                 f"{self.name} momentum=<float> with a momentum-free optimizer to set it "
                 "yourself", UserWarning, stacklevel=2)
-            for group, _, _ in taken:
-                group["momentum"], group["weight_decay"] = 0.0, 0.0
-            self._taken = taken
         note = self.lr_note(ctx.optimizers)
         if note:
             warnings.warn(note.message(self.name), UserWarning, stacklevel=2)
@@ -97,25 +94,6 @@ class MomentumCorrection:
     def takes_momentum_over(self) -> bool:
         """Whether ``momentum=None`` takes the optimizer's momentum over (default: yes)."""
         return True
-
-    def _take_over(self, ctx: AlgorithmContext) -> list[tuple[dict[str, Any], float, float]]:
-        """Per parameter, the momentum and weight decay of a plain momentum-SGD group
-        (those groups are returned with their original values); 0 elsewhere."""
-        name_of = {id(p): n for n, p in ctx.named_params}
-        taken = []
-        for opt in ctx.optimizers:
-            for group in opt.param_groups:
-                m = float(group.get("momentum", 0.0) or 0.0)
-                plain = isinstance(opt, torch.optim.SGD) and m > 0 \
-                    and not group.get("nesterov") and not group.get("dampening")
-                if not plain:
-                    continue
-                wd = float(group.get("weight_decay", 0.0) or 0.0)
-                for p in group["params"]:
-                    if id(p) in name_of:
-                        self.factors[name_of[id(p)]] = (m, wd)
-                taken.append((group, m, wd))
-        return taken
 
     def lr_note(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> LrNote | None:
         """The lr factor needed with ``optimizers``: an explicit ``momentum`` on top of an
@@ -155,9 +133,7 @@ class MomentumCorrection:
 
     def close(self) -> None:
         """Give the optimizer its momentum and weight decay back (module doc)."""
-        for group, m, wd in self._taken:
-            group["momentum"], group["weight_decay"] = m, wd
-        self._taken = []
+        self._taken.restore()
         super().close()  # type: ignore[misc]
 
     def state_dict(self) -> dict[str, Any]:

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from hexagram.buckets import Bucket
+from hexagram.optim.takeover import TakenMomentum, take_sgd_momentum
 
 __all__ = ["WorkerMomentum"]
 
@@ -60,30 +61,19 @@ class WorkerMomentum:
         self.factors: dict[str, tuple[float, float]] = {}
         self.buffers: dict[int, Tensor] = {}  # bucket index -> momentum (flat)
         self.views: dict[str, Tensor] = {}  # tensor name -> its taken-over momentum (a view)
-        self._taken: list[tuple[dict[str, Any], float, float]] = []  # (group, m, wd)
+        self._taken = TakenMomentum()  # the optimizer groups to give back
 
     def take_over(self, optimizers: Sequence[torch.optim.Optimizer],
                   named_params: Sequence[tuple[str, nn.Parameter]]) -> None:
         """With ``beta`` None, move plain momentum-SGD groups' momentum and weight decay
         to the workers (warned once); a no-op otherwise or when already taken."""
-        if self.beta is not None or self._taken:
+        if self.beta is not None or self._taken.groups:
             return
-        name_of = {id(p): n for n, p in named_params}
-        for opt in optimizers:
-            for group in opt.param_groups:
-                m = float(group.get("momentum", 0.0) or 0.0)
-                if not (isinstance(opt, torch.optim.SGD) and m > 0 and not group.get("nesterov")
-                        and not group.get("dampening")):
-                    continue
-                wd = float(group.get("weight_decay", 0.0) or 0.0)
-                for p in group["params"]:
-                    if id(p) in name_of:
-                        self.factors[name_of[id(p)]] = (m, wd)
-                self._taken.append((group, m, wd))
-                group["momentum"], group["weight_decay"] = 0.0, 0.0
-        if self._taken:
-            ms = "/".join(sorted({f"{m:g}" for _, m, _ in self._taken}))
-            warnings.warn(f"algorithm 'robust': took over the optimizer's SGD momentum {ms} as "
+        self._taken = take_sgd_momentum(optimizers, named_params)
+        self.factors.update(self._taken.factors)
+        if self._taken.groups:
+            warnings.warn(f"algorithm 'robust': took over the optimizer's SGD "
+                          f"{self._taken.describe()} as "
                           "worker momentum (each rank sends its momentum, which the robust "
                           "aggregator needs; Karimireddy et al. 2021); its param_groups read "
                           "momentum=0, weight_decay=0 until the model is closed. Pass "
@@ -91,9 +81,7 @@ class WorkerMomentum:
 
     def restore(self) -> None:
         """Give the optimizer its momentum and weight decay back."""
-        for group, m, wd in self._taken:
-            group["momentum"], group["weight_decay"] = m, wd
-        self._taken = []
+        self._taken.restore()
 
     def apply(self, bucket: Bucket) -> Tensor:
         """The vector this rank sends for ``bucket``: its updated momentum (or the bucket's
