@@ -80,7 +80,8 @@ def test_calibration_measures_the_overheads_on_two_ranks() -> None:
     for key in ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us",
                 "step_overhead_us", "latency_us", "op_overhead_us"):
         assert math.isfinite(figures[key]) and figures[key] >= 0.0, key
-    # DTensor and pipelining cost more than the bare formulas on any CPU
-    assert figures["tp_overhead_us"] > 0.0 and figures["microbatch_overhead_us"] > 0.0
+    # DTensor's dispatch costs more than the bare formulas on any CPU (milliseconds here);
+    # the pipelining slope is a small difference of timings that noise can take to 0
+    assert figures["tp_overhead_us"] > 0.0
     cluster = calibrated(figures, 2, torch.float64)
     assert cluster.tp_overhead_us == figures["tp_overhead_us"] and cluster.dtype_bytes == 8

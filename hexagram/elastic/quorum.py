@@ -190,7 +190,8 @@ class Quorum:
 
         A member that dies between the epoch's closing and its group's set-up would leave
         the others in the group's rendezvous until its timeout (30 s by default); here a
-        stale heartbeat ends the wait at once.
+        stale heartbeat ends the wait at once. The outcome is decided once for all members
+        (``compare_set``, as the commit vote): either all build the group or none does.
 
         Raises:
             CommError: a member's heartbeat went stale first (form the next epoch).
@@ -198,17 +199,21 @@ class Quorum:
         """
         base = f"e{epoch.number}/ready/"
         self.store.set(f"{base}{self.replica}", "1")
-        keys = [f"{base}{r}" for r in epoch.members]
+        keys, decision = [f"{base}{r}" for r in epoch.members], f"{base}decision"
         deadline = time.monotonic() + timeout
-        while not self.store.check(keys):
-            dead = set(epoch.members) - self.alive()
-            if dead:
-                raise CommError(f"live mode: member(s) {sorted(dead)} of epoch "
-                                f"{epoch.number} died before its process group was set up")
-            if time.monotonic() > deadline:
+        while not self.store.check([decision]):
+            if self.store.check(keys):
+                self.store.compare_set(decision, "", "ok")
+            elif not set(epoch.members) <= self.alive():
+                self.store.compare_set(decision, "", "abort")
+            elif time.monotonic() > deadline:
                 raise QuorumError(f"live mode: members {list(epoch.members)} of epoch "
                                   f"{epoch.number} did not all arrive within {timeout:.0f} s")
-            time.sleep(_POLL)
+            else:
+                time.sleep(_POLL)
+        if self.store.get(decision).decode() == "abort":
+            raise CommError(f"live mode: a member of epoch {epoch.number} "
+                            f"({list(epoch.members)}) died before its process group was set up")
 
     # -- commit vote -------------------------------------------------------------------
     def vote(self, epoch: Epoch, step: int, ok: bool, timeout: float) -> str:
