@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -120,7 +121,13 @@ def slice_map(shape: Sequence[int], src: MeshLayout, dst: MeshLayout) -> list[Pi
     (summands: one partition per dp index), hence each destination element is covered once
     (once per source dp index when ``src.partial``). Pieces with ``src == dst`` are local.
     """
-    shape = tuple(int(n) for n in shape)
+    return list(_pieces(tuple(int(n) for n in shape), src, dst))
+
+
+@functools.lru_cache(maxsize=1024)
+def _pieces(shape: tuple[int, ...], src: MeshLayout, dst: MeshLayout) -> tuple[Piece, ...]:
+    """:func:`slice_map`, memoised: a pipeline asks for the same few maps every
+    micro-batch of every step (the layouts are frozen, so hashable)."""
     nd, nt = src.blocks(shape)
     n_sum = src.dp if src.partial else 1
     out = []
@@ -131,7 +138,7 @@ def slice_map(shape: Sequence[int], src: MeshLayout, dst: MeshLayout) -> list[Pi
                 part = _intersect(want, src.block_box(shape, d if nd > 1 else 0, t))
                 if part is not None:
                     out.append(Piece(_holder(src, d, t, turn), rank, part))
-    return out
+    return tuple(out)
 
 
 def _local(box: Box, within: Box) -> tuple[slice, ...]:
