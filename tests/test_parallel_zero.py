@@ -4,7 +4,8 @@ sharded over the stage's data-parallel ranks (gloo CPU, float64).
 Parity: 5 Adam steps of the sharded plan match the single-process model (1e-6), and each
 rank really holds a 1/dp shard; the same with ``zero_stage=2`` (parameters kept gathered
 from forward to backward). Memory: on dp=4 the measured per-rank peak of the step
-(state + allocator peak, see hexagram.parallel.memory) is at most 35% of the unsharded plan.
+(state + allocator peak of the median of 3 steps, see hexagram.parallel.memory) is at
+most 35% of the unsharded plan.
 """
 
 from __future__ import annotations
