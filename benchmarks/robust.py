@@ -50,7 +50,7 @@ def _train_args(opts: argparse.Namespace, attack: str) -> argparse.Namespace:
             "--evals-per-epoch", str(opts.evals_per_epoch),
             "--algorithms", with_f(opts.algorithms, opts.byzantine),
             "--time-limit", str(opts.time_limit), "--partition", opts.partition,
-            "--alpha", str(opts.alpha), "--lr", str(opts.lr),
+            "--alpha", str(opts.alpha), "--lr", str(opts.lr), "--seed", str(opts.seed),
             "--byzantine", "0" if attack == "none" else str(opts.byzantine),
             "--attack", "sign_flip" if attack == "none" else attack]
     return parser.parse_args(argv)
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     a("--evals-per-epoch", type=int, default=2)
     a("--params", type=int, default=100_000)
     a("--lr", type=float, default=0.05)
+    a("--seed", type=int, default=0, help="initialization, data order, non-IID split")
     a("--time-limit", type=float, default=600.0)
     a("--json", required=True)
     a("--markdown")

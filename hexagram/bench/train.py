@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="bucket capacity (MB) for every library in the run, PyTorch DDP's included "
       "(default: each one's own, 25; 0: one tensor per bucket)")
     a("--threads", type=int, default=1)
+    a("--seed", type=int, default=0,
+      help="model initialization, data order and the non-IID split (--partition dirichlet)")
     a("--timeout", type=float, default=1800.0, help="deadline per algorithm (s)")
     a("--loopback", action="store_true", help="no lab: ranks on 127.0.0.1, unshaped")
     a("--kill", default="", metavar="RANK@STEP[:ACTION][,...]",
@@ -80,7 +82,7 @@ def _spec(args: argparse.Namespace, label: str, settings: dict[str, Any]) -> dic
                       "layers": args.layers, "width": args.width, "block": args.block},
             "evals_per_epoch": args.evals_per_epoch, "batch": args.batch,
             "lr": args.lr if args.lr is not None else (3e-3 if text else 0.05),
-            "time_limit": args.time_limit, "seed": 0, "bucket_mb": args.bucket_mb,
+            "time_limit": args.time_limit, "seed": args.seed, "bucket_mb": args.bucket_mb,
             "faults": args.kill,
             **robust_harness.spec_fields(args)}
 
