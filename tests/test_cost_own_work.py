@@ -96,3 +96,12 @@ def test_tree_cost_arithmetic() -> None:
     t = TreeCost((1e-3, 1e-9), (2e-3, 1e-8))
     assert t.seconds(10**6, 0) == pytest.approx(0.002)
     assert t.seconds(10**6, 3) == pytest.approx(0.002 + 3 * 0.012)
+
+
+def test_qadam_encode_is_timed_through_its_feedback() -> None:
+    """QAdam keeps its ErrorFeedback as ``feedback`` (on the momentum): its encode is timed
+    as error feedback's, like the compressed algorithms' ``error_feedback``."""
+    from hexagram.cost.measure import _has_feedback
+
+    got = {n: _has_feedback(hx.algorithms.get(n)) for n in ("qadam", "topk", "qsgd", "fp16")}
+    assert got == {"qadam": True, "topk": True, "qsgd": False, "fp16": False}

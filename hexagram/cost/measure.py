@@ -72,12 +72,23 @@ def local_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputePro
             continue
         if algorithm.kind == "grad":
             step_schedule(algorithm, layout, world)
-        feedback = getattr(algorithm, "error_feedback", None) is not None
+        feedback = _has_feedback(algorithm)
         out[label] = measure_compressor(comp, device, sizes=sizes, feedback=feedback)
         if algorithm.name in OWN_WORK:
             out[label] = dataclasses.replace(out[label],
                                              tree=OWN_WORK[algorithm.name](algorithm, sizes))
     return out
+
+
+def _has_feedback(algorithm: Algorithm) -> bool:
+    """True if ``algorithm`` encodes through error feedback: an
+    :class:`~hexagram.compress.feedback.ErrorFeedback` as ``error_feedback`` (the compressed
+    algorithms) or ``feedback`` (QAdam's, on its momentum: corrected, compressed, decoded
+    locally, residual written, as the timed feedback encode does)."""
+    from hexagram.compress.feedback import ErrorFeedback
+
+    return any(isinstance(getattr(algorithm, attr, None), ErrorFeedback)
+               for attr in ("error_feedback", "feedback"))
 
 
 def _timing_shapes(shapes: Sequence[tuple[int, ...]]
