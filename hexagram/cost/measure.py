@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,9 +21,11 @@ import torch.distributed as dist
 
 from hexagram.algorithms.base import Algorithm
 from hexagram.cost.model import MB, bucket_layout
+from hexagram.cost.own_work import OWN_WORK
 from hexagram.cost.profile import (
     CompressorCost,
     ComputeProfile,
+    TreeCost,
     measure_compressor,
 )
 from hexagram.cost.schedule import (
@@ -57,7 +60,9 @@ def local_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputePro
     tensor leaves the caches, so generic small sizes under-predict big layers), the best
     of 2 runs each (:func:`hexagram.cost.profile.measure_compressor`), through error
     feedback where the algorithm has it (its encode then also decodes locally). Sizing every
-    candidate's payloads on the way warms each compressor up (first calls are slow)."""
+    candidate's payloads on the way warms each compressor up (first calls are slow).
+    Algorithms with CPU of their own outside the compressor (gTop-k's tree,
+    :data:`hexagram.cost.own_work.OWN_WORK`) get it timed at the same shapes."""
     out: dict[str, CompressorCost] = {}
     layout = [specs for specs, _ in bucket_layout(profile, 25 * MB, MB)]
     sizes = _timing_shapes([t.shape for t in profile.tensors])
@@ -67,9 +72,23 @@ def local_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputePro
             continue
         if algorithm.kind == "grad":
             step_schedule(algorithm, layout, world)
-        feedback = getattr(algorithm, "error_feedback", None) is not None
+        feedback = _has_feedback(algorithm)
         out[label] = measure_compressor(comp, device, sizes=sizes, feedback=feedback)
+        if algorithm.name in OWN_WORK:
+            out[label] = dataclasses.replace(out[label],
+                                             tree=OWN_WORK[algorithm.name](algorithm, sizes))
     return out
+
+
+def _has_feedback(algorithm: Algorithm) -> bool:
+    """True if ``algorithm`` encodes through error feedback: an
+    :class:`~hexagram.compress.feedback.ErrorFeedback` as ``error_feedback`` (the compressed
+    algorithms) or ``feedback`` (QAdam's, on its momentum: corrected, compressed, decoded
+    locally, residual written, as the timed feedback encode does)."""
+    from hexagram.compress.feedback import ErrorFeedback
+
+    return any(isinstance(getattr(algorithm, attr, None), ErrorFeedback)
+               for attr in ("error_feedback", "feedback"))
 
 
 def _timing_shapes(shapes: Sequence[tuple[int, ...]]
@@ -85,14 +104,21 @@ def _timing_shapes(shapes: Sequence[tuple[int, ...]]
 
 
 def agree_costs(costs: dict[str, CompressorCost], group: Any) -> dict[str, CompressorCost]:
-    """The slowest rank's costs (same labels on every rank). Collective."""
+    """The slowest rank's costs (same labels, and a tree cost for the same ones, on every
+    rank: each rank times the same candidates). Collective."""
     labels = sorted(costs)
-    vec = torch.tensor([v for lb in labels for v in (*costs[lb].compress,
-                                                     *costs[lb].decompress)],
-                       dtype=torch.float64)
+    vec = torch.tensor([v for lb in labels for v in _row(costs[lb])], dtype=torch.float64)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    rows = vec.view(-1, 4).tolist() if labels else []
-    return {lb: CompressorCost((r[0], r[1]), (r[2], r[3])) for lb, r in zip(labels, rows)}
+    rows = vec.view(-1, 8).tolist() if labels else []
+    return {lb: CompressorCost((r[0], r[1]), (r[2], r[3]),
+                               None if costs[lb].tree is None else
+                               TreeCost((r[4], r[5]), (r[6], r[7])))
+            for lb, r in zip(labels, rows)}
+
+
+def _row(cost: CompressorCost) -> tuple[float, ...]:
+    tree = cost.tree or TreeCost((0.0, 0.0), (0.0, 0.0))
+    return (*cost.compress, *cost.decompress, *tree.once, *tree.per_round)
 
 
 def slowest(profile: ComputeProfile, group: Any) -> ComputeProfile:

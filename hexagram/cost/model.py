@@ -114,22 +114,35 @@ def bucket_layout(profile: ComputeProfile, bucket_bytes: int, first_bucket_bytes
 
 
 def _cpu(algorithm: Algorithm, specs: Sequence[TensorSpec], world: int,
-         cost: CompressorCost | None) -> tuple[float, float]:
-    """(encode, decode) seconds of one bucket: every segment compressed once; decoded
-    once per rank's payload for gathered formats (gTop-k: once per merge on its tree,
-    :func:`gathered_decodes`), twice (both legs) for scatter-gather."""
+         cost: CompressorCost | None, msgs: Sequence[Message] = ()) -> tuple[float, float]:
+    """(encode, decode) seconds of one bucket whose messages are ``msgs``: ``encode`` on
+    the training thread, every segment compressed once; ``decode`` on the communication
+    thread, once per rank's payload for gathered formats. gTop-k: its measured tree work
+    where ``cost.tree`` has it (sort, ``ceil(log2 P)`` merge rounds, the result written:
+    :mod:`hexagram.cost.own_work`), else one decode per merge (:func:`gathered_decodes`).
+    Scatter-gather (an all-to-all among ``msgs``;
+    :func:`hexagram.comm.primitives.scatter_gather_many`) compresses each of a segment's P
+    chunks on its own, then decodes the P chunks received, compresses the reduced one and
+    decodes the P gathered ones: P encodes, then 2P decodes and an encode, of ``n / P``
+    elements each (every call pays the intercept). QAdam compresses whole buckets."""
     comp = _compressor(algorithm)
     if comp is None or cost is None or world <= 1:
         return 0.0, 0.0
     sizes = [s.numel for s in specs]
-    if getattr(algorithm.config, "granularity", "layer") == "bucket":
+    if getattr(algorithm.config, "granularity", "layer") == "bucket" or \
+            algorithm.name == "qadam":
         sizes = [sum(sizes)]
+    if comp.aggregation is Aggregation.SCATTER_GATHER and any(m.op == "alltoall"
+                                                              for m in msgs):
+        chunks = [-(-n // world) for n in sizes]
+        enc = sum(world * cost.encode(c) for c in chunks)
+        return enc, sum(2 * world * cost.decode(c) + cost.encode(c) for c in chunks)
     enc = sum(cost.encode(n) for n in sizes)
-    if comp.aggregation is Aggregation.GATHER:
+    if algorithm.name == "gtopk" and cost.tree is not None:
+        rounds = max(1, math.ceil(math.log2(world)))
+        dec = sum(cost.tree.seconds(n, rounds) for n in sizes)
+    elif comp.aggregation in (Aggregation.GATHER, Aggregation.SCATTER_GATHER):
         dec = sum(gathered_decodes(algorithm, world) * cost.decode(n) for n in sizes)
-    elif comp.aggregation is Aggregation.SCATTER_GATHER:
-        enc += sum(cost.encode(max(1, n // world)) for n in sizes)
-        dec = sum(2 * cost.decode(n) for n in sizes)
     else:
         dec = sum(cost.decode(n) for n in sizes)
     return enc, dec
@@ -161,7 +174,7 @@ def predict(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfi
     compute, k = lockstep(compute, network), max(1.0, network.share)
     for specs, ready in bucket_layout(compute, bucket_bytes, first_bucket_bytes):
         msgs = bucket_schedule(algorithm, specs, world, step, network.hosts, rank)
-        enc, dec = _cpu(algorithm, specs, world, cost) if msgs else (0.0, 0.0)
+        enc, dec = _cpu(algorithm, specs, world, cost, msgs) if msgs else (0.0, 0.0)
         enc, dec = k * enc, k * dec  # CPU seconds, in lockstep with the other ranks
         shift += enc
         start = max(ready + shift, free)
@@ -214,7 +227,7 @@ def cpu_floor(compute: ComputeProfile, network: NetworkProfile, compress_s: floa
     comm = 0.0
     for msgs in schedule:
         for m in msgs:
-            fit = network.cpu.get({"hierarchical": "allreduce", "tree": "p2p"}.get(m.op, m.op))
+            fit = network.cpu_fit(m.op)
             comm += fit.time(m.sent, m.rounds) if fit is not None else 0.0
     return network.share * (compute.cpu_s + comm) + compress_s
 

@@ -32,7 +32,7 @@ from torch import nn
 from hexagram.compress.base import Compressor
 from hexagram.cost.schedule import TensorSpec
 
-__all__ = ["CompressorCost", "ComputeProfile", "cost_from_times", "device_clock",
+__all__ = ["CompressorCost", "ComputeProfile", "TreeCost", "cost_from_times", "device_clock",
            "measure_compressor", "profile_module"]
 
 
@@ -89,11 +89,33 @@ class ComputeProfile:
 
 
 @dataclass(frozen=True)
+class TreeCost:
+    """CPU seconds of a tree reduction's own work on one segment of ``n`` elements, outside
+    the compressor (gTop-k, :func:`hexagram.cost.own_work.gtopk_tree_cost`): ``once``
+    (``a + b n``: this rank's pairs sorted, the result written into the segment) and
+    ``per_round`` (``a + b n``: a round's pack, unpack, merge and survival check).
+
+    >>> round(TreeCost((1e-3, 1e-9), (2e-3, 1e-8)).seconds(10**6, 2), 6)
+    0.025
+    """
+
+    once: tuple[float, float]
+    per_round: tuple[float, float]
+
+    def seconds(self, n: int, rounds: int) -> float:
+        """``once(n) + rounds * per_round(n)``."""
+        return (self.once[0] + self.once[1] * n
+                + rounds * (self.per_round[0] + self.per_round[1] * n))
+
+
+@dataclass(frozen=True)
 class CompressorCost:
-    """``(a, b)`` pairs: ``a + b * n`` seconds for ``n`` elements."""
+    """``(a, b)`` pairs: ``a + b * n`` seconds for ``n`` elements; ``tree``: the
+    algorithm's own tree work where it has one (gTop-k), else None."""
 
     compress: tuple[float, float]
     decompress: tuple[float, float]
+    tree: TreeCost | None = None
 
     def encode(self, n: int) -> float:
         return self.compress[0] + self.compress[1] * n

@@ -235,7 +235,7 @@ def _gtopk(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
     for s in _segments(algorithm, bucket):
         values = payload_of(comp, s).tensors[0]
         up, down = gtopk_bytes(rank, world, values.numel(), values.element_size())
-        out.append(Message("p2p", up + down, rounds=rounds))
+        out.append(Message("pair", up + down, rounds=rounds))
     return out
 
 

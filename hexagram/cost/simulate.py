@@ -96,6 +96,10 @@ class ClusterNetwork(NetworkProfile):
     instead). ``to_json`` writes the ring's linear fits."""
 
     def fit(self, op: str) -> Fit:
+        """The op's schedule fit; a ``pair`` message (gTop-k's rounds) runs ``p2p``'s,
+        whose ``rounds > 1`` is the gTop-k tree (:func:`~hexagram.cost.collectives.
+        gtopk_tree`)."""
+        op = "p2p" if op == "pair" else op
         return self.fits[op] if op in self.fits else super().fit(op)
 
     def to_json(self) -> dict[str, Any]:

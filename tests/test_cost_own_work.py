@@ -1,0 +1,107 @@
+"""The model's CPU and wire rules for gTop-k's tree and scatter-gather, by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+import hexagram as hx
+from hexagram.cost.measure import local_costs
+from hexagram.cost.model import predict
+from hexagram.cost.own_work import gtopk_tree_cost
+from hexagram.cost.probe import COLLECTIVES, Fit, NetworkProfile, exchange_fit
+from hexagram.cost.profile import CompressorCost, ComputeProfile, TreeCost
+from hexagram.cost.schedule import TensorSpec, bucket_schedule
+
+
+def one_tensor(n: int, ready: float = 0.010) -> ComputeProfile:
+    return ComputeProfile(0.005, ready, 0.002, [TensorSpec("w", (n,))], [ready])
+
+
+def fast_net(world: int = 4) -> NetworkProfile:
+    return NetworkProfile(world, world, {k: Fit(0.0, 1e15) for k in COLLECTIVES})
+
+
+def test_gtopk_tree_cost_replaces_the_decodes() -> None:
+    # 4 ranks: 2 merge rounds. once 1 ms, a round 2 ms + 1e-8 s/element: for 250k
+    # elements 1 + 2 * (2 + 2.5) = 10 ms on the communication thread; no encode cost.
+    # Without the tree: one decode per merge and one of the result, 3 x 2.5 ms.
+    tree = TreeCost((0.001, 0.0), (0.002, 1e-8))
+    with_tree = CompressorCost((0.0, 0.0), (0.0, 1e-8), tree)
+    bare = CompressorCost((0.0, 0.0), (0.0, 1e-8))
+    gtopk = hx.algorithms.get("gtopk")
+    p = predict(gtopk, one_tensor(250_000), fast_net(), with_tree)
+    assert p.compress_s == pytest.approx(0.010)
+    assert p.step_s == pytest.approx(0.005 + 0.010 + 0.010 + 0.002, rel=1e-6)
+    assert predict(gtopk, one_tensor(250_000), fast_net(), bare).compress_s == \
+        pytest.approx(0.0075)
+    # 8 ranks: 3 rounds
+    assert predict(gtopk, one_tensor(250_000), fast_net(8), with_tree).compress_s == \
+        pytest.approx(0.001 + 3 * 0.0045)
+
+
+def test_scatter_gather_counts_every_chunk_call() -> None:
+    # QSGD on 4 ranks, one tensor of 400k: P = 4 chunks of 100k, each compressed on its own
+    # (1 ms + 1 ms each: 8 ms on the training thread); then 4 decodes of the received
+    # chunks, 1 encode of the reduced one, 4 decodes of the gathered ones (0.2 + 0.5 ms
+    # each): 8 x 0.7 + 2 = 7.6 ms
+    cost = CompressorCost((1e-3, 1e-8), (2e-4, 5e-9))
+    qsgd = hx.algorithms.get("qsgd")
+    assert [m.op for m in bucket_schedule(qsgd, [TensorSpec("w", (400_000,))], 4)] == \
+        ["alltoall", "allgather"]
+    p = predict(qsgd, one_tensor(400_000), fast_net(), cost)
+    assert p.compress_s == pytest.approx(0.008 + 0.0076)
+    # the encode delays the bucket (training thread), the rest follows the messages
+    assert p.step_s == pytest.approx(0.005 + 0.010 + 0.008 + 0.0076 + 0.002, rel=1e-6)
+
+
+def test_gtopk_rounds_priced_as_one_partner_exchanges() -> None:
+    # ring allreduce: 6 ms over its 2 (P-1) = 6 steps -> 1 ms a hop; two-neighbour
+    # exchange: 6 MB/s. gTop-k on 4 ranks: 2 rounds of k pairs (k = 5 % of 200k = 10k,
+    # 8 bytes a pair: 80 kB a round, 160 kB in all).
+    fits = {k: Fit(0.0, 1e15) for k in COLLECTIVES}
+    fits.update(allreduce=Fit(0.006, 1e7), p2p=Fit(0.02, 6e6))
+    net = NetworkProfile(4, 4, fits)
+    assert net.fit("pair") == exchange_fit(fits["allreduce"], fits["p2p"], 4) == \
+        Fit(0.001, 6e6)
+    gtopk = hx.algorithms.get("gtopk")
+    p = predict(gtopk, one_tensor(200_000), net)
+    [[msg]] = p.schedule
+    assert (msg.op, msg.sent, msg.rounds) == ("pair", 160_000, 2)
+    assert p.step_s == pytest.approx(0.005 + 0.010 + 2 * 0.001 + 160_000 / 6e6 + 0.002)
+
+
+def test_exchange_cpu_from_the_ring_and_p2p_cpu_fits() -> None:
+    net = fast_net()
+    assert net.cpu_fit("pair") is None  # CPU not measured
+    net.cpu = {"allreduce": Fit(0.012, 1e9), "p2p": Fit(0.5, 2e8)}
+    assert net.cpu_fit("pair") == Fit(0.002, 2e8)
+    assert net.cpu_fit("tree") == net.cpu["p2p"] and net.cpu_fit("alltoall") is None
+
+
+def test_gtopk_tree_cost_is_timed_on_the_job_shapes() -> None:
+    """auto's compressor timing adds gTop-k's tree work (real merges of real payloads);
+    algorithms without one get none."""
+    gtopk, topk = hx.algorithms.get("gtopk"), hx.algorithms.get("topk")
+    specs = [TensorSpec("a", (64, 64)), TensorSpec("b", (256, 256))]
+    prof = ComputeProfile(0.0, 0.0, 0.0, specs, [0.0, 0.0])
+    costs = local_costs([("gtopk", gtopk), ("topk", topk)], prof, 4)
+    assert costs["topk"].tree is None
+    tree = costs["gtopk"].tree
+    assert tree is not None and tree.seconds(65536, 2) > 0.0
+    direct = gtopk_tree_cost(gtopk, ((64, 64), (256, 256)))
+    assert direct.per_round[1] >= 0.0 and direct.once[1] >= 0.0
+
+
+def test_tree_cost_arithmetic() -> None:
+    t = TreeCost((1e-3, 1e-9), (2e-3, 1e-8))
+    assert t.seconds(10**6, 0) == pytest.approx(0.002)
+    assert t.seconds(10**6, 3) == pytest.approx(0.002 + 3 * 0.012)
+
+
+def test_qadam_encode_is_timed_through_its_feedback() -> None:
+    """QAdam keeps its ErrorFeedback as ``feedback`` (on the momentum): its encode is timed
+    as error feedback's, like the compressed algorithms' ``error_feedback``."""
+    from hexagram.cost.measure import _has_feedback
+
+    got = {n: _has_feedback(hx.algorithms.get(n)) for n in ("qadam", "topk", "qsgd", "fp16")}
+    assert got == {"qadam": True, "topk": True, "qsgd": False, "fp16": False}
