@@ -185,6 +185,12 @@ def _share(value: Any, batch: int, rows: int) -> Any:
     return value
 
 
+def _output_sum(output: Any, _targets: Any) -> torch.Tensor:
+    """Stand-in loss when no targets are given: the sum of the (first) output."""
+    first = output[0] if isinstance(output, tuple | list) else output
+    return first.sum()
+
+
 def _predicted_step(model: nn.Module, inputs: Any, cluster: Cluster) -> float:
     """The cost model's seconds of one forward + backward of ``model`` on one device."""
     from hexagram.parallel.graph import capture
@@ -205,8 +211,10 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
     Each rank runs ``repeat`` steps back to back on its share of the batch (``batch //
     world`` samples), long enough for ranks that share a core to slow each other; the
     median step, median over ranks, is divided by the cost model's prediction of the same
-    step from ``cluster``'s compute fields. The model's gradients are cleared afterwards.
-    Returns ``compute_scale``, ``model_step_ms`` (measured) and ``model_predicted_ms``.
+    step from ``cluster``'s compute fields. The loss is ``loss_fn`` (default: cross-entropy,
+    or the output's sum when ``targets`` is None). The model's gradients are cleared and its
+    buffers (e.g. batch-norm statistics) restored afterwards. Returns ``compute_scale``,
+    ``model_step_ms`` (measured) and ``model_predicted_ms``.
 
     Example:
         >>> figs = model_compute_scale(model, x, y, cluster)      # doctest: +SKIP
@@ -222,14 +230,18 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
     batch = first.shape[0]
     rows = max(1, batch // dist.get_world_size())
     x, y = _share(inputs, batch, rows), _share(targets, batch, rows)
-    loss = loss_fn or default_loss
+    loss = loss_fn or (default_loss if targets is not None else _output_sum)
     args = x if isinstance(x, tuple | list) else (x,)
 
     def step() -> None:
         loss(model(*args), y).backward()
 
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     measured = _median_time(step, repeat)
     model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
     predicted = _predicted_step(model, x, cluster)
     every: list[float] = [0.0] * dist.get_world_size()
     dist.all_gather_object(every, measured)
