@@ -161,3 +161,18 @@ def test_auto_prices_with_the_calibration_and_the_models_own_step() -> None:
     assert figs["model_step_ms"] > 0 and figs["model_predicted_ms"] > 0
     assert figs["compute_scale"] == pytest.approx(figs["model_step_ms"]
                                                   / figs["model_predicted_ms"])
+
+
+@pytest.mark.timeout(600)
+def test_cli_execute_calibrates_with_the_models_step(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    from hexagram.parallel.cli import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads",
+                              "4", "--vocab", "64", "--seq", "16", "--batch", "8",
+                              "--cluster", "1x2", "--execute", "--steps", "2"])
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    assert "Plan for 1x2 devices" in out and "measured" in out and "ratio" in out

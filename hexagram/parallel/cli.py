@@ -13,8 +13,10 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -57,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baselines", action="store_true",
                         help="also evaluate hand-made strategies with the same cost model")
     parser.add_argument("--execute", action="store_true",
-                        help="calibrate this machine as a 1xN cluster (N from --cluster), plan "
+                        help="calibrate this machine as a 1xN cluster (N from --cluster; "
+                             "framework overheads and the model's own measured step), plan "
                              "for it, run the plan on N local ranks for --steps steps (float64) "
                              "and print measured vs predicted step time")
     parser.add_argument("--steps", type=int, default=5, help="steps of --execute")
@@ -90,24 +93,43 @@ def build_graph(args: argparse.Namespace) -> ModelGraph:
     return capture(model, x)
 
 
+def calibrate_worker(spec: Any) -> dict[str, float]:
+    """Every rank of ``--execute``'s calibration job: the framework calibration
+    (``measure_job``) and the model's own step against the roofline (``compute_scale``)."""
+    import hexagram as hx
+    from hexagram.parallel.calibrate import calibrated, measure_job
+    from hexagram.parallel.overheads import model_compute_scale
+    from hexagram.parallel.verify import build
+
+    hx.init()
+    figures = measure_job(spec.dtype)
+    world = torch.distributed.get_world_size()
+    figures.update(model_compute_scale(*build(spec), calibrated(figures, world, spec.dtype)))
+    return figures
+
+
 def execute(args: argparse.Namespace, cluster: Cluster, cons: Constraints) -> int:
     """``--execute``: calibrate, plan and run on local ranks; print measured vs predicted."""
     import statistics
 
     from hexagram.launch import run_local
-    from hexagram.parallel.calibrate import calibrated_cluster
+    from hexagram.parallel.calibrate import calibrated
+    from hexagram.parallel.overheads import scale_compute
     from hexagram.parallel.plans import Plan
     from hexagram.parallel.verify import ParitySpec, parity_worker
 
     if cluster.hosts != 1:
         raise HexagramError(f"--execute runs on this machine's local ranks: use --cluster "
                             f"1x{cluster.devices}, not {args.cluster}")
-    local = calibrated_cluster(cluster.devices)
     spec = ParitySpec(model=args.model, layers=args.layers, hidden=args.hidden,
                       heads=args.heads, vocab=args.vocab, seq=args.seq, batch=args.batch,
                       steps=max(args.steps, 2), constraints={
                           k: v for k, v in cons.__dict__.items() if v is not None},
-                      cluster=local, reference=False)
+                      reference=False)
+    figures = run_local(calibrate_worker, cluster.devices, args=(spec,), timeout=600)[0]
+    local = scale_compute(calibrated(figures, cluster.devices, spec.dtype),
+                          figures["compute_scale"])
+    spec = dataclasses.replace(spec, cluster=local)
     res = run_local(parity_worker, cluster.devices, args=(spec,), timeout=600)
     executed = Plan.from_json(res[0]["plan"])
     measured = statistics.median(max(r["times"][k] for r in res)
