@@ -249,7 +249,8 @@ def reprice(path: str) -> list[dict[str, Any]]:
 
 
 def _brief(f: dict[str, float]) -> str:
-    scale = (f"; model step {f['model_step_ms']:.1f} ms measured / "
+    scale = (f"; model step {f['model_step_ms']:.1f} ms measured (rank 0 alone "
+             f"{f.get('model_step_alone_ms', float('nan')):.1f} ms) / "
              f"{f['model_predicted_ms']:.1f} ms roofline = compute scale "
              f"{f['compute_scale']:.2f}") if "compute_scale" in f else ""
     return (f"{f['device_tflops'] * 1e3:.1f} GFLOP/s, {f['op_overhead_us']:.0f} us/op, link "

@@ -159,6 +159,7 @@ def test_auto_prices_with_the_calibration_and_the_models_own_step() -> None:
     assert first["plain"].step_overhead_us > 0  # measured, not the default of 0
     figs = first["figs"]
     assert figs["model_step_ms"] > 0 and figs["model_predicted_ms"] > 0
+    assert figs["model_step_alone_ms"] > 0
     assert figs["compute_scale"] == pytest.approx(figs["model_step_ms"]
                                                   / figs["model_predicted_ms"])
 

@@ -214,7 +214,9 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
     step from ``cluster``'s compute fields. The loss is ``loss_fn`` (default: cross-entropy,
     or the output's sum when ``targets`` is None). The model's gradients are cleared and its
     buffers (e.g. batch-norm statistics) restored afterwards. Returns ``compute_scale``,
-    ``model_step_ms`` (measured) and ``model_predicted_ms``.
+    ``model_step_ms`` (measured), ``model_predicted_ms`` and, for diagnosis only,
+    ``model_step_alone_ms``: rank 0's step while the other ranks wait (step / alone ~ how
+    much the ranks slow each other).
 
     Example:
         >>> figs = model_compute_scale(model, x, y, cluster)      # doctest: +SKIP
@@ -238,16 +240,22 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     measured = _median_time(step, repeat)
+    # diagnostic: rank 0 alone while the others wait (core sharing vs. kernels)
+    from hexagram.parallel.calibrate import _best_time
+
+    dist.barrier()
+    alone = _best_time(step, repeat, "median") if dist.get_rank() == 0 else 0.0
+    dist.barrier()
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
     predicted = _predicted_step(model, x, cluster)
-    every: list[float] = [0.0] * dist.get_world_size()
-    dist.all_gather_object(every, measured)
-    step_s = statistics.median(every)
+    every: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
+    dist.all_gather_object(every, (measured, alone))
+    step_s = statistics.median(m for m, _ in every)
     return {"compute_scale": max(1e-3, step_s / predicted), "model_step_ms": step_s * 1e3,
-            "model_predicted_ms": predicted * 1e3}
+            "model_predicted_ms": predicted * 1e3, "model_step_alone_ms": every[0][1] * 1e3}
 
 
 def scale_compute(cluster: Cluster, factor: float) -> Cluster:
