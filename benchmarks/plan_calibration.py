@@ -128,6 +128,28 @@ def _graph() -> ModelGraph:
     return capture(*build(SPEC)[:2])
 
 
+#: the model itself on every rank's share of the batch, timed in the rounds with the plans
+REFERENCE = "model step (every rank, batch / world)"
+
+
+class _Reference:
+    """What ``model_compute_scale`` times (forward + backward of the whole model on
+    ``batch / world`` samples per rank), with the ``train_step`` of a ParallelModel, so
+    the load during the plans' rounds can be read off the same rounds."""
+
+    def __init__(self, world: int) -> None:
+        from hexagram.parallel.apply import default_loss
+
+        self.model, self.rows, self.loss = build(SPEC)[0], max(1, SPEC.batch // world), \
+            default_loss
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.loss(self.model(x[: self.rows]), y[: self.rows]).backward()
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+
 def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
     """Every rank, one job: calibrate, plan, apply every plan, then time them round-robin
     (``rounds`` x ``steps`` steps each, after ``warmup``) so load changes hit all alike."""
@@ -145,7 +167,7 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
         box[0] = executable(cluster, world)
     dist.broadcast_object_list(box, src=0)
     plans, skipped = box[0]
-    models = {}
+    models: dict[str, tuple[Any, torch.optim.Optimizer]] = {}
     _model, x, y = build(SPEC)  # the same batch every step (seeded)
     failed = []
     for name, p in plans.items():
@@ -158,6 +180,9 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
                           f"(plan {p.to_json(indent=None)})")
             del models[name]
             dist.barrier()
+    ref = _Reference(world)
+    models[REFERENCE] = (ref, torch.optim.SGD(ref.parameters(), lr=0.01))
+    _timed(models[REFERENCE], x, y, warmup)
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, run in models.items():
@@ -165,7 +190,8 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
     after = measure_job(SPEC.dtype)
     after.update(model_compute_scale(*build(SPEC), calibrated(after, world, SPEC.dtype)))
     return {"figures": figures, "figures_after": after, "times": times,
-            "plans": {n: plans[n].to_json(indent=None) for n in models}, "skipped": skipped,
+            "plans": {n: plans[n].to_json(indent=None) for n in models if n in plans},
+            "skipped": skipped,
             "failed": failed}
 
 
@@ -213,14 +239,36 @@ def run_world(world: int, warmup: int, rounds: int, steps: int) -> dict[str, Any
         print(f"  skipped (the executor refuses it): {line}")
     for line in r0["failed"]:
         print(f"  FAILED in the executor: {line}")
-    rows = []
-    for name, text in r0["plans"].items():
+    def measured(name: str) -> float:
         n = len(r0["times"][name])
-        measured = statistics.median(max(r["times"][name][k] for r in res) for k in range(n))
-        rows.append(_row(world, name, Plan.from_json(text), measured, r0["figures"]))
+        return statistics.median(max(r["times"][name][k] for r in res) for k in range(n))
+
+    rows = [_row(world, name, Plan.from_json(text), measured(name), r0["figures"])
+            for name, text in r0["plans"].items()]
+    during = _during(world, rows, r0["figures"], measured(REFERENCE))
     return {"ranks": world, "load_before": load[0], "load_after": os.getloadavg()[0],
             "figures": r0["figures"], "figures_after": r0["figures_after"], "plans": rows,
-            "skipped": r0["skipped"], "failed": r0["failed"], **_verdict(world, rows)}
+            "skipped": r0["skipped"], "failed": r0["failed"], "during_runs": during,
+            **_verdict(world, rows)}
+
+
+def _during(world: int, rows: list[dict[str, Any]], figures: dict[str, float],
+            reference_s: float) -> dict[str, Any]:
+    """The same plans priced with the compute scale read off the timing rounds (the
+    reference step, max over ranks, against the same roofline), next to the measurements:
+    a diagnostic of load drift between the calibration and the runs, not the planner's
+    prediction."""
+    scale = reference_s * 1e3 / figures["model_predicted_ms"]
+    cluster = scale_compute(model_cluster(figures, world, scaled=False), scale)
+    ratios = {r["name"]: r["measured_ms"] / (price(_graph(), Plan.from_json(r["plan"]),
+                                                   cluster) * 1e3) for r in rows}
+    print(f"# {world} ranks, diagnostic: reference step during the rounds "
+          f"{reference_s * 1e3:.1f} ms = compute scale {scale:.2f} (calibration: "
+          f"{figures['compute_scale']:.2f}); priced with it, measured/predicted "
+          f"{min(ratios.values()):.2f}-{max(ratios.values()):.2f}, "
+          f"{sum(0.67 <= v <= 1.5 for v in ratios.values())} of {len(ratios)} within "
+          f"0.67-1.5x", flush=True)
+    return {"reference_ms": reference_s * 1e3, "compute_scale": scale, "ratios": ratios}
 
 
 def reprice(path: str) -> list[dict[str, Any]]:
