@@ -10,14 +10,26 @@ data-parallel, ZeRO-3 and pipeline-only baselines of ``baselines.py``), run each
 (max over ranks, after warm-up) next to the prediction. Also: is the plan with the least
 predicted time measured fastest, or within 10% of the fastest?
 
+The compute fields are then scaled by the model's own measured forward + backward step
+(``overheads.model_compute_scale``: every rank at once, per-rank share of the batch, against
+the roofline's prediction of that step), so operator shapes the microbenchmarks miss and
+ranks sharing cores are priced. Each row also shows the prediction of the same plan without
+that scale (microbenchmarks only, the model of the earlier runs) and the prediction split by
+term (``hexagram.parallel.reprice.breakdown``).
+
 Run:
     .venv/bin/python benchmarks/plan_calibration.py \\
         --json benchmarks/results/plan_calibration.json
+Re-predict a stored run without executing anything (its plans priced again, split by term;
+older files without plan text are re-planned from their calibration figures):
+    .venv/bin/python benchmarks/plan_calibration.py --reprice \\
+        benchmarks/results/plan_calibration_quiet.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -33,9 +45,11 @@ from hexagram.launch import run_local
 from hexagram.parallel.apply import check_executable
 from hexagram.parallel.baselines import evaluate_fixed
 from hexagram.parallel.cluster import Cluster, Constraints
-from hexagram.parallel.graph import capture
+from hexagram.parallel.graph import ModelGraph, capture
+from hexagram.parallel.overheads import model_compute_scale, scale_compute
 from hexagram.parallel.planner import plan_graph
 from hexagram.parallel.plans import Plan
+from hexagram.parallel.reprice import breakdown, price
 from hexagram.parallel.verify import ParitySpec, build
 
 SPEC = ParitySpec(model="gpt", layers=4, hidden=128, heads=4, vocab=512, seq=32, batch=16,
@@ -98,6 +112,44 @@ def _timed(run: tuple[Any, torch.optim.Optimizer], x: torch.Tensor, y: torch.Ten
     return times
 
 
+def model_cluster(figures: dict[str, float], world: int, scaled: bool = True) -> Cluster:
+    """The calibrated one-host cluster, with the model-measured compute scale if present
+    (and ``scaled``)."""
+    from hexagram.parallel.calibrate import calibrated
+
+    cluster = calibrated(figures, world, SPEC.dtype)
+    if scaled and "compute_scale" in figures:
+        return scale_compute(cluster, figures["compute_scale"])
+    return cluster
+
+
+@functools.cache
+def _graph() -> ModelGraph:
+    return capture(*build(SPEC)[:2])
+
+
+#: the model itself on every rank's share of the batch, timed in the rounds with the plans
+REFERENCE = "model step (every rank, batch / world)"
+
+
+class _Reference:
+    """What ``model_compute_scale`` times (forward + backward of the whole model on
+    ``batch / world`` samples per rank), with the ``train_step`` of a ParallelModel, so
+    the load during the plans' rounds can be read off the same rounds."""
+
+    def __init__(self, world: int) -> None:
+        from hexagram.parallel.apply import default_loss
+
+        self.model, self.rows, self.loss = build(SPEC)[0], max(1, SPEC.batch // world), \
+            default_loss
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.loss(self.model(x[: self.rows]), y[: self.rows]).backward()
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+
 def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
     """Every rank, one job: calibrate, plan, apply every plan, then time them round-robin
     (``rounds`` x ``steps`` steps each, after ``warmup``) so load changes hit all alike."""
@@ -108,13 +160,14 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
     hx.init()
     world = dist.get_world_size()
     figures = measure_job(SPEC.dtype)
-    cluster = calibrated(figures, world, SPEC.dtype)
+    figures.update(model_compute_scale(*build(SPEC), calibrated(figures, world, SPEC.dtype)))
+    cluster = model_cluster(figures, world)
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         box[0] = executable(cluster, world)
     dist.broadcast_object_list(box, src=0)
     plans, skipped = box[0]
-    models = {}
+    models: dict[str, tuple[Any, torch.optim.Optimizer]] = {}
     _model, x, y = build(SPEC)  # the same batch every step (seeded)
     failed = []
     for name, p in plans.items():
@@ -127,14 +180,52 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
                           f"(plan {p.to_json(indent=None)})")
             del models[name]
             dist.barrier()
+    ref = _Reference(world)
+    models[REFERENCE] = (ref, torch.optim.SGD(ref.parameters(), lr=0.01))
+    _timed(models[REFERENCE], x, y, warmup)
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, run in models.items():
             times[name] += _timed(run, x, y, steps)
     after = measure_job(SPEC.dtype)
+    after.update(model_compute_scale(*build(SPEC), calibrated(after, world, SPEC.dtype)))
     return {"figures": figures, "figures_after": after, "times": times,
-            "plans": {n: plans[n].to_json(indent=None) for n in models}, "skipped": skipped,
+            "plans": {n: plans[n].to_json(indent=None) for n in models if n in plans},
+            "skipped": skipped,
             "failed": failed}
+
+
+_TERMS = ("compute", "op overhead", "links", "DTensor", "FSDP2", "pipelining", "step")
+
+
+def _row(world: int, name: str, p: Plan, measured_s: float, figures: dict[str, float]
+         ) -> dict[str, Any]:
+    """One table row: the plan's prediction (and without the model-measured compute scale),
+    its split by term, the measurement and the ratio."""
+    graph = _graph()
+    base = model_cluster(figures, world, scaled=False)
+    parts = breakdown(graph, p, p.cluster)
+    row: dict[str, Any] = {"ranks": world, "name": name, "shape": p.summary().split(":")[0],
+           "predicted_ms": p.step_time_s * 1e3,
+           "predicted_unscaled_ms": price(graph, p, base) * 1e3,
+           "measured_ms": measured_s * 1e3, "ratio": measured_s / p.step_time_s,
+           "breakdown_ms": {k: parts[k] * 1e3 for k in _TERMS}, "plan": p.to_json(indent=None)}
+    split = " ".join(f"{k} {row['breakdown_ms'][k]:.0f}" for k in _TERMS
+                     if row["breakdown_ms"][k] >= 0.5)
+    print("| {ranks} | {name} | {shape} | {predicted_unscaled_ms:.1f} | {predicted_ms:.1f} | "
+          "{measured_ms:.1f} | {ratio:.2f} | ".format(**row) + split + " |", flush=True)
+    return row
+
+
+def _verdict(world: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    first = min(rows, key=lambda r: r["predicted_ms"])
+    fastest = min(rows, key=lambda r: r["measured_ms"])
+    verdict = first["measured_ms"] <= 1.1 * fastest["measured_ms"]
+    print(f"# {world} ranks: ranked first {first['name']} ({first['measured_ms']:.1f} ms "
+          f"measured), fastest {fastest['name']} ({fastest['measured_ms']:.1f} ms): "
+          f"{'within 10%' if verdict else 'NOT within 10%'}", flush=True)
+    return {"ranked_first": first["name"], "fastest": fastest["name"],
+            "first_within_10pct": verdict}
 
 
 def run_world(world: int, warmup: int, rounds: int, steps: int) -> dict[str, Any]:
@@ -148,34 +239,84 @@ def run_world(world: int, warmup: int, rounds: int, steps: int) -> dict[str, Any
         print(f"  skipped (the executor refuses it): {line}")
     for line in r0["failed"]:
         print(f"  FAILED in the executor: {line}")
-    rows = []
-    for name, text in r0["plans"].items():
-        p = Plan.from_json(text)
+    def measured(name: str) -> float:
         n = len(r0["times"][name])
-        measured = statistics.median(max(r["times"][name][k] for r in res) for k in range(n))
-        rows.append({"ranks": world, "name": name, "shape": p.summary().split(":")[0],
-                     "predicted_ms": p.step_time_s * 1e3, "measured_ms": measured * 1e3,
-                     "ratio": measured / p.step_time_s})
-        print("| {ranks} | {name} | {shape} | {predicted_ms:.1f} | {measured_ms:.1f} | "
-              "{ratio:.2f} |".format(**rows[-1]), flush=True)
-    first = min(rows, key=lambda r: r["predicted_ms"])
-    fastest = min(rows, key=lambda r: r["measured_ms"])
-    verdict = first["measured_ms"] <= 1.1 * fastest["measured_ms"]
-    print(f"# {world} ranks: ranked first {first['name']} ({first['measured_ms']:.1f} ms "
-          f"measured), fastest {fastest['name']} ({fastest['measured_ms']:.1f} ms): "
-          f"{'within 10%' if verdict else 'NOT within 10%'}", flush=True)
+        return statistics.median(max(r["times"][name][k] for r in res) for k in range(n))
+
+    rows = [_row(world, name, Plan.from_json(text), measured(name), r0["figures"])
+            for name, text in r0["plans"].items()]
+    during = _during(world, rows, r0["figures"], measured(REFERENCE))
     return {"ranks": world, "load_before": load[0], "load_after": os.getloadavg()[0],
             "figures": r0["figures"], "figures_after": r0["figures_after"], "plans": rows,
-            "skipped": r0["skipped"], "failed": r0["failed"], "ranked_first": first["name"],
-            "fastest": fastest["name"], "first_within_10pct": verdict}
+            "skipped": r0["skipped"], "failed": r0["failed"], "during_runs": during,
+            **_verdict(world, rows)}
+
+
+def _during(world: int, rows: list[dict[str, Any]], figures: dict[str, float],
+            reference_s: float) -> dict[str, Any]:
+    """The same plans priced with the compute scale read off the timing rounds (the
+    reference step, max over ranks, against the same roofline), next to the measurements:
+    a diagnostic of load drift between the calibration and the runs, not the planner's
+    prediction."""
+    scale = reference_s * 1e3 / figures["model_predicted_ms"]
+    cluster = scale_compute(model_cluster(figures, world, scaled=False), scale)
+    ratios = {r["name"]: r["measured_ms"] / (price(_graph(), Plan.from_json(r["plan"]),
+                                                   cluster) * 1e3) for r in rows}
+    print(f"# {world} ranks, diagnostic: reference step during the rounds "
+          f"{reference_s * 1e3:.1f} ms = compute scale {scale:.2f} (calibration: "
+          f"{figures['compute_scale']:.2f}); priced with it, measured/predicted "
+          f"{min(ratios.values()):.2f}-{max(ratios.values()):.2f}, "
+          f"{sum(0.67 <= v <= 1.5 for v in ratios.values())} of {len(ratios)} within "
+          f"0.67-1.5x", flush=True)
+    return {"reference_ms": reference_s * 1e3, "compute_scale": scale, "ratios": ratios}
+
+
+def reprice(path: str) -> list[dict[str, Any]]:
+    """Re-predict a stored run: every plan priced again under the stored calibration (the
+    model-measured compute scale applied if the run measured it); files without plan text
+    are re-planned from the same figures (the planner is deterministic), checked against
+    the stored prediction."""
+    with open(path) as f:
+        stored = json.load(f)
+    out = []
+    for w in stored["worlds"]:
+        world, figures = w["ranks"], w["figures"]
+        print(f"# {world} ranks, stored calibration {_brief(figures)}")
+        planned = {} if all("plan" in r for r in w["plans"]) else \
+            candidates(model_cluster(figures, world), world)
+        rows = []
+        for r in w["plans"]:
+            p = Plan.from_json(r["plan"]) if "plan" in r else planned[r["name"]]
+            if p is None or abs(p.step_time_s * 1e3 - r["predicted_ms"]) > \
+                    1e-6 * r["predicted_ms"]:
+                raise SystemExit(f"{path}: plan {r['name']!r} cannot be rebuilt (stored "
+                                 f"prediction {r['predicted_ms']:.3f} ms)")
+            rows.append(_row(world, r["name"], p, r["measured_ms"] / 1e3, figures))
+        out.append({"ranks": world, "plans": rows, **_verdict(world, rows)})
+    return out
 
 
 def _brief(f: dict[str, float]) -> str:
+    scale = (f"; model step {f['model_step_ms']:.1f} ms measured (rank 0 alone "
+             f"{f.get('model_step_alone_ms', float('nan')):.1f} ms) / "
+             f"{f['model_predicted_ms']:.1f} ms roofline = compute scale "
+             f"{f['compute_scale']:.2f}") if "compute_scale" in f else ""
     return (f"{f['device_tflops'] * 1e3:.1f} GFLOP/s, {f['op_overhead_us']:.0f} us/op, link "
             f"{f['latency_us']:.0f} us + {f['gbps']:.2f} Gbit/s, DTensor "
             f"{f['tp_overhead_us']:.0f} us/linear, FSDP2 {f['zero_overhead_us']:.0f} us/unit, "
             f"pipelining {f['microbatch_overhead_us']:.0f} us/micro-batch, step "
-            f"{f['step_overhead_us']:.0f} us")
+            f"{f['step_overhead_us']:.0f} us" + scale)
+
+
+def _summary(results: list[dict[str, Any]]) -> None:
+    ratios = [r["ratio"] for res in results for r in res["plans"]]
+    print(f"# measured/predicted {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} plans; "
+          f"{sum(0.67 <= v <= 1.5 for v in ratios)} within 0.67-1.5x")
+
+
+_HEADER = ("| ranks | plan | shape | predicted ms, microbenchmarks only | predicted ms | "
+           "measured ms | measured/predicted | predicted split (ms) |\n"
+           "|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:
@@ -185,19 +326,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per plan and round")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--reprice", default=None, metavar="JSON",
+                        help="re-predict a stored run's plans (nothing is executed)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.reprice:
+        print(_HEADER)
+        _summary(reprice(args.reprice))
+        return
     print(f"# machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, "
           f"torch {torch.__version__}; GPT {SPEC.layers} blocks, hidden {SPEC.hidden}, seq "
           f"{SPEC.seq}, vocab {SPEC.vocab}, batch {SPEC.batch}, float64; "
           f"{args.warmup} warm-up steps, then {args.rounds} rounds x {args.steps} timed steps "
           f"of every plan in turn")
-    print("| ranks | plan | shape | predicted ms | measured ms | measured/predicted |")
-    print("|---|---|---|---|---|---|")
+    print(_HEADER)
     results = [run_world(w, args.warmup, args.rounds, args.steps) for w in args.worlds]
-    ratios = [r["ratio"] for res in results for r in res["plans"]]
-    print(f"# measured/predicted {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} plans; "
-          f"{sum(0.67 <= v <= 1.5 for v in ratios)} within 0.67-1.5x")
+    _summary(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "benchmarks/plan_calibration.py", "worlds": results}, f,

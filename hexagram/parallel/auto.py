@@ -1,10 +1,14 @@
 """One call: measure the cluster this job runs on, plan the model for it, apply the plan.
 
 Every rank of a ``torchrun`` job calls :func:`auto` with the same model and example batch.
-The cluster is measured in the job itself (compute rate, memory bandwidth and per-operator
-cost of this rank's device; allreduce latency and rate over all ranks, on the runtime's
-device: CPU/gloo or GPU/NCCL); rank 0 plans and broadcasts the plan, so every rank applies
-the very same one.
+The cluster is measured in the job itself, with the calibration the benchmarks use
+(:func:`hexagram.parallel.calibrate.measure_job`: compute rate, memory bandwidth and
+per-operator cost with all ranks running; allreduce latency and rate over all ranks on the
+runtime's device, CPU/gloo or GPU/NCCL; the measured overheads of DTensor, FSDP2 and
+pipelining), then the model's own forward + backward is timed on every rank against the
+roofline (:func:`hexagram.parallel.overheads.model_compute_scale`) and the compute fields
+are scaled by the ratio. Rank 0 plans and broadcasts the plan, so every rank applies the
+very same one.
 
 Example:
     >>> import torch, hexagram.parallel as hp
@@ -25,7 +29,7 @@ from torch import nn
 
 from hexagram.errors import HexagramError
 from hexagram.parallel.apply import LossFn, default_loss, parallelize
-from hexagram.parallel.calibrate import fit_links, measure_compute
+from hexagram.parallel.calibrate import measure_compute, measure_job
 from hexagram.parallel.cluster import Cluster, Constraints
 from hexagram.parallel.planner import plan
 from hexagram.parallel.plans import Plan
@@ -38,13 +42,24 @@ def _dtype_of(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None = None
-                    ) -> Cluster:
+def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None = None,
+                    model: nn.Module | None = None, example_inputs: Any = None,
+                    targets: Any = None) -> Cluster:
     """The running job as a :class:`Cluster` (collective: every rank calls it).
 
-    Hosts from the runtime (``world / local_world``); the same measured link for inside and
-    between hosts (one allreduce fit over all ranks). ``memory_gb``: per device (default:
-    the GPU's total memory, or 4 GB per CPU rank).
+    Hosts from the runtime (``world / local_world``); compute, one measured link for inside
+    and between hosts, and the framework overheads from
+    :func:`~hexagram.parallel.calibrate.measure_job` (median over ranks, so every rank gets
+    the same figures). With ``model`` and ``example_inputs`` the compute fields are scaled
+    by the model's measured / predicted step
+    (:func:`~hexagram.parallel.overheads.model_compute_scale`; ``targets`` None: the
+    output's sum is the loss). ``memory_gb``: per device (default: the GPU's total memory,
+    or 4 GB per CPU rank).
+
+    Example:
+        >>> cluster = measure_cluster(torch.float64)              # doctest: +SKIP
+        >>> cluster.tp_overhead_us >= 0                           # doctest: +SKIP
+        True
     """
     import hexagram as hx
 
@@ -54,21 +69,32 @@ def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None 
         raise HexagramError(f"auto needs the same power-of-two number of ranks on every "
                             f"host, got {rt.world_size} ranks with {per_host} on this one; "
                             f"build a Cluster by hand and pass cluster=")
-    comp = measure_compute(dtype, device=rt.device)
-    links = fit_links()
-    box = [(comp, links)]
-    dist.broadcast_object_list(box, src=0)  # rank 0's figures, so every rank agrees
-    comp, links = box[0]
+    if rt.world_size == 1:  # no links, no parallel machinery to measure
+        figures = {**measure_compute(dtype, device=rt.device, stat="median"),
+                   "latency_us": 0.0, "gbps": 100.0}
+    else:
+        figures = measure_job(dtype)
     if memory_gb is None:
         memory_gb = (torch.cuda.get_device_properties(rt.device).total_memory / 1e9
                      if rt.device.type == "cuda" else 4.0)
-    return Cluster(hosts=rt.world_size // per_host, devices_per_host=per_host,
-                   intra_host_gbps=links["gbps"], inter_host_gbps=links["gbps"],
-                   intra_latency_us=links["latency_us"], inter_latency_us=links["latency_us"],
-                   device_tflops=comp["device_tflops"], memory_gbps=comp["memory_gbps"],
-                   op_overhead_us=comp["op_overhead_us"],
-                   dtype_bytes=torch.empty((), dtype=dtype).element_size(),
-                   device_memory_gb=memory_gb)
+    keys = ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us")
+    overheads: dict[str, Any] = {k: figures[k] for k in keys if k in figures}
+    cluster = Cluster(hosts=rt.world_size // per_host, devices_per_host=per_host,
+                      intra_host_gbps=figures["gbps"], inter_host_gbps=figures["gbps"],
+                      intra_latency_us=figures["latency_us"],
+                      inter_latency_us=figures["latency_us"],
+                      device_tflops=figures["device_tflops"],
+                      memory_gbps=figures["memory_gbps"],
+                      op_overhead_us=figures["op_overhead_us"],
+                      dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+                      device_memory_gb=memory_gb,
+                      **overheads)
+    if model is None or example_inputs is None:
+        return cluster
+    from hexagram.parallel.overheads import model_compute_scale, scale_compute
+
+    scale = model_compute_scale(model, example_inputs, targets, cluster)["compute_scale"]
+    return scale_compute(cluster, scale)
 
 
 def auto(model: nn.Module, example_inputs: Any, constraints: Constraints | None = None,
@@ -84,7 +110,9 @@ def auto(model: nn.Module, example_inputs: Any, constraints: Constraints | None 
     import hexagram as hx
 
     rt = hx.init()
-    cluster = cluster or measure_cluster(_dtype_of(model))
+    measured = cluster is None
+    cluster = cluster or measure_cluster(_dtype_of(model), model=model,
+                                         example_inputs=example_inputs)
     if cluster.devices != rt.world_size:
         raise HexagramError(f"the cluster has {cluster.devices} devices but this job runs "
                             f"{rt.world_size} ranks: plan for the running job (cluster=None) "
@@ -97,7 +125,11 @@ def auto(model: nn.Module, example_inputs: Any, constraints: Constraints | None 
     assert chosen is not None
     pm = parallelize(model, chosen, loss_fn, zero_stage, example_inputs=example_inputs)
     c = cluster
-    pm.report = (f"{chosen}\n  measured cluster: {c.device_tflops * 1e3:.1f} GFLOP/s, "
-                 f"{c.memory_gbps:.1f} GB/s, {c.op_overhead_us:.1f} us/op, links "
-                 f"{c.intra_latency_us:.0f} us + {c.intra_host_gbps:.2f} Gbit/s")
+    pm.report = (f"{chosen}\n  {'measured' if measured else 'given'} cluster: "
+                 f"{c.device_tflops * 1e3:.1f} GFLOP/s, {c.memory_gbps:.1f} GB/s, "
+                 f"{c.op_overhead_us:.1f} us/op, links {c.intra_latency_us:.0f} us + "
+                 f"{c.intra_host_gbps:.2f} Gbit/s; overheads DTensor "
+                 f"{c.tp_overhead_us:.0f} us/linear, FSDP2 {c.zero_overhead_us:.0f} us/unit, "
+                 f"pipelining {c.microbatch_overhead_us:.0f} us/micro-batch, step "
+                 f"{c.step_overhead_us:.0f} us")
     return pm

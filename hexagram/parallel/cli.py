@@ -6,13 +6,17 @@ Example:
           --baselines
     $ hexagram plan --model gpt --layers 2 --hidden 64 --heads 4 --vocab 128 --seq 16 \\
           --batch 8 --cluster 1x2 --execute --steps 5
+    $ hexagram plan --model gpt --layers 12 --cluster 4x8 --inter-gbps 10 \\
+          --dp-algorithms fp16,powersgd
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -22,8 +26,9 @@ from hexagram.parallel.cluster import Cluster, Constraints
 from hexagram.parallel.graph import ModelGraph, capture
 from hexagram.parallel.models import gpt, mlp_stack
 from hexagram.parallel.planner import plan_graph
+from hexagram.parallel.relax_cost import PRICED
 
-__all__ = ["add_arguments", "build_graph", "run"]
+__all__ = ["add_arguments", "build_graph", "constraints", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,14 +51,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("pp", "tp", "dp", "microbatches"):
         k.add_argument(f"--{name}", type=int, default=None)
     k.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    k.add_argument("--dp-algorithms", default="allreduce", metavar="NAMES",
+                   help="comma-separated gradient algorithms a stage's data-parallel sync may "
+                        "use besides allreduce (always included), e.g. fp16,powersgd; priced: "
+                        + ", ".join(PRICED))
     parser.add_argument("--json", default=None, help="write the plan as JSON to this file")
     parser.add_argument("--baselines", action="store_true",
                         help="also evaluate hand-made strategies with the same cost model")
     parser.add_argument("--execute", action="store_true",
-                        help="calibrate this machine as a 1xN cluster (N from --cluster), plan "
+                        help="calibrate this machine as a 1xN cluster (N from --cluster; "
+                             "framework overheads and the model's own measured step), plan "
                              "for it, run the plan on N local ranks for --steps steps (float64) "
                              "and print measured vs predicted step time")
     parser.add_argument("--steps", type=int, default=5, help="steps of --execute")
+
+
+def constraints(args: argparse.Namespace) -> Constraints:
+    """The constraint options as :class:`Constraints`; ``--dp-algorithms`` names checked
+    against the priced algorithms (ConfigError naming the unknown ones and the valid)."""
+    names = [n.strip() for n in str(args.dp_algorithms).split(",") if n.strip()]
+    unknown = [n for n in names if n not in PRICED]
+    if unknown:
+        raise ConfigError(f"--dp-algorithms: {', '.join(map(repr, unknown))} not priced by "
+                          f"the planner; choose among {', '.join(PRICED)} "
+                          f"(comma-separated, e.g. --dp-algorithms fp16,powersgd)")
+    algos = ("allreduce", *dict.fromkeys(n for n in names if n != "allreduce"))
+    return Constraints(pp=args.pp, tp=args.tp, dp=args.dp, microbatches=args.microbatches,
+                       schedule=args.schedule, dp_algorithms=algos)
 
 
 def build_graph(args: argparse.Namespace) -> ModelGraph:
@@ -69,24 +93,43 @@ def build_graph(args: argparse.Namespace) -> ModelGraph:
     return capture(model, x)
 
 
+def calibrate_worker(spec: Any) -> dict[str, float]:
+    """Every rank of ``--execute``'s calibration job: the framework calibration
+    (``measure_job``) and the model's own step against the roofline (``compute_scale``)."""
+    import hexagram as hx
+    from hexagram.parallel.calibrate import calibrated, measure_job
+    from hexagram.parallel.overheads import model_compute_scale
+    from hexagram.parallel.verify import build
+
+    hx.init()
+    figures = measure_job(spec.dtype)
+    world = torch.distributed.get_world_size()
+    figures.update(model_compute_scale(*build(spec), calibrated(figures, world, spec.dtype)))
+    return figures
+
+
 def execute(args: argparse.Namespace, cluster: Cluster, cons: Constraints) -> int:
     """``--execute``: calibrate, plan and run on local ranks; print measured vs predicted."""
     import statistics
 
     from hexagram.launch import run_local
-    from hexagram.parallel.calibrate import calibrated_cluster
+    from hexagram.parallel.calibrate import calibrated
+    from hexagram.parallel.overheads import scale_compute
     from hexagram.parallel.plans import Plan
     from hexagram.parallel.verify import ParitySpec, parity_worker
 
     if cluster.hosts != 1:
         raise HexagramError(f"--execute runs on this machine's local ranks: use --cluster "
                             f"1x{cluster.devices}, not {args.cluster}")
-    local = calibrated_cluster(cluster.devices)
     spec = ParitySpec(model=args.model, layers=args.layers, hidden=args.hidden,
                       heads=args.heads, vocab=args.vocab, seq=args.seq, batch=args.batch,
                       steps=max(args.steps, 2), constraints={
                           k: v for k, v in cons.__dict__.items() if v is not None},
-                      cluster=local, reference=False)
+                      reference=False)
+    figures = run_local(calibrate_worker, cluster.devices, args=(spec,), timeout=600)[0]
+    local = scale_compute(calibrated(figures, cluster.devices, spec.dtype),
+                          figures["compute_scale"])
+    spec = dataclasses.replace(spec, cluster=local)
     res = run_local(parity_worker, cluster.devices, args=(spec,), timeout=600)
     executed = Plan.from_json(res[0]["plan"])
     measured = statistics.median(max(r["times"][k] for r in res)
@@ -103,10 +146,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan, print, optionally compare with baselines, save or execute; 2 on bad input."""
     if args.execute:
         try:
-            cluster = Cluster.parse(args.cluster)
-            cons = Constraints(pp=args.pp, tp=args.tp, dp=args.dp,
-                               microbatches=args.microbatches, schedule=args.schedule)
-            return execute(args, cluster, cons)
+            return execute(args, Cluster.parse(args.cluster), constraints(args))
         except (ConfigError, HexagramError) as exc:
             print(f"hexagram plan: {exc}", file=sys.stderr)
             return 2
@@ -114,8 +154,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = Cluster.parse(args.cluster, intra_host_gbps=args.intra_gbps,
                                 inter_host_gbps=args.inter_gbps,
                                 device_memory_gb=args.memory_gb, device_tflops=args.tflops)
-        cons = Constraints(pp=args.pp, tp=args.tp, dp=args.dp,
-                           microbatches=args.microbatches, schedule=args.schedule)
+        cons = constraints(args)
         graph = build_graph(args)
         start = time.perf_counter()
         result = plan_graph(graph, cluster, cons)

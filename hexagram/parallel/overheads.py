@@ -15,14 +15,26 @@ executor's machinery adds per unit:
   modelled stage latency (compute + activation/gradient transfer).
 - ``step_overhead_us``: the end-of-step barrier every step pays.
 
+:func:`model_compute_scale` measures the model itself (Alpa profiles each stage on its
+mesh; here one forward + backward of the whole model on every rank at once, at the
+per-rank share of the batch) against the roofline's prediction of the same step. The
+ratio covers what the microbenchmarks miss: the model's own operator shapes and kernels
+(e.g. float64 GELU and attention on CPU), and ranks sharing cores while they all compute
+(4 ranks on 2 cores: each runs at half speed). :func:`scale_compute` applies it to a
+cluster's compute fields.
+
 Example:
     >>> framework_overheads(cluster, torch.float64)             # doctest: +SKIP
     {'tp_overhead_us': 310.2, 'zero_overhead_us': 905.1, ...}
+    >>> f = model_compute_scale(model, x, y, cluster)           # doctest: +SKIP
+    >>> cluster = scale_compute(cluster, f["compute_scale"])    # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +43,7 @@ from torch import nn
 from hexagram.parallel.cluster import Cluster, Submesh
 from hexagram.parallel.cost import Mesh
 
-__all__ = ["framework_overheads"]
+__all__ = ["framework_overheads", "model_compute_scale", "scale_compute"]
 
 _ROWS = 4  # samples of the tiny workloads
 
@@ -162,3 +174,101 @@ def framework_overheads(cluster: Cluster, dtype: torch.dtype = torch.float64,
     out = {"tp_overhead_us": tp, "zero_overhead_us": zero, "microbatch_overhead_us": per_mb,
            "step_overhead_us": barrier, "pipeline_fixed_us": fixed}
     return {k: max(0.0, v * 1e6) for k, v in out.items()}
+
+
+def _share(value: Any, batch: int, rows: int) -> Any:
+    """The first ``rows`` samples of every tensor whose first dimension is the batch."""
+    if isinstance(value, torch.Tensor):
+        return value[:rows] if value.dim() and value.shape[0] == batch else value
+    if isinstance(value, tuple | list):
+        return type(value)(_share(v, batch, rows) for v in value)
+    return value
+
+
+def _output_sum(output: Any, _targets: Any) -> torch.Tensor:
+    """Stand-in loss when no targets are given: the sum of the (first) output."""
+    first = output[0] if isinstance(output, tuple | list) else output
+    return first.sum()
+
+
+def _predicted_step(model: nn.Module, inputs: Any, cluster: Cluster) -> float:
+    """The cost model's seconds of one forward + backward of ``model`` on one device."""
+    from hexagram.parallel.graph import capture
+    from hexagram.parallel.intra import fastest
+
+    graph = capture(model, inputs)
+    mesh = Mesh(cluster=cluster.replace(hosts=1, devices_per_host=1), d=1, t=1,
+                b=graph.batch, microbatches=1)
+    return sum(fastest(layer, mesh).time for layer in graph.layers)
+
+
+def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cluster,
+                        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                        repeat: int = 5) -> dict[str, float]:
+    """Measured / predicted seconds of one forward + backward of ``model`` (collective:
+    every rank calls it with the same model and batch, and they all compute at once).
+
+    Each rank runs ``repeat`` steps back to back on its share of the batch (``batch //
+    world`` samples), long enough for ranks that share a core to slow each other; the
+    median step, median over ranks, is divided by the cost model's prediction of the same
+    step from ``cluster``'s compute fields. The loss is ``loss_fn`` (default: cross-entropy,
+    or the output's sum when ``targets`` is None). The model's gradients are cleared and its
+    buffers (e.g. batch-norm statistics) restored afterwards. Returns ``compute_scale``,
+    ``model_step_ms`` (measured), ``model_predicted_ms`` and, for diagnosis only,
+    ``model_step_alone_ms``: rank 0's step while the other ranks wait (step / alone ~ how
+    much the ranks slow each other).
+
+    Example:
+        >>> figs = model_compute_scale(model, x, y, cluster)      # doctest: +SKIP
+        >>> figs["compute_scale"] > 1                             # doctest: +SKIP
+        True
+    """
+    from hexagram.parallel.apply import default_loss
+
+    first = inputs[0] if isinstance(inputs, tuple | list) else inputs
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        raise TypeError(f"model_compute_scale needs a batched tensor (or a tuple starting "
+                        f"with one) as inputs, got {type(first).__name__}")
+    batch = first.shape[0]
+    rows = max(1, batch // dist.get_world_size())
+    x, y = _share(inputs, batch, rows), _share(targets, batch, rows)
+    loss = loss_fn or (default_loss if targets is not None else _output_sum)
+    args = x if isinstance(x, tuple | list) else (x,)
+
+    def step() -> None:
+        loss(model(*args), y).backward()
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    measured = _median_time(step, repeat)
+    # diagnostic: rank 0 alone while the others wait (core sharing vs. kernels)
+    from hexagram.parallel.calibrate import _best_time
+
+    dist.barrier()
+    alone = _best_time(step, repeat, "median") if dist.get_rank() == 0 else 0.0
+    dist.barrier()
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    predicted = _predicted_step(model, x, cluster)
+    every: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
+    dist.all_gather_object(every, (measured, alone))
+    step_s = statistics.median(m for m, _ in every)
+    return {"compute_scale": max(1e-3, step_s / predicted), "model_step_ms": step_s * 1e3,
+            "model_predicted_ms": predicted * 1e3, "model_step_alone_ms": every[0][1] * 1e3}
+
+
+def scale_compute(cluster: Cluster, factor: float) -> Cluster:
+    """``cluster`` with its compute ``factor`` times slower: matmul rate and memory bandwidth
+    divided, per-operator cost multiplied (links and framework overheads unchanged).
+
+    Example:
+        >>> c = scale_compute(Cluster(device_tflops=10.0, op_overhead_us=5.0), 2.0)
+        >>> c.device_tflops, c.op_overhead_us
+        (5.0, 10.0)
+    """
+    if not factor > 0:
+        raise ValueError(f"scale_compute: factor must be > 0, got {factor}")
+    return cluster.replace(device_tflops=cluster.device_tflops / factor,
+                           memory_gbps=cluster.memory_gbps / factor,
+                           op_overhead_us=cluster.op_overhead_us * factor)
