@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from hexagram.elastic import soak
 from hexagram.elastic.live_bench import _supervise
+from hexagram.elastic.residuals import check_policy
 from hexagram.testing.faults import parse_faults
 
 
@@ -243,6 +244,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0",
                         help="comma-separated seeds (initial weights and data order); every "
                              "run, with and without failures, is repeated per seed")
+    parser.add_argument("--residuals", default="reset",
+                        help="live mode's error-feedback residuals at a membership change: "
+                             "reset (default), mean or own (hexagram.elastic.residuals)")
     parser.add_argument("--deadline", type=float, default=900.0)
     parser.add_argument("--json")
     parser.add_argument("--markdown", help="also write the tables here")
@@ -259,6 +263,7 @@ def main() -> None:
                 {"load_average": os.getloadavg(), "args": vars(args), "rows": rows,
                  "summary": summary(rows)}, indent=1, default=str))
 
+    check_policy(args.residuals)
     for seed in _seeds(args.seeds):
         _run_seed(args, seed, record)
     tables = markdown(rows) + "\n\n" + summary_markdown(summary(rows))
@@ -288,7 +293,8 @@ def _run_seed(args: argparse.Namespace, seed: int, record: Any) -> None:
         for kill in ("", args.kill):
             record("hexagram", algorithm, kill, seed, soak.run_soak(
                 args.world, args.steps, kill, algorithm, None, args.dataset, args.batch,
-                args.lr, min_size=args.min_size, deadline=args.deadline, seed=seed))
+                args.lr, min_size=args.min_size, deadline=args.deadline, seed=seed,
+                residuals=args.residuals))
     missing = "skipped (--no-torchft)" if args.no_torchft else _torchft_available()
     for kill in ("", args.kill):
         if missing:

@@ -100,7 +100,8 @@ def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], incarnati
     try:
         trainer = live(model, [opt], cfg["algorithm"], algorithm_config=cfg["config"],
                        min_size=cfg["min_size"], heartbeat_timeout=cfg["heartbeat_timeout"],
-                       timeout=cfg["timeout"], join_timeout=cfg["join_timeout"])
+                       timeout=cfg["timeout"], join_timeout=cfg["join_timeout"],
+                       residuals=cfg["residuals"])
         _train(trainer, data, world, cfg, injector_for(cfg["kill"], replica, incarnation),
                report)
     except QuorumError as exc:  # e.g. restarted after the others finished
@@ -140,10 +141,13 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
              heartbeat_timeout: float = 0.5, timeout: float = 30.0,
              join_timeout: float = 30.0, restart_delay: float = 1.0,
              min_size: int | None = None,
-             deadline: float = 1800.0, seed: int = 0) -> dict[str, Any]:
+             deadline: float = 1800.0, seed: int = 0,
+             residuals: str = "reset") -> dict[str, Any]:
     """Run the soak (see the module doc) and return :func:`summarize` of the replicas.
     ``seed`` picks the initial weights and the data order (:func:`model_for`,
     :func:`global_batch`); a run with failures and one without compare on the same seed.
+    ``residuals``: live mode's policy for error-feedback residuals at a membership change
+    (:mod:`hexagram.elastic.residuals`).
 
     Raises:
         RuntimeError: a replica crashed (other than the injected kills) or the run passed
@@ -157,7 +161,7 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
            "dataset": dataset, "batch": batch, "lr": lr,
            "min_size": min_size or max(1, world - 1),
            "heartbeat_timeout": heartbeat_timeout, "timeout": timeout,
-           "join_timeout": join_timeout, "seed": seed}
+           "join_timeout": join_timeout, "seed": seed, "residuals": residuals}
     kills = Counter(f.rank for f in parse_faults(kill))
     ctx = mp.get_context("fork")
     started = time.perf_counter()
