@@ -17,7 +17,9 @@ same on every member, whether the step is applied:
 After an abort, or when a replica asked to join, the members form a new *epoch*: a new
 gloo process group for the new membership, a new wrapper around the same module and
 optimizers, and healing: members behind the newest one (a restarted replica) receive the
-model, the optimizers **and the algorithm state** from an up-to-date member. If no member
+model, the optimizers **and the algorithm state** from an up-to-date member, and every
+member's error-feedback residuals are re-centred (:mod:`hexagram.elastic.residuals`: the
+members' mean; zero after a member was lost). If no member
 has training state (every replica just started) and ``checkpoint_dir`` is given, the newest
 durable checkpoint (:func:`hexagram.load_checkpoint`) is loaded instead.
 
