@@ -168,7 +168,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     plain_ms = next((r["median_step_ms"] for r in rows if r["engine"].startswith("pytorch")
                      and "error" not in r), None)
     for r in rows:
-        first = (f"| {r['engine']} | {r['algorithm']} | {r['kill'] or 'none'} "
+        engine = r["engine"] + (f", residuals {r['residuals']}" if "residuals" in r else "")
+        first = (f"| {engine} | {r['algorithm']} | {r['kill'] or 'none'} "
                  f"| {r.get('seed', 0)} | ")
         if "error" in r:
             lines.append(first + f"{r['error']} |" + " |" * (len(head) - 5))
@@ -190,19 +191,20 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     final accuracies of each setting, their means, and the per-seed (paired) differences
     *with failures minus failure-free* (the same seed: the same initial weights and data
     order), whose mean is the difference of the means."""
-    runs: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
+    runs: dict[tuple[str, str, str], dict[int, dict[str, float]]] = {}
     for r in rows:
         if "error" in r or r.get("accuracy") is None:
             continue
         setting = "failures" if r["kill"] else "free"
-        key = (r["engine"], r["algorithm"])
+        key = (r["engine"], r["algorithm"], r.get("residuals", "-"))
         runs.setdefault(key, {}).setdefault(r.get("seed", 0), {})[setting] = r["accuracy"]
     out = []
-    for (engine, algorithm), by_seed in runs.items():
+    for (engine, algorithm, residuals), by_seed in runs.items():
         both = sorted(s for s, v in by_seed.items() if len(v) == 2)
         free = [by_seed[s]["free"] for s in both]
         failed = [by_seed[s]["failures"] for s in both]
-        out.append({"engine": engine, "algorithm": algorithm, "seeds": both,
+        out.append({"engine": engine, "algorithm": algorithm, "residuals": residuals,
+                    "seeds": both,
                     "free": free, "failures": failed,
                     "differences": [b - a for a, b in zip(free, failed)]})
     return out
@@ -210,7 +212,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def summary_markdown(summaries: list[dict[str, Any]]) -> str:
     """:func:`summary` as a table, accuracies in points: mean +- sample sd over seeds."""
-    head = ["engine", "algorithm", "seeds", "failure-free", "with failures",
+    head = ["engine", "algorithm", "residuals", "seeds", "failure-free", "with failures",
             "difference (paired, per seed)", "difference of means"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
@@ -218,7 +220,8 @@ def summary_markdown(summaries: list[dict[str, Any]]) -> str:
             continue
         diffs = ", ".join(f"{100 * d:+.2f}" for d in s["differences"])
         mean_diff = 100 * statistics.mean(s["differences"])
-        lines.append(f"| {s['engine']} | {s['algorithm']} | {len(s['seeds'])} | "
+        lines.append(f"| {s['engine']} | {s['algorithm']} | {s['residuals']} "
+                     f"| {len(s['seeds'])} | "
                      f"{_mean_sd(s['free'])} | {_mean_sd(s['failures'])} | "
                      f"{_mean_sd(s['differences'])} ({diffs}) | {mean_diff:+.2f} |")
     return "\n".join(lines)
@@ -256,13 +259,23 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=900.0)
     parser.add_argument("--json")
     parser.add_argument("--markdown", help="also write the tables here")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON",
+                        help="run nothing: combine the rows of these --json files (e.g. "
+                             "runs of other seeds or residual policies) into the tables")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
+    if args.summarize:
+        rows = combine(args.summarize)
+        _write(args, rows)
+        return
 
     def record(engine: str, algorithm: str, kill: str, seed: int,
                row: dict[str, Any]) -> None:
         rows.append({"engine": engine, "algorithm": algorithm, "kill": kill, "seed": seed,
                      **row})
+        print(json.dumps(rows[-1], default=str), flush=True)
+        if engine == "hexagram":
+            rows[-1]["residuals"] = args.residuals
         print(json.dumps(rows[-1], default=str), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(
@@ -272,10 +285,34 @@ def main() -> None:
     check_policy(args.residuals)
     for seed in _seeds(args.seeds):
         _run_seed(args, seed, record)
+    _write(args, rows, json_too=False)
+
+
+def combine(paths: list[str]) -> list[dict[str, Any]]:
+    """The rows of several ``--json`` files; a Hexagram row without a ``residuals`` field
+    gets its file's ``--residuals`` (``"own"`` for files written before that option: the
+    only behaviour then)."""
+    rows = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        policy = data.get("args", {}).get("residuals", "own")
+        for row in data["rows"]:
+            if row["engine"] == "hexagram":
+                row.setdefault("residuals", policy)
+            rows.append(row)
+    return rows
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], json_too: bool = True
+           ) -> None:
     tables = markdown(rows) + "\n\n" + summary_markdown(summary(rows))
     print(tables)
     if args.markdown:
         Path(args.markdown).write_text(tables + "\n")
+    if args.json and json_too:
+        Path(args.json).write_text(json.dumps(
+            {"combined_from": args.summarize, "rows": rows, "summary": summary(rows)},
+            indent=1, default=str))
 
 
 def _seeds(spec: str) -> list[int]:
