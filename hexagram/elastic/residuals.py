@@ -6,9 +6,9 @@ two allreduces are linear in ``M_i = g_i + e_i``), while each ``e_i = e_bar + d_
 deviation ``d_i`` (summing to zero) that grows as the running sum of the rank's gradient
 noise: harmless while every rank stays, but when replica ``k`` of ``n`` dies the
 survivors' mean becomes ``e_bar - d_k / (n-1)``, applied to the model as if it were
-gradient. ``benchmarks/elastic_residuals.py`` measured that shift at 3-11 times the norm
-of one step's gradient (growing with the steps since the last re-centring) against a
-mean residual of about one step's gradient (docs/benchmarks/elastic.md).
+gradient. ``benchmarks/elastic_residuals.py`` measured that shift at 2.3-14.7 times the
+norm of one step's applied gradient (growing with the steps since the last re-centring)
+against a mean residual of about one step's gradient (docs/benchmarks/elastic.md).
 
 :func:`recenter` runs at the set-up of every epoch (collective, one allreduce of the
 residuals), with one of three policies:
