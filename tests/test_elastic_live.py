@@ -46,20 +46,32 @@ def test_survivors_lose_no_step_and_the_restarted_rank_heals() -> None:
         assert torch.equal(rep["params"], back["params"])
 
 
-def test_healing_copies_model_optimizer_and_algorithm_state() -> None:
+@pytest.mark.parametrize("policy", ["own", "reset"])
+def test_healing_copies_model_optimizer_and_algorithm_state(policy: str) -> None:
     """PowerSGD (compression live from step 2): the restarted replica's model, momentum
     and algorithm state (Q, counters) equal those of the up-to-date member it healed from,
-    at the step it joined; its error-feedback residual starts at zero, not as a copy of the
-    source's (that unsent gradient is the source's debt: copied, it would be applied
-    twice; the soak's PowerSGD run with 5 kills lost 4.5 points of accuracy that way)."""
+    at the step it joined. Its error-feedback residual is never a copy of the source's
+    (that unsent gradient is the source's debt: copied, it would be applied twice; the
+    soak's PowerSGD run with 5 kills lost 4.5 points of accuracy that way): with
+    ``residuals="own"`` it starts at zero; with ``"reset"`` (the default) the survivors'
+    residuals were zeroed when replica 2 died, and at the join every member holds the
+    mean of the up-to-date members' (hexagram.elastic.residuals)."""
     results = run_live(world=3, steps=8, kill="2@5", restart=True, sleep=0.01, together=2,
-                       algorithm="powersgd", config={"start_iter": 2, "rank": 1})
+                       algorithm="powersgd", config={"start_iter": 2, "rank": 1},
+                       residuals=policy)
     back = results[2]
     (joined_at, digest), = back["digests"].items()
     source = results[0]["digests"][joined_at]  # replica 0: newest step, lowest id
     for part in ("model", "optimizers", "shared"):
         assert digest[part] == source[part], part
-    assert digest["residual_is_zero"] == "True" and source["residual_is_zero"] == "False"
+    after_kill = results[0]["digests"][5]  # the survivors' epoch after the death
+    if policy == "own":
+        assert digest["residual_is_zero"] == "True" and source["residual_is_zero"] == "False"
+        assert after_kill["residual_is_zero"] == "False"
+    else:
+        assert after_kill["residual_is_zero"] == "True"  # the dead one's deviation: gone
+        assert digest["residual"] == source["residual"]  # the same mean on every member
+        assert results[1]["digests"][joined_at]["residual"] == source["residual"]
     assert results[0]["digests"][0]["algorithm"] != source["algorithm"]  # state is live
     assert torch.equal(back["params"], results[0]["params"])
     assert torch.equal(results[1]["params"], results[0]["params"])

@@ -5,7 +5,8 @@
 - :mod:`hexagram.elastic.checkpoint`: :func:`save_checkpoint` / :func:`load_checkpoint` on
   ``torch.distributed.checkpoint`` with every rank's algorithm state.
 - :mod:`hexagram.elastic.trainer` (:func:`live`) and :mod:`hexagram.elastic.quorum`: live
-  mode, in which survivors keep training when a rank dies and a restarted rank rejoins.
+  mode, in which survivors keep training when a rank dies and a restarted rank rejoins;
+  :mod:`hexagram.elastic.residuals`: error-feedback residuals at a membership change.
 
 See docs/elastic.md.
 """

@@ -41,6 +41,7 @@ from hexagram.testing.faults import FaultInjector, parse_faults
 
 __all__ = ["accuracy", "global_batch", "model_for", "run_soak", "summarize", "train_cli"]
 
+_SEED_STRIDE = 1_000_003  # data-order seeds of different runs never collide
 _DATA: Any = None  # loaded once in the parent, shared with the forked replicas
 
 
@@ -64,12 +65,15 @@ def model_for(data: Any, hidden: int = 128, seed: int = 0) -> nn.Module:
 
 
 def global_batch(data: Any, step: int, rank: int, size: int, world: int,
-                 batch: int) -> tuple[Tensor, Tensor]:
-    """Member ``rank`` of ``size``'s share of step ``step``'s ``world * batch`` samples."""
+                 batch: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Member ``rank`` of ``size``'s share of step ``step``'s ``world * batch`` samples
+    (the data order of ``seed``: each epoch a permutation seeded by the epoch and ``seed``;
+    seed 0 is the order of the runs published before seeds existed)."""
     per_step = world * batch
     per_epoch = len(data.y_train) // per_step
     epoch, index = divmod(step, per_epoch)
-    perm = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(epoch))
+    generator = torch.Generator().manual_seed(epoch + _SEED_STRIDE * seed)
+    perm = torch.randperm(len(data.y_train), generator=generator)
     ids = perm[index * per_step:(index + 1) * per_step].tensor_split(size)[rank]
     return data.x_train[ids], data.y_train[ids]
 
@@ -90,13 +94,14 @@ def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], incarnati
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     data = _data(cfg["dataset"])
-    model = model_for(data)
+    model = model_for(data, seed=cfg["seed"])
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     report: dict[str, Any] = {"restarted": incarnation > 0, "log": [], "times": []}
     try:
         trainer = live(model, [opt], cfg["algorithm"], algorithm_config=cfg["config"],
                        min_size=cfg["min_size"], heartbeat_timeout=cfg["heartbeat_timeout"],
-                       timeout=cfg["timeout"], join_timeout=cfg["join_timeout"])
+                       timeout=cfg["timeout"], join_timeout=cfg["join_timeout"],
+                       residuals=cfg["residuals"])
         _train(trainer, data, world, cfg, injector_for(cfg["kill"], replica, incarnation),
                report)
     except QuorumError as exc:  # e.g. restarted after the others finished
@@ -121,7 +126,7 @@ def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any],
     while trainer.step < cfg["steps"]:
         injector.at_step(trainer.step)
         x, y = global_batch(data, trainer.step, trainer.rank, trainer.size, world,
-                            cfg["batch"])
+                            cfg["batch"], cfg["seed"])
         start = time.perf_counter()
         if trainer.run_step(closure(x, y)):
             report["log"].append(trainer.step - 1)
@@ -136,8 +141,13 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
              heartbeat_timeout: float = 0.5, timeout: float = 30.0,
              join_timeout: float = 30.0, restart_delay: float = 1.0,
              min_size: int | None = None,
-             deadline: float = 1800.0) -> dict[str, Any]:
+             deadline: float = 1800.0, seed: int = 0,
+             residuals: str = "reset") -> dict[str, Any]:
     """Run the soak (see the module doc) and return :func:`summarize` of the replicas.
+    ``seed`` picks the initial weights and the data order (:func:`model_for`,
+    :func:`global_batch`); a run with failures and one without compare on the same seed.
+    ``residuals``: live mode's policy for error-feedback residuals at a membership change
+    (:mod:`hexagram.elastic.residuals`).
 
     Raises:
         RuntimeError: a replica crashed (other than the injected kills) or the run passed
@@ -151,7 +161,7 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
            "dataset": dataset, "batch": batch, "lr": lr,
            "min_size": min_size or max(1, world - 1),
            "heartbeat_timeout": heartbeat_timeout, "timeout": timeout,
-           "join_timeout": join_timeout}
+           "join_timeout": join_timeout, "seed": seed, "residuals": residuals}
     kills = Counter(f.rank for f in parse_faults(kill))
     ctx = mp.get_context("fork")
     started = time.perf_counter()
@@ -177,14 +187,15 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
     return summarize(reports, steps, kill, time.perf_counter() - started)
 
 
-def _plain_rank(steps: int, dataset: str, batch: int, lr: float) -> dict[str, Any]:
+def _plain_rank(steps: int, dataset: str, batch: int, lr: float,
+                seed: int) -> dict[str, Any]:
     dist.init_process_group("gloo")
     data = _data(dataset)
-    model = torch.nn.parallel.DistributedDataParallel(model_for(data))
+    model = torch.nn.parallel.DistributedDataParallel(model_for(data, seed=seed))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     rank, world, times = dist.get_rank(), dist.get_world_size(), []
     for step in range(steps):
-        x, y = global_batch(data, step, rank, world, world, batch)
+        x, y = global_batch(data, step, rank, world, world, batch, seed)
         start = time.perf_counter()
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -196,14 +207,14 @@ def _plain_rank(steps: int, dataset: str, batch: int, lr: float) -> dict[str, An
 
 
 def plain_ddp(world: int = 4, steps: int = 300, dataset: str = "auto", batch: int = 32,
-              lr: float = 0.05, timeout: float = 600.0) -> dict[str, Any]:
+              lr: float = 0.05, timeout: float = 600.0, seed: int = 0) -> dict[str, Any]:
     """The soak's training without fault tolerance: PyTorch DDP on gloo, the same model,
     batches and optimizer. Its median step is the baseline that the per-step overhead of a
     fault-tolerant engine is measured against."""
     from hexagram.launch import run_local
 
     _data(dataset)
-    ranks = run_local(_plain_rank, world, (steps, dataset, batch, lr), timeout=timeout)
+    ranks = run_local(_plain_rank, world, (steps, dataset, batch, lr, seed), timeout=timeout)
     times = [t for r in ranks for t in r["times"][1:]]  # the first step builds buckets
     return {"steps": steps, "kills": 0, "median_step_ms": 1000 * statistics.median(times),
             "accuracy": statistics.mean(r["accuracy"] for r in ranks),

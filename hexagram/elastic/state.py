@@ -27,7 +27,7 @@ from torch import nn
 from hexagram.errors import HexagramError
 
 __all__ = ["CheckpointError", "apply_rank_state", "collect_rank_state", "fingerprint",
-           "flatten", "unflatten"]
+           "flatten", "residual_tensors", "unflatten", "without_residuals"]
 
 _TENSOR = "__hexagram_tensor__"
 
@@ -132,6 +132,34 @@ def without_residuals(state: dict[str, Any]) -> dict[str, Any]:
         return obj
 
     return {**state, "algorithm": walk(state.get("algorithm", {}))}
+
+
+def residual_tensors(algorithm_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The error-feedback residuals of an algorithm state (the tensors under the
+    ``"residuals"`` of every ``"feedback"`` entry, what :func:`without_residuals` zeroes),
+    by path, sorted: the same order on every rank. They are the state's own tensors:
+    writing into them changes ``algorithm_state``.
+
+    >>> import torch
+    >>> s = {"feedback": {"residuals": {"w": torch.ones(2)}, "compressor": {}}}
+    >>> residual_tensors(s)["feedback/residuals/w"].tolist()
+    [1.0, 1.0]
+    """
+    found: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: str, parent: str) -> None:
+        if not isinstance(obj, dict):
+            return
+        for k, v in obj.items():
+            here = f"{path}/{k}" if path else str(k)
+            if (parent, k) == ("feedback", "residuals") and isinstance(v, dict):
+                found.update({f"{here}/{name}": t for name, t in v.items()
+                              if isinstance(t, torch.Tensor)})
+            else:
+                walk(v, here, str(k))
+
+    walk(algorithm_state, "", "")
+    return dict(sorted(found.items()))
 
 
 def apply_rank_state(state: dict[str, Any], model: nn.Module,

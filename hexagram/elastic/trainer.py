@@ -17,7 +17,9 @@ same on every member, whether the step is applied:
 After an abort, or when a replica asked to join, the members form a new *epoch*: a new
 gloo process group for the new membership, a new wrapper around the same module and
 optimizers, and healing: members behind the newest one (a restarted replica) receive the
-model, the optimizers **and the algorithm state** from an up-to-date member. If no member
+model, the optimizers **and the algorithm state** from an up-to-date member, and every
+member's error-feedback residuals are re-centred (:mod:`hexagram.elastic.residuals`: the
+members' mean; zero after a member was lost). If no member
 has training state (every replica just started) and ``checkpoint_dir`` is given, the newest
 durable checkpoint (:func:`hexagram.load_checkpoint`) is loaded instead.
 
@@ -52,6 +54,7 @@ from torch import nn
 
 from hexagram.comm.communicator import abort_all
 from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError, Watcher
+from hexagram.elastic.residuals import check_policy, recenter
 from hexagram.elastic.state import (
     CheckpointError,
     apply_rank_state,
@@ -70,7 +73,7 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
          min_size: int = 1, start_size: int | None = None,
          heartbeat_timeout: float = 0.5, join_timeout: float = 60.0, timeout: float = 30.0,
          checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-         **wrapper_kwargs: Any) -> LiveTrainer:
+         residuals: str = "reset", **wrapper_kwargs: Any) -> LiveTrainer:
     """A fault-tolerant trainer of ``module`` (see the module doc; collective start-up).
 
     Args:
@@ -86,6 +89,9 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
         timeout: limit of every collective and of every vote.
         checkpoint_dir, checkpoint_every: durable checkpoints every N committed steps
             (0: none); loaded when no member has training state.
+        residuals: what error-feedback residuals become at a membership change:
+            ``"reset"`` (the members' mean; zero after a member was lost), ``"mean"`` or
+            ``"own"`` (see :mod:`hexagram.elastic.residuals`).
         wrapper_kwargs: passed to :class:`hexagram.DistributedDataParallel`.
 
     Raises:
@@ -104,9 +110,10 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
         raise ConfigError("live mode does not support 'async' (its rounds run in a "
                           "background thread); use 'local_sgd' or 'diloco'")
     spec = (algorithm, dict(algorithm_config or {}))
+    check_policy(residuals)
     return LiveTrainer(module, list(optimizers), spec, replica, max_size, min_size,
                        start, heartbeat_timeout, join_timeout, timeout, checkpoint_dir,
-                       checkpoint_every, wrapper_kwargs)
+                       checkpoint_every, {**wrapper_kwargs, "residuals": residuals})
 
 
 def _abort_all_groups() -> None:
@@ -154,7 +161,9 @@ class LiveTrainer:
         self.module, self.optimizers, self.algorithm = module, optimizers, algorithm
         self.replica, self.timeout = replica, timeout
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        self._residuals = wrapper_kwargs.pop("residuals", "reset")
         self._wrapper_kwargs = wrapper_kwargs
+        self._members: tuple[int, ...] | None = None  # of the last epoch set up
         self.stats: dict[str, Any] = {"failures": 0, "stall_s": [], "heal_s": [],
                                       "epochs": 0, "votes": 0}
         host, port = _store(replica)
@@ -338,6 +347,8 @@ class LiveTrainer:
             self.step = int(own["step"])
         elif newest < 0:
             self.step = self._load_durable()
+        recenter(self.model, epoch, self.replica, self._members, self._residuals)
+        self._members = epoch.members
         if min(epoch.steps) < newest:
             self.stats["heal_s"].append(time.monotonic() - healed_at)
 
