@@ -85,3 +85,21 @@ def test_explicit_momentum_is_an_ema_and_leaves_the_optimizer() -> None:
     bucket.flat.zero_()
     assert torch.allclose(wm.apply(bucket), torch.tensor([0.9, 1.8, 2.7]))  # 0.9 m + 0.1 g
     assert WorkerMomentum(0.0).apply(bucket) is bucket.flat  # no momentum: no copy
+
+
+def test_gain_is_the_heavy_ball_length_so_centered_clipping_keeps_gradient_units() -> None:
+    a, b, opt, bucket = _setup()
+    wm = WorkerMomentum(None)
+    with pytest.warns(UserWarning):
+        wm.take_over([opt], [("a", a), ("b", b)])
+    assert wm.gain() == pytest.approx(2.0)  # 1 / (1 - 0.5): the sum settles at 2 gradients
+    bucket.flat.copy_(torch.tensor([1.0, 1.0, 1.0]))
+    for _ in range(60):  # a constant gradient (no weight decay effect on the ratio's limit)
+        sent = wm.apply(bucket)
+    assert sent[0] / (1.0 + 0.1 * 1.0) == pytest.approx(2.0, rel=1e-6)
+    wm.restore()
+    assert WorkerMomentum(0.9).gain() == 1.0  # the EMA form stays at gradient length
+    plain = torch.optim.SGD([a], lr=0.1)
+    none = WorkerMomentum(None)
+    none.take_over([plain], [("a", a)])  # no momentum to take: nothing sent longer
+    assert none.gain() == 1.0

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,7 @@ class RobustAlgorithm(Algorithm):
         self.compressor: Compressor | None = (
             None if c.compressor is None else compress.get(c.compressor))
         self.worker = WorkerMomentum(c.momentum)
+        self.spec: ReduceSpec = c  # the aggregation as run: tau rescaled at setup
         self.centers: dict[int, Tensor] = {}   # bucket index -> previous aggregate (flat)
         self.calls = 0                          # buckets reduced: seeds bucketing's draws
         self.generator = torch.Generator()
@@ -103,6 +105,11 @@ class RobustAlgorithm(Algorithm):
         self.config.check_world_size(ctx.comm.size)
         super().setup(ctx)
         self.worker.take_over(ctx.optimizers, ctx.named_params)
+        # tau is in gradient units; the taken-over heavy-ball momentum is 1/(1 - beta)
+        # gradients long, so an unscaled tau clipped every honest row (Fashion-MNIST IID,
+        # 5 ranks, no attack: 29 % against 81 % for the mean)
+        self.spec = dataclasses.replace(self.config,
+                                        tau=self.config.tau * self.worker.gain())
         self.generator = torch.Generator(device=ctx.runtime.device)
         self.generator.manual_seed(self.config.seed * 1_000_003 + ctx.comm.rank)
         self.reduce_generator = torch.Generator(device=ctx.runtime.device)
@@ -127,7 +134,7 @@ class RobustAlgorithm(Algorithm):
         def fn(rows: Tensor, info: ShardInfo) -> Tensor:
             mine = None if center is None else _slice(center, info)
             gen = torch.Generator().manual_seed(seed)
-            return reduce_rows(rows, self.config, info.allreduce, mine, gen)
+            return reduce_rows(rows, self.spec, info.allreduce, mine, gen)
 
         handle = shard_map(self.ctx.comm, flat, fn, self.compressor, self.generator,
                            reduce_generator=self.reduce_generator)

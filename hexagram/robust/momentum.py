@@ -83,6 +83,18 @@ class WorkerMomentum:
         """Give the optimizer its momentum and weight decay back."""
         self._taken.restore()
 
+    def gain(self) -> float:
+        """How much longer the sent vector is than a gradient once the momentum settles:
+        ``1 / (1 - beta)`` for the optimizer's taken-over heavy-ball sum (its largest
+        ``beta``), 1 for the exponential average and without momentum. Aggregators with an
+        absolute radius (centered clipping's ``tau``, in gradient units) scale by it.
+
+        >>> WorkerMomentum(0.9).gain()
+        1.0
+        """
+        betas = [beta for beta, _ in self.factors.values()] if self.beta is None else []
+        return 1.0 / (1.0 - max(betas, default=0.0))
+
     def apply(self, bucket: Bucket) -> Tensor:
         """The vector this rank sends for ``bucket``: its updated momentum (or the bucket's
         own buffer when there is no momentum). Not modified by the caller's send."""
