@@ -150,7 +150,8 @@ class LiveTrainer:
         replica: the stable id (``RANK`` at launch).
         stats: ``failures``, ``stall_s`` (per recovery), ``heal_s``, ``epochs``, ``votes``
             (commit votes taken: every step for gradient algorithms, rounds for weight
-            algorithms).
+            algorithms), ``memberships`` (per epoch set up: its number, members, their
+            registered steps, this replica's step after set-up and the heal source).
     """
 
     def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -165,7 +166,7 @@ class LiveTrainer:
         self._wrapper_kwargs = wrapper_kwargs
         self._members: tuple[int, ...] | None = None  # of the last epoch set up
         self.stats: dict[str, Any] = {"failures": 0, "stall_s": [], "heal_s": [],
-                                      "epochs": 0, "votes": 0}
+                                      "epochs": 0, "votes": 0, "memberships": []}
         host, port = _store(replica)
         prefix = f"hexagram/live/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/"
         self._root = dist.TCPStore(host, port, is_master=False,
@@ -349,8 +350,13 @@ class LiveTrainer:
             self.step = self._load_durable()
         recenter(self.model, epoch, self.replica, self._members, self._residuals)
         self._members = epoch.members
-        if min(epoch.steps) < newest:
+        healed = min(epoch.steps) < newest
+        if healed:
             self.stats["heal_s"].append(time.monotonic() - healed_at)
+        self.stats["memberships"].append({
+            "epoch": epoch.number, "members": list(epoch.members),
+            "steps": list(epoch.steps), "step": self.step,
+            "source": epoch.members[source] if healed else None})
 
     def _load_durable(self) -> int:
         """Nobody has training state: the newest durable checkpoint, or step 0."""
