@@ -7,7 +7,9 @@ wait at once, and the members form the next epoch.
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch.distributed as dist
@@ -53,3 +55,97 @@ def test_a_live_member_that_never_arrives_is_a_timeout_error() -> None:
     _beat(store, 0, 1)
     with pytest.raises(QuorumError, match="did not all arrive within 0 s"):
         quorum.assemble(Epoch(5, (0, 1), (10, 10), 0), timeout=0.3)
+
+
+# -- one training membership at a time (issue 18: replicas that finished disagreeing) -----
+def _clients(port: int, replicas: range, **kwargs: float) -> list[Quorum]:
+    """One Quorum per replica, each on its own client of the store at ``port``."""
+    return [Quorum(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False),
+                   r, max_size=4, min_size=2, heartbeat_timeout=0.5, join_timeout=20,
+                   **kwargs) for r in replicas]
+
+
+class _Beating:
+    """Keeps the heartbeats of the replicas in ``live`` fresh from a thread (as each
+    replica's :class:`Heartbeat` would); the others' are left to go stale."""
+
+    def __init__(self, port: int) -> None:
+        self.live: set[int] = set()
+        self._store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            _beat(self._store, *sorted(self.live))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def _epoch_of_two_at_step_10(store: dist.TCPStore, quorums: list[Quorum]) -> Epoch:
+    """Replicas 0 and 1 form epoch 1 at step 10 and commit one step (vote 0)."""
+    with ThreadPoolExecutor(2) as pool:
+        epochs = list(pool.map(lambda q: q.form(1, 10, min_size=2), quorums[:2]))
+        assert epochs[0] == epochs[1] and epochs[0] is not None
+        decisions = list(pool.map(lambda q: q.vote(epochs[0], 0, 10, True, 5), quorums[:2]))
+    assert decisions == ["commit", "commit"]
+    return epochs[0]
+
+
+@pytest.mark.timeout(60)
+def test_no_epoch_closes_behind_a_starved_membership_and_that_membership_is_fenced() -> None:
+    """Replicas 0 and 1 train (step 11) but are starved: their heartbeats look dead.
+    Two restarted replicas (no state) must not form an epoch of their own and train from
+    scratch beside them (the two memberships then finish with different parameters):
+    the epoch waits, the starved membership's next vote is ``abort`` (it commits nothing
+    more), and once 0 and 1 come back the epoch holds all four, healing from step 11."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    quorums = _clients(store.port, range(4), behind_grace=30.0)
+    beating = _Beating(store.port)
+    beating.live |= {0, 1}
+    old = _epoch_of_two_at_step_10(store, quorums)
+    beating.live = {2, 3}  # 0 and 1 starved: their heartbeats go stale, still in epoch 1
+    with ThreadPoolExecutor(4) as pool:
+        joiners = [pool.submit(q.form, 2, -1) for q in quorums[2:]]
+        time.sleep(1.5)  # three heartbeat timeouts: before the fix epoch 2 closed here
+        assert not store.check(["e2/members"]), store.get("e2/members")
+        assert quorums[0].vote(old, 1, 11, True, 5) == "abort"  # fenced: no more commits
+        beating.live = {0, 1, 2, 3}
+        time.sleep(0.2)  # their heartbeats fresh again before they register
+        back = [pool.submit(q.form, 2, 11) for q in quorums[:2]]
+        epochs = [f.result(timeout=20) for f in joiners + back]
+    beating.stop()
+    assert len(set(epochs)) == 1 and epochs[0] is not None
+    assert epochs[0].members == (0, 1, 2, 3) and epochs[0].steps == (11, 11, -1, -1)
+
+
+@pytest.mark.timeout(60)
+def test_holders_of_the_newest_state_that_stay_dead_are_given_up_after_the_grace() -> None:
+    """The same, but 0 and 1 never come back (they died): after ``behind_grace`` the
+    restarted replicas form the epoch (and start from a checkpoint or scratch), and the
+    dead membership stays fenced."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    quorums = _clients(store.port, range(4), behind_grace=0.5)
+    beating = _Beating(store.port)
+    beating.live |= {0, 1}
+    old = _epoch_of_two_at_step_10(store, quorums)
+    beating.live = {2, 3}
+    with ThreadPoolExecutor(2) as pool:
+        epochs = list(pool.map(lambda q: q.form(2, -1), quorums[2:]))
+    beating.stop()
+    assert epochs[0] == epochs[1] and epochs[0] is not None
+    assert epochs[0].members == (2, 3) and epochs[0].steps == (-1, -1)
+    assert quorums[0].fence(1) == 11  # its last commit reached step 11
+    assert quorums[0].vote(old, 1, 11, True, 5) == "abort"
+
+
+def test_the_epoch_number_never_moves_back() -> None:
+    """A closer delayed between closing epoch 4 and recording it must not move the
+    newest epoch back under 5 (a joiner would register for a closed epoch)."""
+    _store, quorum = _quorum(0)
+    quorum._raise_epoch(5)
+    quorum._raise_epoch(4)
+    assert quorum.last_epoch() == 5

@@ -183,6 +183,7 @@ class LiveTrainer:
         self._watcher = Watcher(Quorum(watch_store, replica, max_size, min_size,
                                        heartbeat_timeout, join_timeout), self._abort_epoch)
         self.step = -1  # no training state yet
+        self._vote = 0  # index of the next commit vote in the current epoch
         self.model: Any = None
         self.epoch: Epoch | None = None
         self._join(own=None, first_size=start_size)
@@ -210,7 +211,7 @@ class LiveTrainer:
             self.model.algorithm_state_dict())
         sent_before = self.model.comm.counter.total
         assert self.epoch is not None
-        self._watcher.arm(self.epoch, self.step)
+        self._watcher.arm(self.epoch, self._vote)
         try:
             ok = self._attempt(closure, weight)
         finally:
@@ -219,7 +220,8 @@ class LiveTrainer:
         decision = "commit"
         if communicated or not weight:
             self.stats["votes"] += 1
-            decision = self.quorum.vote(self.epoch, self.step, ok, self.timeout)
+            decision = self.quorum.vote(self.epoch, self._vote, self.step, ok, self.timeout)
+            self._vote += 1
         if decision == "abort":
             failed_at = time.monotonic()
             self._zero_grad()
@@ -303,12 +305,14 @@ class LiveTrainer:
         """Form the next epoch with this replica in it, then set up and heal."""
         number = self.epoch.number + 1 if self.epoch is not None \
             else self.quorum.last_epoch() + 1
+        left_out = self.epoch is None
         while True:
             first = number == 1 and first_size is not None
-            if self.epoch is None and not first:
+            if left_out and not first:  # the training members open an epoch for us
                 self.quorum.ask_to_join()
             epoch = self.quorum.form(number, self.step,
                                      min_size=first_size if first else None)
+            left_out = epoch is None  # closed without this replica (it looked dead)
             if epoch is not None:
                 self.epoch = epoch
                 self.stats["epochs"] += 1
@@ -349,7 +353,7 @@ class LiveTrainer:
         elif newest < 0:
             self.step = self._load_durable()
         recenter(self.model, epoch, self.replica, self._members, self._residuals)
-        self._members = epoch.members
+        self._members, self._vote = epoch.members, 0
         healed = min(epoch.steps) < newest
         if healed:
             self.stats["heal_s"].append(time.monotonic() - healed_at)
@@ -369,7 +373,13 @@ class LiveTrainer:
         return 0 if step is None else step
 
     def close(self) -> None:
-        """Leave the job: stop the heartbeat, release the wrapper and the process group."""
+        """Leave the job: record the step this replica finished at (a membership that
+        is behind it must not train on: :class:`QuorumError`), stop the heartbeat,
+        release the wrapper and the process group."""
+        try:
+            self.quorum.leave(self.step)
+        except (RuntimeError, dist.DistError):  # the store is gone: the job ended
+            pass
         self._heartbeat.stop()
         self._watcher.stop()
         self._teardown()
