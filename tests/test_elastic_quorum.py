@@ -149,3 +149,20 @@ def test_the_epoch_number_never_moves_back() -> None:
     quorum._raise_epoch(5)
     quorum._raise_epoch(4)
     assert quorum.last_epoch() == 5
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_replica_never_takes_its_predecessors_membership() -> None:
+    """Replica 1's earlier incarnation registered in epoch 1 (step 10) and died; the new
+    process of replica 1, registering for that closed epoch (e.g. from a stale epoch
+    number), is told it is not a member, instead of setting up an old group as if it held
+    step 10."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    quorums = _clients(store.port, range(2))
+    beating = _Beating(store.port)
+    beating.live |= {0, 1}
+    _epoch_of_two_at_step_10(store, quorums)
+    restarted = _clients(store.port, range(1, 2))[0]
+    assert restarted.form(1, -1) is None
+    assert quorums[1].form(1, 10) is not None  # the incarnation that registered still is
+    beating.stop()

@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -133,6 +134,7 @@ class Quorum:
         self.max_size, self.min_size = max_size, min_size
         self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
         self.behind_grace = 10 * heartbeat_timeout if behind_grace is None else behind_grace
+        self._token = uuid.uuid4().hex  # tells this process from earlier incarnations
 
     # -- liveness --------------------------------------------------------------------
     def alive(self) -> set[int]:
@@ -169,7 +171,7 @@ class Quorum:
             QuorumError: fewer than ``min_size`` live replicas within ``join_timeout``.
         """
         base = f"e{number}/"
-        self.store.set(f"{base}r{self.replica}", str(step))
+        self.store.set(f"{base}r{self.replica}", f"{step} {self._token}")
         start = time.monotonic()
         deadline = start + self.join_timeout
         need = self.min_size if min_size is None else min_size
@@ -186,7 +188,10 @@ class Quorum:
         record = json.loads(self.store.get(f"{base}members").decode())
         epoch = Epoch(number, tuple(record["members"]), tuple(record["steps"]),
                       record["joins"])
-        return epoch if self.replica in epoch.members else None
+        if self.replica not in epoch.members:
+            return None
+        # this process's registration, not an earlier incarnation's of the same replica
+        return epoch if record["tokens"][epoch.rank_of(self.replica)] == self._token else None
 
     def _try_close(self, number: int, need: int, past_grace: bool) -> None:
         """Close the epoch if every live replica registered and there are enough, after
@@ -199,13 +204,16 @@ class Quorum:
             return
         members = sorted(registered & live)
         joins = self.joins()
-        steps = [int(self.store.get(f"{base}r{r}").decode()) for r in members]
+        registrations = [self.store.get(f"{base}r{r}").decode().split() for r in members]
+        steps = [int(step) for step, _ in registrations]
+        tokens = [token for _, token in registrations]
         head = self.fence(number - 1) if number > 1 else None
         if head is not None and max(steps) < head:
             if not past_grace:
                 return  # the replicas holding step `head` are starved or dead: wait
             self._check_not_left_behind(number - 1, head, max(steps))
-        record = json.dumps({"members": members, "steps": steps, "joins": joins})
+        record = json.dumps({"members": members, "steps": steps, "joins": joins,
+                             "tokens": tokens})
         self.store.compare_set(f"{base}members", "", record)
         self._raise_epoch(number)
 
