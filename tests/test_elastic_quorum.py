@@ -7,6 +7,7 @@ wait at once, and the members form the next epoch.
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch.distributed as dist
 
-from hexagram.elastic.quorum import Epoch, Quorum, QuorumError
+from hexagram.elastic.quorum import Epoch, Quorum, QuorumError, Watcher
 from hexagram.errors import CommError
 from hexagram.launch import free_port
 
@@ -166,3 +167,53 @@ def test_a_restarted_replica_never_takes_its_predecessors_membership() -> None:
     assert restarted.form(1, -1) is None
     assert quorums[1].form(1, 10) is not None  # the incarnation that registered still is
     beating.stop()
+
+
+# -- the watcher fires twice in one epoch (issue 18: a DiLoCo survivor stalled 30 s) ------
+def _abort_twice(port: int) -> str:
+    """In a fresh process: a gloo group of one, aborted twice the way live mode does."""
+    from datetime import timedelta
+
+    from hexagram.elastic.trainer import _abort_all_groups
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                            timeout=timedelta(seconds=10))
+    _abort_all_groups()
+    _abort_all_groups()  # torch asserted "Process group cannot be None" here
+    return f"initialized={dist.is_initialized()}"
+
+
+@pytest.mark.timeout(60)
+def test_aborting_the_process_groups_twice_is_harmless() -> None:
+    """The watcher aborts the groups when a peer decided ``abort``; between rounds of a
+    weight algorithm it can fire again in the same epoch (the trainer commits a local
+    step, arms the same vote again). The second abort raised ``AssertionError``, which
+    ended the watcher thread: a later failure then waited out the collective timeout."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        assert pool.apply_async(_abort_twice, (free_port(),)).get(45) == "initialized=False"
+
+
+@pytest.mark.timeout(60)
+def test_the_watcher_outlives_an_abort_callback_that_fails() -> None:
+    store, quorum = _quorum(0)
+    _beat(store, 0, 1)
+    calls: list[int] = []
+
+    def on_abort(epoch: Epoch) -> None:
+        calls.append(epoch.number)
+        if len(calls) == 1:
+            raise AssertionError("Process group cannot be None")
+
+    watcher = Watcher(quorum, on_abort)
+    epoch = Epoch(2, (0, 1), (5, 5), 0)
+    for index in (0, 1):
+        watcher.arm(epoch, index)
+        store.set(f"e2/v{index}/decision", "abort")
+        deadline = time.monotonic() + 10
+        while len(calls) <= index and time.monotonic() < deadline:
+            time.sleep(0.02)
+        watcher.disarm()
+    watcher.stop()
+    assert calls == [2, 2]

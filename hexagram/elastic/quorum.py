@@ -391,7 +391,10 @@ class Watcher:
                     q.store.compare_set(key, "", "abort")
                 continue
             if q.store.get(key) == b"abort" and self._armed == (epoch, step):
-                self._on_abort(epoch)
+                try:
+                    self._on_abort(epoch)
+                except Exception:  # the watcher must outlive one failed abort: the
+                    pass  # trainer's own collective then fails or times out
             with self._lock:
                 if self._armed == (epoch, step):
                     self._armed = None

@@ -121,14 +121,20 @@ def _abort_all_groups() -> None:
     with this rank fail at once. (``destroy_process_group`` leaves a group that the old
     wrapper still references open until it is garbage-collected, and such a peer waits
     out the collective timeout.) ``pg.abort()`` works for gloo in torch 2.13; torch's
-    helper for aborting them all is private, hence the fallback."""
+    helper for aborting them all is private, hence the fallback. Idempotent: a second
+    call (the watcher fires again in the same epoch) does nothing; before, torch's
+    ``AssertionError`` ("Process group cannot be None") ended the watcher thread, and a
+    later failure then waited out the collective timeout (issue 18's 30 s DiLoCo stall)."""
+    if not dist.is_initialized():  # aborted already
+        return
     abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
     try:
         if abort_all is None:
             raise AttributeError("no _abort_process_group")
         abort_all()
-    except (AttributeError, RuntimeError, ValueError):
-        dist.destroy_process_group()
+    except (AttributeError, RuntimeError, ValueError, AssertionError):
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _store(replica: int) -> tuple[str, int]:
