@@ -152,3 +152,26 @@ def test_a_rank_failing_inside_a_local_sgd_round_does_not_hang_the_survivors(
         assert torch.equal(results[2]["params"], results[0]["params"])
     else:
         assert sorted(results) == [0, 1]  # the frozen replica never reported
+
+
+@pytest.mark.timeout(150)
+def test_a_starved_replica_and_a_restarted_one_never_train_side_by_side() -> None:
+    """Issue 18 (replicas that finished with different parameters): replica 1 is killed at
+    step 4 and restarted; replica 0, training alone (min_size 1), is then starved: its
+    whole process stopped for 3 s (SIGSTOP, its heartbeat too), so the restarted replica
+    finds nobody alive. It must not start an epoch of its own from fresh weights beside
+    the starved one (before the fix it did, and the two never met again: the starved one
+    waited for a join request that never came). It waits (``behind_grace``, 5 s) for the
+    state of the fenced epoch; replica 0 comes back, its pending vote is ``abort``, both
+    form one epoch, replica 1 heals from replica 0, and they finish identical."""
+    results = run_live(world=2, steps=12, kill="1@4", restart=True, min_size=1, sleep=0.02,
+                       together=3, pause="0@6:3", timeout=120.0, join_timeout=30.0)
+    assert sorted(results) == [0, 1] and results[1]["restarted"]
+    first, back = results[0], results[1]
+    assert "error" not in first and "error" not in back, (first.get("error"), back.get("error"))
+    assert first["step"] == back["step"]
+    assert torch.equal(first["params"], back["params"])
+    # replica 0 never lost a committed step, and its trajectory is the committed one
+    assert _committed(first) == list(range(first["step"]))
+    assert torch.allclose(first["params"], replay(first["log"]), rtol=0, atol=1e-12)
+    assert back["stats"]["heal_s"]  # healed from replica 0, not started from scratch

@@ -26,6 +26,8 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -123,6 +125,8 @@ def _train(trainer: Any, replica: int, world: int, cfg: dict[str, Any], restarte
             epoch = trainer.epoch.number
             report["digests"][trainer.step] = _digest(trainer)
             full_since = trainer.step if trainer.size == want else None
+        if not restarted:
+            _maybe_pause(cfg["pause"], replica, trainer.step)
         members, (x, y) = list(trainer.epoch.members), batch(trainer.step, replica)
         start = time.perf_counter()
         with _fault(injector, trainer.step, cfg["kill_inside"]):
@@ -133,6 +137,24 @@ def _train(trainer: Any, replica: int, world: int, cfg: dict[str, Any], restarte
         time.sleep(cfg["sleep"])
     report.update(log=log, stats=trainer.stats, times=times, step=trainer.step)
     trainer.close()
+
+
+_PAUSED: set[tuple[int, int]] = set()
+
+
+def _maybe_pause(spec: str, replica: int, step: int) -> None:
+    """``spec`` ``"RANK@STEP:SECONDS"``: at that step, stop this whole process (SIGSTOP:
+    its heartbeat thread too, as a replica starved of CPU) and have a helper continue it
+    SECONDS later. Once per step."""
+    if not spec or (replica, step) in _PAUSED:
+        return
+    where, _, seconds = spec.partition(":")
+    rank, _, at = where.partition("@")
+    if (int(rank), int(at)) != (replica, step):
+        return
+    _PAUSED.add((replica, step))
+    subprocess.Popen(["sh", "-c", f"sleep {float(seconds)}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _fault(injector: FaultInjector, step: int, inside: str) -> contextlib.AbstractContextManager[
@@ -155,12 +177,13 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
              config: dict[str, Any] | None = None, together: int = 5,
              join_timeout: float = 60.0, restart_delay: float = 1.0,
              collective_timeout: float = 30.0, kill_inside: str = "", align: int = 1,
-             **live_kwargs: Any) -> dict[int, dict[str, Any]]:
+             pause: str = "", **live_kwargs: Any) -> dict[int, dict[str, Any]]:
     """Run the replicas (see the module doc); returns each replica's final report.
     A killed replica is started again ``restart_delay`` s after it died. ``kill_inside``
     (``"all_reduce:2"``) fires the ``kill`` faults inside that collective call of the step
-    instead of before the step. Training ends on a multiple of ``align`` steps (a local
-    SGD period: the replicas were just averaged).
+    instead of before the step. ``pause`` (``"RANK@STEP:SECONDS"``) stops that replica's
+    process at that step for SECONDS (starved: alive, its heartbeat stale). Training ends
+    on a multiple of ``align`` steps (a local SGD period: the replicas were just averaged).
 
     Raises:
         RuntimeError: a replica failed (other than the injected kill) or overran ``timeout``.
@@ -174,7 +197,7 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
            "min_size": min_size or world - 1, "config": config or {},
            "together": together, "join_timeout": join_timeout, "live_kwargs": live_kwargs,
            "collective_timeout": collective_timeout, "kill_inside": kill_inside,
-           "align": align}
+           "align": align, "pause": pause}
     killed = {f.rank for f in parse_faults(kill)}
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as out:

@@ -11,9 +11,20 @@ its own process group. Inside an epoch every step ends with :meth:`Quorum.vote`:
   stale (a member that died without breaking a collective).
 
 The first proposal wins (``compare_set``), so every member reads the same decision: a step
-is applied on every member or on none. :meth:`Quorum.form` closes an epoch when every
-replica with a fresh heartbeat has registered (at least ``min_size``), or raises
-:class:`QuorumError` after ``join_timeout``: never a hang.
+is applied on every member or on none. Votes are keyed by their index in the epoch, and a
+commit records the step it reaches (``"commit 120"``). :meth:`Quorum.form` closes an
+epoch when every replica with a fresh heartbeat has registered (at least ``min_size``), or
+raises :class:`QuorumError` after ``join_timeout``: never a hang.
+
+One training membership at a time: a heartbeat can go stale while its replica is only
+starved of CPU, so a new epoch may close without members of the previous one that are
+still training. Closing an epoch therefore first *fences* the previous one
+(:meth:`Quorum.fence`: its pending vote is decided ``abort``, so it commits nothing more
+and its members come back to register), and an epoch whose members all hold older state
+than the fenced epoch reached waits for a replica that holds it (``behind_grace`` s; then
+it is presumed dead). Without this, two memberships trained side by side from the same
+state and finished with different parameters. A replica left out of a closed epoch asks
+to join, so the training members open the next one for it.
 
 Heartbeats carry the sender's wall clock: replicas on different hosts need clocks in sync
 well within ``heartbeat_timeout`` (NTP is enough for the default 0.5 s... keep it larger on
@@ -22,7 +33,7 @@ hosts without NTP).
 Example:
     >>> q = Quorum(store, replica=0, max_size=3, min_size=2)    # doctest: +SKIP
     >>> epoch = q.form(step=0)                                   # doctest: +SKIP
-    >>> q.vote(epoch, step=0, ok=True)                           # doctest: +SKIP
+    >>> q.vote(epoch, index=0, step=0, ok=True, timeout=30)      # doctest: +SKIP
     'commit'
 """
 
@@ -31,6 +42,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,7 +54,7 @@ from hexagram.errors import CommError, HexagramError
 __all__ = ["Epoch", "Heartbeat", "Quorum", "QuorumError", "Watcher"]
 
 _POLL = 0.01  # seconds between store polls while waiting for a quorum
-
+_HINT_EVERY = 16  # a commit vote in this many records its index for fence()
 
 class QuorumError(HexagramError):
     """The quorum could not reach its minimum size in time (names who was there)."""
@@ -110,13 +122,19 @@ class Quorum:
         min_size: smallest membership that may train; fewer => :class:`QuorumError`.
         heartbeat_timeout: a heartbeat older than this marks its replica dead.
         join_timeout: how long :meth:`form` may wait for ``min_size`` live replicas.
+        behind_grace: how long an epoch whose members all hold older state than the
+            previous epoch reached waits for a replica holding that state (default: 10
+            heartbeat timeouts); then those replicas count as dead.
     """
 
     def __init__(self, store: dist.Store, replica: int, max_size: int, min_size: int,
-                 heartbeat_timeout: float = 0.5, join_timeout: float = 60.0) -> None:
+                 heartbeat_timeout: float = 0.5, join_timeout: float = 60.0,
+                 behind_grace: float | None = None) -> None:
         self.store, self.replica = store, replica
         self.max_size, self.min_size = max_size, min_size
         self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
+        self.behind_grace = 10 * heartbeat_timeout if behind_grace is None else behind_grace
+        self._token = uuid.uuid4().hex  # tells this process from earlier incarnations
 
     # -- liveness --------------------------------------------------------------------
     def alive(self) -> set[int]:
@@ -153,11 +171,12 @@ class Quorum:
             QuorumError: fewer than ``min_size`` live replicas within ``join_timeout``.
         """
         base = f"e{number}/"
-        self.store.set(f"{base}r{self.replica}", str(step))
-        deadline = time.monotonic() + self.join_timeout
+        self.store.set(f"{base}r{self.replica}", f"{step} {self._token}")
+        start = time.monotonic()
+        deadline = start + self.join_timeout
         need = self.min_size if min_size is None else min_size
         while not self.store.check([f"{base}members"]):
-            self._try_close(number, need)
+            self._try_close(number, need, time.monotonic() - start > self.behind_grace)
             if self.store.check([f"{base}members"]):
                 break
             if time.monotonic() > deadline:
@@ -169,10 +188,15 @@ class Quorum:
         record = json.loads(self.store.get(f"{base}members").decode())
         epoch = Epoch(number, tuple(record["members"]), tuple(record["steps"]),
                       record["joins"])
-        return epoch if self.replica in epoch.members else None
+        if self.replica not in epoch.members:
+            return None
+        # this process's registration, not an earlier incarnation's of the same replica
+        return epoch if record["tokens"][epoch.rank_of(self.replica)] == self._token else None
 
-    def _try_close(self, number: int, need: int) -> None:
-        """Close the epoch if every live replica registered and there are enough."""
+    def _try_close(self, number: int, need: int, past_grace: bool) -> None:
+        """Close the epoch if every live replica registered and there are enough, after
+        fencing the previous epoch; not while its members all hold older state than the
+        previous epoch reached, unless ``past_grace`` (see the module doc)."""
         base = f"e{number}/"
         registered = {r for r in range(self.max_size) if self.store.check([f"{base}r{r}"])}
         live = self.alive() | {self.replica}
@@ -180,10 +204,66 @@ class Quorum:
             return
         members = sorted(registered & live)
         joins = self.joins()
-        steps = [int(self.store.get(f"{base}r{r}").decode()) for r in members]
-        record = json.dumps({"members": members, "steps": steps, "joins": joins})
+        registrations = [self.store.get(f"{base}r{r}").decode().split() for r in members]
+        steps = [int(step) for step, _ in registrations]
+        tokens = [token for _, token in registrations]
+        head = self.fence(number - 1) if number > 1 else None
+        if head is not None and max(steps) < head:
+            if not past_grace:
+                return  # the replicas holding step `head` are starved or dead: wait
+            self._check_not_left_behind(number - 1, head, max(steps))
+        record = json.dumps({"members": members, "steps": steps, "joins": joins,
+                             "tokens": tokens})
         self.store.compare_set(f"{base}members", "", record)
-        self.store.set("epoch", str(number))  # epochs close in order: no race on the value
+        self._raise_epoch(number)
+
+    def leave(self, step: int) -> None:
+        """Record that this replica finished at ``step`` (:meth:`LiveTrainer.close`)."""
+        self.store.set(f"closed/{self.replica}", str(step))
+
+    def _check_not_left_behind(self, previous: int, head: int, newest: int) -> None:
+        """Raise when a member of epoch ``previous`` finished holding step ``head``: an
+        epoch at step ``newest`` < ``head`` would train on and finish with other
+        parameters than the replica that left (nobody can bring it up to date)."""
+        record = json.loads(self.store.get(f"e{previous}/members").decode())
+        for r in record["members"]:
+            if self.store.check([f"closed/{r}"]) \
+                    and int(self.store.get(f"closed/{r}").decode()) >= head:
+                raise QuorumError(
+                    f"live mode: replica {r} finished at step {head} or later while this "
+                    f"membership holds step {newest} at best: it cannot be brought up to "
+                    "date, and training on would end with different parameters. Restart "
+                    "from a checkpoint")
+
+    def _raise_epoch(self, number: int) -> None:
+        """``epoch`` := max(``epoch``, number): a closer delayed after its compare_set must
+        not move it back over a newer epoch."""
+        current = self.last_epoch()
+        while current < number:
+            expected = str(current) if current else ""
+            current = int(self.store.compare_set("epoch", expected, str(number)).decode())
+
+    def fence(self, number: int) -> int | None:
+        """End epoch ``number`` for good: decide its pending vote ``abort`` (a member still
+        training in it stops at that vote) and return the newest step its members held:
+        the step its last commit reached, else the newest step at its closing (None: it
+        never closed). Idempotent; at most ``_HINT_EVERY`` + 1 store round trips (the
+        walk starts at the last commit a voter recorded)."""
+        base = f"e{number}/"
+        if not self.store.check([f"{base}members"]):
+            return None
+        head = max(json.loads(self.store.get(f"{base}members").decode())["steps"])
+        index = int(self.store.get(f"{base}last").decode()) \
+            if self.store.check([f"{base}last"]) else 0
+        while True:
+            decision = self.store.compare_set(f"{base}v{index}/decision", "", "abort")
+            word, _, reached = decision.decode().partition(" ")
+            if word == "abort":
+                return head
+            head = max(head, int(reached))
+            if word == "commit+join":  # its members left after this commit
+                return head
+            index += 1
 
     def assemble(self, epoch: Epoch, timeout: float) -> None:
         """Wait until every member of ``epoch`` is ready to build its process group.
@@ -216,33 +296,38 @@ class Quorum:
                             f"({list(epoch.members)}) died before its process group was set up")
 
     # -- commit vote -------------------------------------------------------------------
-    def vote(self, epoch: Epoch, step: int, ok: bool, timeout: float) -> str:
-        """This member's vote on ``step``; returns the decision every member reads:
-        ``"commit"``, ``"commit+join"`` or ``"abort"``.
+    def vote(self, epoch: Epoch, index: int, step: int, ok: bool, timeout: float) -> str:
+        """This member's vote number ``index`` of ``epoch`` (counted from 0 on every
+        member), on the step that takes it from ``step`` to ``step + 1``; returns the
+        decision every member reads: ``"commit"``, ``"commit+join"`` or ``"abort"``.
 
         Raises:
             QuorumError: no decision within ``timeout`` s with every member alive (a
                 member froze without its heartbeat going stale).
         """
-        key = f"e{epoch.number}/s{step}/"
+        key = f"e{epoch.number}/v{index}/"
         if not ok:
             self.store.compare_set(f"{key}decision", "", "abort")
         elif int(self.store.add(f"{key}ok", 1)) == len(epoch.members):
             outcome = "commit+join" if self.joins() > epoch.joins else "commit"
-            self.store.compare_set(f"{key}decision", "", outcome)
+            proposal = f"{outcome} {step + 1}"
+            decided = self.store.compare_set(f"{key}decision", "", proposal).decode()
+            if decided == proposal and index % _HINT_EVERY == 0:  # where fence() starts
+                self.store.set(f"e{epoch.number}/last", str(index))
         deadline = time.monotonic() + timeout
         wait = timedelta(seconds=max(self.heartbeat_timeout / 4, 0.02))
         while True:
             try:
                 self.store.wait([f"{key}decision"], wait)
-                return self.store.get(f"{key}decision").decode()
+                return self.store.get(f"{key}decision").decode().partition(" ")[0]
             except (RuntimeError, TimeoutError):  # DistStoreError on timeout
                 pass
             if not set(epoch.members) <= self.alive():
                 self.store.compare_set(f"{key}decision", "", "abort")
             elif time.monotonic() > deadline:
                 raise QuorumError(
-                    f"live mode: no decision on step {step} of epoch {epoch.number} within "
+                    f"live mode: no decision on step {step} (vote {index}) of epoch "
+                    f"{epoch.number} within "
                     f"{timeout:.0f} s although members {list(epoch.members)} look alive")
 
 
@@ -267,9 +352,10 @@ class Watcher:
                                         name="hexagram-live-watcher")
         self._thread.start()
 
-    def arm(self, epoch: Epoch, step: int) -> None:
+    def arm(self, epoch: Epoch, index: int) -> None:
+        """Watch vote ``index`` of ``epoch`` (the vote the running step would take)."""
         with self._lock:
-            self._armed = (epoch, step)
+            self._armed = (epoch, index)
             self._lock.notify()
 
     def disarm(self) -> None:
@@ -295,7 +381,7 @@ class Watcher:
                 return
 
     def _watch(self, epoch: Epoch, step: int) -> None:
-        q, key = self.quorum, f"e{epoch.number}/s{step}/decision"
+        q, key = self.quorum, f"e{epoch.number}/v{step}/decision"
         wait = timedelta(seconds=max(q.heartbeat_timeout / 4, 0.02))
         while self._armed == (epoch, step):
             try:
@@ -305,7 +391,10 @@ class Watcher:
                     q.store.compare_set(key, "", "abort")
                 continue
             if q.store.get(key) == b"abort" and self._armed == (epoch, step):
-                self._on_abort(epoch)
+                try:
+                    self._on_abort(epoch)
+                except Exception:  # the watcher must outlive one failed abort: the
+                    pass  # trainer's own collective then fails or times out
             with self._lock:
                 if self._armed == (epoch, step):
                     self._armed = None

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 import statistics
@@ -39,7 +40,8 @@ from hexagram.elastic.quorum import QuorumError
 from hexagram.launch import free_port
 from hexagram.testing.faults import FaultInjector, parse_faults
 
-__all__ = ["accuracy", "global_batch", "model_for", "run_soak", "summarize", "train_cli"]
+__all__ = ["accuracy", "agree", "global_batch", "model_for", "params_digest", "replicas",
+           "run_soak", "summarize", "train_cli"]
 
 _SEED_STRIDE = 1_000_003  # data-order seeds of different runs never collide
 _DATA: Any = None  # loaded once in the parent, shared with the forked replicas
@@ -76,6 +78,16 @@ def global_batch(data: Any, step: int, rank: int, size: int, world: int,
     perm = torch.randperm(len(data.y_train), generator=generator)
     ids = perm[index * per_step:(index + 1) * per_step].tensor_split(size)[rank]
     return data.x_train[ids], data.y_train[ids]
+
+
+@torch.no_grad()
+def params_digest(model: nn.Module) -> str:
+    """SHA-256 of ``model``'s parameters and buffers (equal iff bitwise equal)."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 @torch.no_grad()
@@ -123,6 +135,7 @@ def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any],
     def closure(x: Tensor, y: Tensor) -> Any:
         return lambda model: F.cross_entropy(model(x), y).backward()
 
+    report["memberships"] = trainer.stats["memberships"]  # kept if a QuorumError ends it
     while trainer.step < cfg["steps"]:
         injector.at_step(trainer.step)
         x, y = global_batch(data, trainer.step, trainer.rank, trainer.size, world,
@@ -131,7 +144,8 @@ def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any],
         if trainer.run_step(closure(x, y)):
             report["log"].append(trainer.step - 1)
         report["times"].append(time.perf_counter() - start)
-    report.update(stats=trainer.stats, step=trainer.step)
+    report.update(stats=trainer.stats, step=trainer.step,
+                  params_sha256=params_digest(trainer.module))
     trainer.close()
 
 
@@ -243,7 +257,32 @@ def summarize(reports: dict[str, dict[str, Any]], steps: int, kill: str,
             "accuracy_spread": max(accs) - min(accs) if accs else None,
             "rejoined": sum(1 for key, r in reports.items()  # restarts that finished
                             if not key.endswith("_0") and "step" in r),
-            "errors": [r["error"] for r in reports.values() if "error" in r]}
+            "errors": [r["error"] for r in reports.values() if "error" in r],
+            "replicas_identical": agree(reports), "replicas": replicas(reports)}
+
+
+def agree(reports: dict[str, dict[str, Any]]) -> bool | None:
+    """Whether every replica that finished holds the same final step and the same
+    parameters (by hash); None when fewer than two finished."""
+    finished = [(r["step"], r.get("params_sha256")) for r in reports.values()
+                if "step" in r]
+    return None if len(finished) < 2 else len(set(finished)) == 1
+
+
+def replicas(reports: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per replica incarnation (``"<replica>_<incarnation>"``): its final step, the hash
+    of its parameters, its accuracy, error, and the memberships it set up (epoch, members,
+    their registered steps, its step after set-up, the heal source)."""
+    out = {}
+    for key, r in sorted(reports.items()):
+        stats = r.get("stats", {})
+        out[key] = {"step": r.get("step"), "params_sha256": r.get("params_sha256"),
+                    "accuracy": r.get("accuracy"), "error": r.get("error"),
+                    "committed": len(r.get("log", [])), "attempts": len(r.get("times", [])),
+                    "failures": stats.get("failures"),
+                    "heals": len(stats.get("heal_s", [])),
+                    "memberships": r.get("memberships", [])}
+    return out
 
 
 def train_cli(args: Any) -> int:

@@ -121,14 +121,20 @@ def _abort_all_groups() -> None:
     with this rank fail at once. (``destroy_process_group`` leaves a group that the old
     wrapper still references open until it is garbage-collected, and such a peer waits
     out the collective timeout.) ``pg.abort()`` works for gloo in torch 2.13; torch's
-    helper for aborting them all is private, hence the fallback."""
+    helper for aborting them all is private, hence the fallback. Idempotent: a second
+    call (the watcher fires again in the same epoch) does nothing; before, torch's
+    ``AssertionError`` ("Process group cannot be None") ended the watcher thread, and a
+    later failure then waited out the collective timeout (issue 18's 30 s DiLoCo stall)."""
+    if not dist.is_initialized():  # aborted already
+        return
     abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
     try:
         if abort_all is None:
             raise AttributeError("no _abort_process_group")
         abort_all()
-    except (AttributeError, RuntimeError, ValueError):
-        dist.destroy_process_group()
+    except (AttributeError, RuntimeError, ValueError, AssertionError):
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _store(replica: int) -> tuple[str, int]:
@@ -150,7 +156,8 @@ class LiveTrainer:
         replica: the stable id (``RANK`` at launch).
         stats: ``failures``, ``stall_s`` (per recovery), ``heal_s``, ``epochs``, ``votes``
             (commit votes taken: every step for gradient algorithms, rounds for weight
-            algorithms).
+            algorithms), ``memberships`` (per epoch set up: its number, members, their
+            registered steps, this replica's step after set-up and the heal source).
     """
 
     def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -165,7 +172,7 @@ class LiveTrainer:
         self._wrapper_kwargs = wrapper_kwargs
         self._members: tuple[int, ...] | None = None  # of the last epoch set up
         self.stats: dict[str, Any] = {"failures": 0, "stall_s": [], "heal_s": [],
-                                      "epochs": 0, "votes": 0}
+                                      "epochs": 0, "votes": 0, "memberships": []}
         host, port = _store(replica)
         prefix = f"hexagram/live/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/"
         self._root = dist.TCPStore(host, port, is_master=False,
@@ -182,6 +189,7 @@ class LiveTrainer:
         self._watcher = Watcher(Quorum(watch_store, replica, max_size, min_size,
                                        heartbeat_timeout, join_timeout), self._abort_epoch)
         self.step = -1  # no training state yet
+        self._vote = 0  # index of the next commit vote in the current epoch
         self.model: Any = None
         self.epoch: Epoch | None = None
         self._join(own=None, first_size=start_size)
@@ -209,7 +217,7 @@ class LiveTrainer:
             self.model.algorithm_state_dict())
         sent_before = self.model.comm.counter.total
         assert self.epoch is not None
-        self._watcher.arm(self.epoch, self.step)
+        self._watcher.arm(self.epoch, self._vote)
         try:
             ok = self._attempt(closure, weight)
         finally:
@@ -218,7 +226,8 @@ class LiveTrainer:
         decision = "commit"
         if communicated or not weight:
             self.stats["votes"] += 1
-            decision = self.quorum.vote(self.epoch, self.step, ok, self.timeout)
+            decision = self.quorum.vote(self.epoch, self._vote, self.step, ok, self.timeout)
+            self._vote += 1
         if decision == "abort":
             failed_at = time.monotonic()
             self._zero_grad()
@@ -302,12 +311,14 @@ class LiveTrainer:
         """Form the next epoch with this replica in it, then set up and heal."""
         number = self.epoch.number + 1 if self.epoch is not None \
             else self.quorum.last_epoch() + 1
+        left_out = self.epoch is None
         while True:
             first = number == 1 and first_size is not None
-            if self.epoch is None and not first:
+            if left_out and not first:  # the training members open an epoch for us
                 self.quorum.ask_to_join()
             epoch = self.quorum.form(number, self.step,
                                      min_size=first_size if first else None)
+            left_out = epoch is None  # closed without this replica (it looked dead)
             if epoch is not None:
                 self.epoch = epoch
                 self.stats["epochs"] += 1
@@ -348,9 +359,14 @@ class LiveTrainer:
         elif newest < 0:
             self.step = self._load_durable()
         recenter(self.model, epoch, self.replica, self._members, self._residuals)
-        self._members = epoch.members
-        if min(epoch.steps) < newest:
+        self._members, self._vote = epoch.members, 0
+        healed = min(epoch.steps) < newest
+        if healed:
             self.stats["heal_s"].append(time.monotonic() - healed_at)
+        self.stats["memberships"].append({
+            "epoch": epoch.number, "members": list(epoch.members),
+            "steps": list(epoch.steps), "step": self.step,
+            "source": epoch.members[source] if healed else None})
 
     def _load_durable(self) -> int:
         """Nobody has training state: the newest durable checkpoint, or step 0."""
@@ -363,7 +379,13 @@ class LiveTrainer:
         return 0 if step is None else step
 
     def close(self) -> None:
-        """Leave the job: stop the heartbeat, release the wrapper and the process group."""
+        """Leave the job: record the step this replica finished at (a membership that
+        is behind it must not train on: :class:`QuorumError`), stop the heartbeat,
+        release the wrapper and the process group."""
+        try:
+            self.quorum.leave(self.step)
+        except (RuntimeError, dist.DistError):  # the store is gone: the job ended
+            pass
         self._heartbeat.stop()
         self._watcher.stop()
         self._teardown()
