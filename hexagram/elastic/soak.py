@@ -103,8 +103,7 @@ def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], incarnati
     from hexagram.elastic import live
 
     os.environ.update(MASTER_ADDR=cfg.get("master_addr", "127.0.0.1"), MASTER_PORT=str(port),
-                      RANK=str(replica),
-                      WORLD_SIZE=str(world))
+                      RANK=str(replica), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     data = _data(cfg["dataset"])
     model = model_for(data, seed=cfg["seed"])

@@ -30,6 +30,8 @@ __all__ = ["CheckpointError", "apply_rank_state", "collect_rank_state", "fingerp
            "flatten", "residual_tensors", "unflatten", "without_residuals"]
 
 _TENSOR = "__hexagram_tensor__"
+#: (parent key, key) of the error-feedback residuals in an algorithm state
+_RESIDUALS = ("feedback", "residuals")
 
 
 class CheckpointError(HexagramError):
@@ -127,7 +129,7 @@ def without_residuals(state: dict[str, Any]) -> dict[str, Any]:
 
     def walk(obj: Any, parent: str = "") -> Any:
         if isinstance(obj, dict):
-            return {k: zeroed(v) if (parent, k) == ("feedback", "residuals") else walk(v, k)
+            return {k: zeroed(v) if (parent, k) == _RESIDUALS else walk(v, k)
                     for k, v in obj.items()}
         return obj
 
@@ -152,7 +154,7 @@ def residual_tensors(algorithm_state: dict[str, Any]) -> dict[str, torch.Tensor]
             return
         for k, v in obj.items():
             here = f"{path}/{k}" if path else str(k)
-            if (parent, k) == ("feedback", "residuals") and isinstance(v, dict):
+            if (parent, k) == _RESIDUALS and isinstance(v, dict):
                 found.update({f"{here}/{name}": t for name, t in v.items()
                               if isinstance(t, torch.Tensor)})
             else:

@@ -113,7 +113,7 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
     check_policy(residuals)
     return LiveTrainer(module, list(optimizers), spec, replica, max_size, min_size,
                        start, heartbeat_timeout, join_timeout, timeout, checkpoint_dir,
-                       checkpoint_every, {**wrapper_kwargs, "residuals": residuals})
+                       checkpoint_every, wrapper_kwargs, residuals=residuals)
 
 
 def _abort_all_groups() -> None:
@@ -164,11 +164,11 @@ class LiveTrainer:
                  algorithm: tuple[str, dict[str, Any]], replica: int, max_size: int, min_size: int,
                  start_size: int, heartbeat_timeout: float, join_timeout: float,
                  timeout: float, checkpoint_dir: str | None, checkpoint_every: int,
-                 wrapper_kwargs: dict[str, Any]) -> None:
+                 wrapper_kwargs: dict[str, Any], *, residuals: str = "reset") -> None:
         self.module, self.optimizers, self.algorithm = module, optimizers, algorithm
         self.replica, self.timeout = replica, timeout
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
-        self._residuals = wrapper_kwargs.pop("residuals", "reset")
+        self._residuals = residuals
         self._wrapper_kwargs = wrapper_kwargs
         self._members: tuple[int, ...] | None = None  # of the last epoch set up
         self.stats: dict[str, Any] = {"failures": 0, "stall_s": [], "heal_s": [],
