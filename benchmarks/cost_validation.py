@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bucket_rounds  # benchmarks/bucket_rounds.py, beside this script
 import torch
 
 from hexagram.algorithms import registry
@@ -99,19 +100,24 @@ def _spec(args: argparse.Namespace, model: str, name: str, config: dict[str, Any
 def bucket_study(args: argparse.Namespace, lab: Any, cfg: LabConfig, model: str
                  ) -> dict[str, Any]:
     """allreduce and powersgd at 1, 4, 25 and 100 MB fixed buckets, and auto restricted to
-    the same algorithm (it tunes the bucket size)."""
-    out: dict[str, Any] = {}
-    sizes = (1.0, 4.0, 25.0, 100.0)
-    for name in ("allreduce", "powersgd"):
+    the same algorithm (it tunes the bucket size), in ``--bucket-rounds`` interleaved
+    rounds of ``--bucket-steps`` timed steps each (benchmarks/bucket_rounds.py)."""
+    out: dict[str, Any] = {"layouts": bucket_rounds.layouts({"name": model, **MODELS[model]}),
+                           "ranks_import": bucket_rounds.where_ranks_import(lab)}
+    for name in args.bucket_algorithms.split(","):
         label = "powersgd:start_iter=0" if name == "powersgd" else name
-        specs = [_spec(args, model, name, CONFIG.get(name, {}), args.warmup, mb)
-                 for mb in sizes]
-        specs.append(_spec(args, model, "auto", {"candidates": [label], "verbose": False}, 12))
-        print(f"buckets {model} {name}", file=sys.stderr, flush=True)
-        outcomes = run_series(lab, specs, timeout=args.timeout)
-        steps = [summarize_outcome(o, cfg.rate, args.batch, cfg.world_size).get("step_s")
-                 for o in outcomes]
-        out[name] = {**{f"{mb:g}": t for mb, t in zip(sizes, steps)}, "auto": steps[-1]}
+
+        def spec(key: str, mb: float | None, name: str = name, label: str = label
+                 ) -> dict[str, Any]:
+            if key == "auto":  # 12 untimed steps: profile, decide, time the buckets
+                return {**_spec(args, model, "auto", {"candidates": [label], "verbose": False},
+                                12), "steps": args.bucket_steps, "label": f"auto {label}"}
+            return {**_spec(args, model, name, CONFIG.get(name, {}), args.warmup, mb),
+                    "steps": args.bucket_steps, "label": f"{name} {key} MB"}
+        print(f"buckets {model} {name}: {args.bucket_rounds} rounds", file=sys.stderr,
+              flush=True)
+        out[name] = bucket_rounds.run_rounds(lab, cfg, spec, run_series, label,
+                                             args.bucket_rounds, args.timeout, args.batch)
     return out
 
 
@@ -240,7 +246,7 @@ def markdown(report: dict[str, Any]) -> str:
             if res["cells"]:  # --only-buckets runs no validation cells
                 lines += _cell_lines(setting["bandwidth"], model, res["cells"])
             lines.append(_auto_line(res))
-            lines.append(_bucket_lines(res.get("buckets")))
+            lines.append(_bucket_lines(res.get("buckets"), setting["bandwidth"]))
     return "\n".join(lines)
 
 
@@ -285,18 +291,8 @@ def _auto_line(res: dict[str, Any]) -> str:
             f"{best['algorithm']} {best['measured_s']:.3f} s\n")
 
 
-def _bucket_lines(study: dict[str, Any] | None) -> str:
-    if not study:
-        return ""
-    lines = ["\n| algorithm | 1 MB | 4 MB | 25 MB | 100 MB | auto | auto / best fixed |",
-             "|---|---|---|---|---|---|---|"]
-    for name, row in study.items():
-        fixed = [row[k] for k in ("1", "4", "25", "100") if row.get(k)]
-        cells = " | ".join("-" if row.get(k) is None else f"{row[k]:.3f}"
-                           for k in ("1", "4", "25", "100", "auto"))
-        ratio = f"{row['auto'] / min(fixed):.2f}" if row.get("auto") and fixed else "-"
-        lines.append(f"| {name} | {cells} | {ratio} |")
-    return "\n".join(lines) + "\n"
+def _bucket_lines(study: dict[str, Any] | None, setting: str = "") -> str:
+    return bucket_rounds.markdown(study, setting) if study else ""
 
 
 def measured_config(name: str, started: str) -> dict[str, Any]:
@@ -366,6 +362,13 @@ def main() -> int:
                    help="also the bucket study (allreduce, powersgd: fixed sizes vs auto)")
     a.add_argument("--only-buckets", action="store_true",
                    help="the bucket study alone (no model validation)")
+    a.add_argument("--bucket-rounds", type=int, default=3,
+                   help="bucket study: interleaved rounds of every configuration (1: the "
+                        "single-run study)")
+    a.add_argument("--bucket-steps", type=int, default=25,
+                   help="bucket study: timed steps per cell (--time-limit still caps them)")
+    a.add_argument("--bucket-algorithms", default="allreduce,powersgd",
+                   help="bucket study: the algorithms (comma-separated)")
     a.add_argument("--loopback", action="store_true")
     a.add_argument("--out", required=True)
     a.add_argument("--repredict", action="store_true",
