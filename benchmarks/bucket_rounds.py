@@ -89,9 +89,14 @@ def _cell(outcome: Any, cfg: Any, batch: int) -> dict[str, Any]:
     if "error" in row:
         return {"error": row["error"]}
     decision = (outcome.ranks[0].get("decision") or {}) if outcome.ranks else {}
+    ranks = outcome.ranks
     return {"step_s": row["step_s"], "median_s": row["median_s"], "steps": row["steps"],
             "chose_mb": (decision.get("bucket_bytes") or 0) / MB or None,
-            "tuned": decision.get("tuned")}
+            "tuned": decision.get("tuned"),
+            # per step, the slowest rank's: the untimed steps (auto's exploring ones), then
+            # the timed ones
+            "warmup_s": [max(s) for s in zip(*(r.get("warmup_times", []) for r in ranks))],
+            "steps_s": [max(s) for s in zip(*(r["step_times"] for r in ranks))]}
 
 
 def run_rounds(lab: Any, cfg: Any, spec: Callable[[str, float | None], dict[str, Any]],

@@ -141,18 +141,21 @@ def _timed_trials(rank: int) -> tuple[dict[str, Any], str]:
     return dict(algo.decision or {}), algo.label
 
 
-def _tuned_after_warmup(rank: int) -> tuple[bool, bool]:
-    """PowerSGD with its 10 allreduce warm-up steps: buckets are timed after them."""
+def _tuned_after_warmup(rank: int) -> tuple[bool, bool, list[str]]:
+    """PowerSGD with its 10 allreduce warm-up steps: buckets are timed after them. The
+    Probe's 9 KB of gradients: 1 KB buckets give two (w, b), 1 and 4 MB both one bucket,
+    so only two sizes are distinct configurations."""
     net = Probe()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    algo = hx.algorithms.get("auto", **{**FAST, "candidates": ["powersgd"]})
+    algo = hx.algorithms.get("auto", **{**FAST, "candidates": ["powersgd"],
+                                        "bucket_mb": (0.001, 1.0, 4.0)})
     model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo)
     _train(model, opt, range(10), rank)
     during = "tuned" in (algo.decision or {})
     _train(model, opt, range(10, 20), rank)
-    after = "tuned" in (algo.decision or {})
+    tuned = (algo.decision or {}).get("tuned")
     model.close()
-    return during, after
+    return during, tuned is not None, sorted(tuned or {})
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +198,9 @@ def test_buckets_timed_after_warmup(three_ranks: list[dict[str, Any]]) -> None:
     """Timing PowerSGD's allreduce warm-up steps would tune for (and expect) the wrong
     step time; auto waits for the steps the model predicts."""
     for result in three_ranks:
-        assert result["warmup"] == (False, True)
+        during, after, sizes = result["warmup"]
+        assert (during, after) == (False, True)
+        assert len(sizes) == 2 and sizes != ["1 MB", "4 MB"]  # distinct layouts only
 
 
 def test_tied_candidates_are_timed(three_ranks: list[dict[str, Any]]) -> None:

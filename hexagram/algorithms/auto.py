@@ -8,8 +8,11 @@ Timeline (on every rank at the same step, so collectives match):
   update are recorded; then every candidate at every bucket size is predicted
   (:mod:`hexagram.cost.model`, slowest rank), rank 0's choice is broadcast and one table
   printed (candidates, predicted step, wire bytes, the choice and why);
-- the best ``tune_buckets`` predicted bucket sizes run 2 steps each (after any warm-up of
-  the chosen algorithm, e.g. PowerSGD's ``start_iter``); the fastest measured is kept;
+- the best ``tune_buckets`` predicted bucket sizes that give distinct bucket layouts take
+  turns, one step at a time, for ``tune_steps`` steps (after any warm-up of the chosen
+  algorithm, e.g. PowerSGD's ``start_iter``); the largest size whose median is within
+  ``bucket_tie`` of the lowest is kept (:mod:`hexagram.algorithms.auto_tune`; near-tied
+  algorithms get one block each);
 - watch: after ``drift_steps`` steps off the tuned step time by more than ``drift``, the
   network is probed again and the choice redone; a switch is logged.
 
@@ -31,9 +34,11 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hexagram.algorithms import auto_tune
 from hexagram.algorithms.auto_config import AutoConfig
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket
@@ -91,7 +97,10 @@ class AutoAlgorithm(Algorithm):
         self._phase = "profile"
         self._trials: list[tuple[str, int]] = []  # (label, bucket bytes) timed after deciding
         self._predicted: dict[tuple[str, int], Prediction] = {}
-        self._tuned: list[float] = []
+        self._tuned: list[float] = []  # step times of the trial visits so far
+        self._plan: list[tuple[int, int]] = []  # (trial, steps) visits (auto_tune.visits)
+        self._own = (0.0, 0.0)  # auto's and the rebuild's seconds in (last, this) step
+        self._own_t0 = 0.0
         self._watcher = DriftWatch(self.config.drift)
         self._recorder: StepRecorder | None = None
         self._control: Communicator | None = None
@@ -148,8 +157,7 @@ class AutoAlgorithm(Algorithm):
         preds = choose.predict_all(pool, compute, self.network, self.costs,
                                    self.config.bucket_mb)
         exact = [lb for lb, a in self.candidates if not is_lossy(a)]
-        trials = choose.trials(preds, self.flags, self.config.tie, self.config.tune_buckets,
-                               exact)
+        trials = auto_tune.trials(preds, self.flags, exact, compute, self.config)
         if not trials:
             raise ConfigError(f"auto: no applicable candidate is a drop-in for the optimizer's "
                               f"learning rate ({self.flags}); add 'allreduce' to candidates")
@@ -231,11 +239,16 @@ class AutoAlgorithm(Algorithm):
         if self._advanced != self._steps and self._recorder is not None:
             self._advanced = self._steps
             self._recorder.forward_start()
+            self._own = (self._own[1], 0.0)
+            self._own_t0 = time.perf_counter()
             self._advance()
+            self._own = (self._own[0], time.perf_counter() - self._own_t0)
         return self._rebuild or self.delegate.need_reset()
 
     def reset(self, ctx: AlgorithmContext) -> None:
         self._ctx = ctx
+        if self._advanced == self._steps:  # this step's own time: deciding, rebuilding
+            self._own = (self._own[0], time.perf_counter() - self._own_t0)
         if self._pending:
             self.delegate.setup(ctx)
         else:
@@ -282,8 +295,7 @@ class AutoAlgorithm(Algorithm):
             self._finish_profile()
         elif choose.warming_up(self.delegate):  # not the predicted steps: time them later
             self._mark = self._steps
-        elif self._phase == "tune" and self._steps > self._mark \
-                and (self._steps - self._mark) % 2 == 0:
+        elif self._phase == "tune" and self._steps > self._mark:
             self._tune_step()
         elif self._phase == "watch":
             self._watch()
@@ -300,26 +312,36 @@ class AutoAlgorithm(Algorithm):
             self._phase = "watch"
             self._watcher.restart()
             return
+        same = len({label for label, _ in self._trials}) == 1
+        self._plan = auto_tune.visits(len(self._trials), self.config.tune_steps, same)
         self._phase, self._tuned = "tune", []
 
     def _tune_step(self) -> None:
-        """Two steps per trial; the faster counts (the first rebuilds, so it is the second
-        unless that one caught a spike: noise on shared cores only ever adds time)."""
+        """One trial step done: its time, less auto's own and the rebuild's, is kept; the
+        next visit of :attr:`_plan` starts, or every rank scores the trials on the slowest
+        rank's times and keeps the best (:mod:`~hexagram.algorithms.auto_tune`)."""
         assert self._recorder is not None and self._control is not None
-        self._tuned.append(min(r.step_s for r in self._recorder.rows[-2:]))
-        if len(self._tuned) < len(self._trials):
-            self._adopt(*self._trials[len(self._tuned)])
+        self._tuned.append(max(0.0, self._recorder.rows[-1].step_s - self._own[0]))
+        done = list(itertools.accumulate(length for _, length in self._plan))
+        if len(self._tuned) < done[-1]:
+            if len(self._tuned) in done:  # the next visit
+                nxt = self._trials[self._plan[done.index(len(self._tuned)) + 1][0]]
+                if nxt != (self.label, self._bucket):
+                    self._adopt(*nxt)
             return
         times = torch.tensor(self._tuned, dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self._control.group)
+        score = auto_tune.scores(times.tolist(), self._plan, len(self._trials))
         lossy = {lb: is_lossy(a) for lb, a in self.candidates}
-        label, bucket = self._trials[choose.pick_measured(self._trials, times.tolist(), lossy,
-                                                          self.config.prefer_exact)]
+        label, bucket = self._trials[auto_tune.pick(self._trials, score, lossy, self.config)]
         if (label, bucket) != (self.label, self._bucket):
             self._adopt(label, bucket)
+        self._record_tuned(label, bucket, score)
+
+    def _record_tuned(self, label: str, bucket: int, score: list[float]) -> None:
+        """The decision notes the timed trials; watching starts (its normal: learnt)."""
+        tuned = auto_tune.named(self._trials, score)
         one = len({lb for lb, _ in self._trials}) == 1
-        tuned = {(f"{b / MB:g} MB" if one else f"{lb} @ {b / MB:g} MB"): round(float(t), 4)
-                 for (lb, b), t in zip(self._trials, times)}
         assert self.decision is not None
         if label != self.decision["label"]:  # measured faster than the model's pick
             pred = self._predicted[(label, bucket)]
@@ -328,8 +350,10 @@ class AutoAlgorithm(Algorithm):
                                      f"measured best of {len(tuned)} predicted within "
                                      f"{self.config.tie:.0%}; " + self.decision["reason"]))
         self.decision.update(bucket_bytes=bucket, tuned=tuned)
-        self._watcher.restart(float(times[self._trials.index((label, bucket))]))
-        self._say(f"auto: timed {tuned} s/step -> {label} at {bucket / MB:g} MB")
+        self._watcher.restart()
+        self._say(f"auto: timed {tuned} s/step ({len(self._tuned)} steps, "
+                  f"{'medians of turns' if one else 'best step of each'}) -> {label} at "
+                  f"{bucket / MB:g} MB")
         self._phase, self._mark = "watch", self._steps
 
     def _watch(self) -> None:
