@@ -10,7 +10,11 @@ within each round (auto's cell over that round's fastest fixed cell), min-max. E
 bucket layout is listed: sizes with the same layout run the same code, so their difference
 is the noise floor of the study.
 
-``--bucket-rounds 1 --bucket-steps 6`` is the earlier single-run study.
+``--bucket-rounds 1 --bucket-steps 6`` is the earlier single-run study. Sizes with the
+same layout are also pooled (:func:`by_layout`): per round the mean of their cells, and
+each layout's ratio to the fastest one within every round (paired, so a slow round does
+not count as a difference). ``python benchmarks/bucket_rounds.py OUT/validation.json``
+prints the tables of a saved run again.
 
 Example (pure helpers, no lab):
     >>> rotate(["a", "b", "c"], 1)
@@ -31,11 +35,13 @@ from hexagram.bench.report import summarize_outcome
 from hexagram.bench.workload import ModelSpec, build_workload
 from hexagram.buckets import build_buckets
 
-__all__ = ["SIZES", "layouts", "markdown", "rotate", "run_rounds", "summarize_rounds",
+__all__ = ["SIZES", "by_layout", "layouts", "markdown", "rotate", "run_rounds", "summarize_rounds",
            "where_ranks_import"]
 
 #: the issue's fixed bucket sizes (MB)
 SIZES = (1.0, 4.0, 25.0, 100.0)
+#: auto held to one bucket size (no trials): what auto itself costs, apart from its pick
+AUTO_HELD = "auto@25"
 MB = 1 << 20
 
 
@@ -84,6 +90,33 @@ def summarize_rounds(cells: dict[str, list[float]], fixed: Sequence[str]
     return out
 
 
+def by_layout(row: dict[str, Any], layout: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """The fixed sizes of ``row`` (one algorithm's study) pooled by bucket layout: per
+    layout its sizes, the median over rounds of the round's mean over its sizes, and per
+    round its ratio to the fastest layout of that round (median, min-max); last, auto's
+    cells against the same (the fairer ``auto / best``: the fastest of four noisy cells
+    of two configurations is lower than the better configuration)."""
+    groups: dict[str, list[str]] = {}
+    for k in (f"{mb:g}" for mb in SIZES):
+        groups.setdefault(str(layout[k]), []).append(k)
+    cells = {k: [c.get("step_s") for c in row["runs"][k]] for k in row["runs"]}
+    rounds = range(len(cells["auto"]))
+    mean = {g: [statistics.fmean(cells[k][r] for k in ks)
+                if all(cells[k][r] is not None for k in ks) else None for r in rounds]
+            for g, ks in groups.items()}
+    autos = [k for k in ("auto", AUTO_HELD) if k in cells]
+    mean.update({k: cells[k] for k in autos})
+    out = []
+    for g, ks in [*groups.items(), *((k, [k]) for k in autos)]:
+        ratio = [mean[g][r] / min(m[r] for k, m in mean.items() if k not in autos)
+                 for r in rounds if all(m[r] is not None for m in mean.values())]
+        out.append({"layout": g, "sizes": ks,
+                    "median_s": statistics.median(t for t in mean[g] if t is not None),
+                    "ratio": statistics.median(ratio) if ratio else None,
+                    "ratio_spread": [min(ratio), max(ratio)] if ratio else None})
+    return out
+
+
 def _cell(outcome: Any, cfg: Any, batch: int) -> dict[str, Any]:
     row = summarize_outcome(outcome, cfg.rate, batch, cfg.world_size)
     if "error" in row:
@@ -103,17 +136,19 @@ def run_rounds(lab: Any, cfg: Any, spec: Callable[[str, float | None], dict[str,
                run_series: Callable[..., list[Any]], label: str, rounds: int,
                timeout: float, batch: int) -> dict[str, Any]:
     """One algorithm's study: ``rounds`` rounds of the fixed sizes and auto (``spec(key,
-    mb)`` builds each run's spec: ``key`` is a size or ``"auto"``), in one series."""
-    keys = [f"{mb:g}" for mb in SIZES] + ["auto"]
+    mb)`` builds each run's spec: ``key`` is a size, ``"auto"`` or :data:`AUTO_HELD`, auto
+    held to 25 MB), in one series."""
+    keys = [f"{mb:g}" for mb in SIZES] + ["auto", AUTO_HELD]
     order = [rotate(keys, r) for r in range(rounds)]
-    specs = [spec(k, None if k == "auto" else float(k)) for row in order for k in row]
+    specs = [spec(k, 25.0 if k == AUTO_HELD else None if k == "auto" else float(k))
+             for row in order for k in row]
     outcomes = run_series(lab, specs, timeout=timeout)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
     for k, o in zip((k for row in order for k in row), outcomes):
         runs[k].append(_cell(o, cfg, batch))
     cells = {k: [c.get("step_s") for c in v] for k, v in runs.items()}
     return {"label": label, "rounds": rounds, "order": order, "runs": runs,
-            **summarize_rounds(cells, keys[:-1]),
+            **summarize_rounds(cells, keys[:-2]),
             # the single-run table's columns: the medians over rounds
             **{k: statistics.median(t for t in ts if t is not None)
                if any(t is not None for t in ts) else None for k, ts in cells.items()}}
@@ -140,19 +175,40 @@ def markdown(study: dict[str, Any], setting: str = "") -> str:
     lines += ["", "| setting | algorithm | configuration | median s/step | min-max over rounds "
               "| per round |", "|---" * 6 + "|"]
     for name, row in _rows(study):
-        for k in (*keys, "auto"):
+        for k in row["runs"]:
             ts = [c.get("step_s") for c in row["runs"][k]]
             lo, hi = row["spread"].get(k, (float("nan"), float("nan")))
             each = ", ".join("failed" if t is None else f"{t:.3f}" for t in ts)
-            if k == "auto":
+            if k.startswith("auto"):
                 each += " (chose " + ", ".join(f"{c.get('chose_mb') or 0:g}"
                                                for c in row["runs"][k]) + " MB)"
-            lines.append(f"| {setting} | {name} | {k if k == 'auto' else k + ' MB'} | "
+            lines.append(f"| {setting} | {name} | {k if k.startswith('auto') else k + ' MB'} | "
                          f"{row['median'].get(k, float('nan')):.3f} | {lo:.3f}-{hi:.3f} "
                          f"| {each} |")
+    if study.get("layouts"):
+        lines += ["", "| setting | algorithm | layout (parameters per bucket) | sizes "
+                  "| median s/step | / fastest layout, per round: median [min-max] |",
+                  "|---" * 6 + "|"]
+        for name, row in _rows(study):
+            for g in by_layout(row, study["layouts"]):
+                lo, hi = g["ratio_spread"] or (float("nan"), float("nan"))
+                sizes = ", ".join(k if k.startswith("auto") else k + " MB" for k in g["sizes"])
+                lines.append(f"| {setting} | {name} | {g['layout']} | {sizes} | "
+                             f"{g['median_s']:.3f} | {g['ratio']:.3f} [{lo:.3f}-{hi:.3f}] |")
     if study.get("ranks_import"):
         lines.append(f"\nranks imported hexagram from: {sorted(set(study['ranks_import']))}")
     if study.get("layouts"):
         lines.append("\nbucket layouts (parameters per bucket, launch order): " + "; ".join(
             f"{k} MB: {v}" for k, v in study["layouts"].items()))
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # the tables of a saved run: bucket_rounds.py OUT/validation.json
+    import json
+    from pathlib import Path
+
+    saved = json.loads(Path(sys.argv[1]).read_text())
+    for setting in saved["settings"]:
+        for res in setting["models"].values():
+            if res.get("buckets"):
+                print(markdown(res["buckets"], setting["bandwidth"]))

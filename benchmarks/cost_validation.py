@@ -109,9 +109,11 @@ def bucket_study(args: argparse.Namespace, lab: Any, cfg: LabConfig, model: str
 
         def spec(key: str, mb: float | None, name: str = name, label: str = label
                  ) -> dict[str, Any]:
-            if key == "auto":  # 12 untimed steps: profile, decide, time the buckets
-                return {**_spec(args, model, "auto", {"candidates": [label], "verbose": False},
-                                12), "steps": args.bucket_steps, "label": f"auto {label}"}
+            if key.startswith("auto"):  # 12 untimed steps: profile, decide, time buckets
+                held = {"bucket_mb": [mb], "tune_buckets": 1} if mb else {}  # no trials
+                return {**_spec(args, model, "auto", {"candidates": [label], "verbose": False,
+                                                      **held}, 12),
+                        "steps": args.bucket_steps, "label": f"{key} {label}"}
             return {**_spec(args, model, name, CONFIG.get(name, {}), args.warmup, mb),
                     "steps": args.bucket_steps, "label": f"{name} {key} MB"}
         print(f"buckets {model} {name}: {args.bucket_rounds} rounds", file=sys.stderr,
