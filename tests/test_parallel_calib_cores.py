@@ -51,7 +51,7 @@ def test_step_time_prices_pipeline_ranks_idle_in_the_bubble() -> None:
         core_factor([1.0, 1.0], 4, _SHARED, [4])
 
 
-def test_planner_prefers_fewer_microbatches_when_ranks_share_cores() -> None:
+def test_planner_prices_a_pipeline_faster_when_its_ranks_share_cores() -> None:
     graph = capture(gpt(layers=4, hidden=64, heads=4, vocab=128, seq=16, device="meta",
                         dtype=torch.float64),
                     torch.zeros(16, 16, dtype=torch.long, device="meta"))
