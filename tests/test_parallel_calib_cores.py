@@ -78,6 +78,15 @@ def test_fit_alpha_beta_recovers_alpha_and_rate_by_least_squares() -> None:
     # noise on the small sizes moves the fit little: the large sizes carry the rate
     noisy = [t + e for t, e in zip(times, (2e-3, -2e-3, 1e-3, 0.0))]
     assert 3.0 < fit_alpha_beta(n, sizes, noisy)["gbps"] < 5.0
+    # alpha comes from the smallest size: 3 ms of noise on the 8 MB allreduce leaves it
+    # within 1% (the least-squares intercept would give 950 us)
+    late = [*times[:3], times[3] + 3e-3]
+    assert fit_alpha_beta(n, sizes, late)["latency_us"] == pytest.approx(1000.0, rel=0.01)
+    # 6 ms more on the 8 KB allreduce = 1 ms more on each of its 2(n-1) = 6 latencies
+    # (the intercept would give 1422 us)
+    slow_small = [times[0] + 6e-3, *times[1:]]
+    assert fit_alpha_beta(n, sizes, slow_small)["latency_us"] == pytest.approx(2000.0,
+                                                                              rel=0.01)
 
 
 def test_fit_alpha_beta_refuses_times_that_do_not_grow() -> None:

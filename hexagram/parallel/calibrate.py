@@ -67,8 +67,11 @@ def measure_compute(dtype: torch.dtype = torch.float64, size: int = 256, repeat:
 
 
 def fit_alpha_beta(ranks: int, nbytes: list[float], times: list[float]) -> dict[str, float]:
-    """Least-squares fit of allreduce ``times`` (s) of ``nbytes`` on ``ranks`` to
-    ``t = 2(n-1) a + 2(n-1)/n X / w``: alpha (us, clipped at 0) and rate (Gbit/s).
+    """Allreduce ``times`` (s) of ``nbytes`` on ``ranks`` fitted to ``t = 2(n-1) a +
+    2(n-1)/n X / w``: the rate ``w`` (Gbit/s) from the least-squares slope over all sizes,
+    alpha (us, clipped at 0) from the smallest size's time less its byte term. Not the
+    intercept: the largest sizes, whose noise is milliseconds, have the most leverage on
+    it (a 223 us intercept in session 13's run H, 635-1523 us in six other calibrations).
 
     Raises:
         HexagramError: the times do not grow with the size (the byte term is lost in the
@@ -91,9 +94,9 @@ def fit_alpha_beta(ranks: int, nbytes: list[float], times: list[float]) -> dict[
         raise HexagramError(f"allreduce times {[round(t * 1e3, 3) for t in times]} ms do not "
                             f"grow with the sizes {nbytes} bytes: the bandwidth cannot be "
                             f"fitted; measure larger sizes or on a quieter machine")
-    intercept = my - slope * mx
     rate = 2 * (ranks - 1) / ranks / slope  # bytes/s
-    alpha = max(0.0, intercept) / (2 * (ranks - 1))
+    small = min(range(len(nbytes)), key=lambda i: nbytes[i])
+    alpha = max(0.0, times[small] - nbytes[small] * slope) / (2 * (ranks - 1))
     return {"latency_us": alpha * 1e6, "gbps": rate * 8 / 1e9}
 
 
