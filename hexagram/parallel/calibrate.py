@@ -2,8 +2,9 @@
 
 - compute: a square matmul (FLOP/s), a large add (memory GB/s), a tiny op (fixed cost);
 - links: allreduce at four sizes (8 KB to 8 MB) between local ranks, timed in interleaved
-  turns (on the runtime's device: CPU with gloo, GPU with NCCL), least-squares fitted to
-  the alpha-beta model ``t = 2(n-1) a + 2(n-1)/n X / w``.
+  turns (on the runtime's device: CPU with gloo, GPU with NCCL), fitted to the alpha-beta
+  model ``t = 2(n-1) a + 2(n-1)/n X / w`` (rate: least-squares slope; alpha: the smallest
+  size, see :func:`fit_alpha_beta`).
 
 Example:
     >>> c = calibrated_cluster(devices=2)                         # doctest: +SKIP
