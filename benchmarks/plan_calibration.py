@@ -13,13 +13,20 @@ predicted time measured fastest, or within 10% of the fastest?
 The compute fields are then scaled by the model's own measured forward + backward step
 (``overheads.model_compute_scale``: every rank at once, per-rank share of the batch, against
 the roofline's prediction of that step), so operator shapes the microbenchmarks miss and
-ranks sharing cores are priced. Each row also shows the prediction of the same plan without
+ranks sharing cores are priced, and the cores the ranks effectively share are measured
+(``cores``: ranks x rank 0's step alone / the step with every rank busy), so a pipeline
+whose ranks idle in the bubble is priced as sharing the cores less
+(``Cluster.cores_per_host``, ``inter.core_factor``). The overheads are measured on layers of
+the GPT's own shape, in interleaved turns against their plain twins, and the calibration is
+repeated after the runs (both printed). Each row also shows the prediction of the same plan without
 that scale (microbenchmarks only, the model of the earlier runs) and the prediction split by
 term (``hexagram.parallel.reprice.breakdown``).
 
 Run:
     .venv/bin/python benchmarks/plan_calibration.py \\
         --json benchmarks/results/plan_calibration.json
+Calibrate only, K times per world size, 120 s apart (repeatability of the figures):
+    .venv/bin/python benchmarks/plan_calibration.py --calibrations 2 --gap 120
 Re-predict a stored run without executing anything (its plans priced again, split by term;
 older files without plan text are re-planned from their calibration figures):
     .venv/bin/python benchmarks/plan_calibration.py --reprice \\
@@ -46,7 +53,6 @@ from hexagram.parallel.apply import check_executable
 from hexagram.parallel.baselines import evaluate_fixed
 from hexagram.parallel.cluster import Cluster, Constraints
 from hexagram.parallel.graph import ModelGraph, capture
-from hexagram.parallel.overheads import model_compute_scale, scale_compute
 from hexagram.parallel.planner import plan_graph
 from hexagram.parallel.plans import Plan
 from hexagram.parallel.reprice import breakdown, price
@@ -113,14 +119,12 @@ def _timed(run: tuple[Any, torch.optim.Optimizer], x: torch.Tensor, y: torch.Ten
 
 
 def model_cluster(figures: dict[str, float], world: int, scaled: bool = True) -> Cluster:
-    """The calibrated one-host cluster, with the model-measured compute scale if present
-    (and ``scaled``)."""
-    from hexagram.parallel.calibrate import calibrated
+    """The calibrated one-host cluster, with the model-measured compute scale and cores if
+    present (and ``scaled``)."""
+    from hexagram.parallel.calibrate import calibrated, with_model_figures
 
     cluster = calibrated(figures, world, SPEC.dtype)
-    if scaled and "compute_scale" in figures:
-        return scale_compute(cluster, figures["compute_scale"])
-    return cluster
+    return with_model_figures(cluster, figures) if scaled else cluster
 
 
 @functools.cache
@@ -155,12 +159,12 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
     (``rounds`` x ``steps`` steps each, after ``warmup``) so load changes hit all alike."""
     import hexagram as hx
     from hexagram.parallel.apply import parallelize
-    from hexagram.parallel.calibrate import calibrated, measure_job
+    from hexagram.parallel.calibrate import measure_job
 
     hx.init()
     world = dist.get_world_size()
-    figures = measure_job(SPEC.dtype)
-    figures.update(model_compute_scale(*build(SPEC), calibrated(figures, world, SPEC.dtype)))
+    model, x, y = build(SPEC)  # the same batch every step (seeded)
+    figures = measure_job(SPEC.dtype, model=model, inputs=x, targets=y)
     cluster = model_cluster(figures, world)
     box: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -168,7 +172,6 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
     dist.broadcast_object_list(box, src=0)
     plans, skipped = box[0]
     models: dict[str, tuple[Any, torch.optim.Optimizer]] = {}
-    _model, x, y = build(SPEC)  # the same batch every step (seeded)
     failed = []
     for name, p in plans.items():
         pm = parallelize(build(SPEC)[0], p, example_inputs=x)
@@ -187,15 +190,15 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
     for _ in range(rounds):
         for name, run in models.items():
             times[name] += _timed(run, x, y, steps)
-    after = measure_job(SPEC.dtype)
-    after.update(model_compute_scale(*build(SPEC), calibrated(after, world, SPEC.dtype)))
+    after = measure_job(SPEC.dtype, model=build(SPEC)[0], inputs=x, targets=y)
     return {"figures": figures, "figures_after": after, "times": times,
             "plans": {n: plans[n].to_json(indent=None) for n in models if n in plans},
             "skipped": skipped,
             "failed": failed}
 
 
-_TERMS = ("compute", "op overhead", "links", "DTensor", "FSDP2", "pipelining", "step")
+_TERMS = ("compute", "op overhead", "links", "DTensor", "FSDP2", "pipelining", "step",
+          "core sharing")
 
 
 def _row(world: int, name: str, p: Plan, measured_s: float, figures: dict[str, float]
@@ -204,14 +207,14 @@ def _row(world: int, name: str, p: Plan, measured_s: float, figures: dict[str, f
     its split by term, the measurement and the ratio."""
     graph = _graph()
     base = model_cluster(figures, world, scaled=False)
-    parts = breakdown(graph, p, p.cluster)
+    parts = {"core sharing": 0.0, **breakdown(graph, p, p.cluster)}
     row: dict[str, Any] = {"ranks": world, "name": name, "shape": p.summary().split(":")[0],
            "predicted_ms": p.step_time_s * 1e3,
            "predicted_unscaled_ms": price(graph, p, base) * 1e3,
            "measured_ms": measured_s * 1e3, "ratio": measured_s / p.step_time_s,
            "breakdown_ms": {k: parts[k] * 1e3 for k in _TERMS}, "plan": p.to_json(indent=None)}
     split = " ".join(f"{k} {row['breakdown_ms'][k]:.0f}" for k in _TERMS
-                     if row["breakdown_ms"][k] >= 0.5)
+                     if abs(row["breakdown_ms"][k]) >= 0.5)
     print("| {ranks} | {name} | {shape} | {predicted_unscaled_ms:.1f} | {predicted_ms:.1f} | "
           "{measured_ms:.1f} | {ratio:.2f} | ".format(**row) + split + " |", flush=True)
     return row
@@ -258,8 +261,11 @@ def _during(world: int, rows: list[dict[str, Any]], figures: dict[str, float],
     reference step, max over ranks, against the same roofline), next to the measurements:
     a diagnostic of load drift between the calibration and the runs, not the planner's
     prediction."""
+    from hexagram.parallel.calibrate import with_model_figures
+
     scale = reference_s * 1e3 / figures["model_predicted_ms"]
-    cluster = scale_compute(model_cluster(figures, world, scaled=False), scale)
+    cluster = with_model_figures(model_cluster(figures, world, scaled=False),
+                                 {"compute_scale": scale, "cores": figures.get("cores", 0.0)})
     ratios = {r["name"]: r["measured_ms"] / (price(_graph(), Plan.from_json(r["plan"]),
                                                    cluster) * 1e3) for r in rows}
     print(f"# {world} ranks, diagnostic: reference step during the rounds "
@@ -269,6 +275,30 @@ def _during(world: int, rows: list[dict[str, Any]], figures: dict[str, float],
           f"{sum(0.67 <= v <= 1.5 for v in ratios.values())} of {len(ratios)} within "
           f"0.67-1.5x", flush=True)
     return {"reference_ms": reference_s * 1e3, "compute_scale": scale, "ratios": ratios}
+
+
+def calibration_worker(times: int, gap_s: float) -> list[dict[str, float]]:
+    """Every rank: the calibration alone, ``times`` times, ``gap_s`` seconds apart."""
+    import hexagram as hx
+    from hexagram.parallel.calibrate import measure_job
+
+    hx.init()
+    model, x, y = build(SPEC)
+    out = []
+    for k in range(times):
+        if k:
+            time.sleep(gap_s)
+        out.append(measure_job(SPEC.dtype, model=model, inputs=x, targets=y))
+    return out
+
+
+def repeatability(worlds: list[int], times: int, gap_s: float) -> None:
+    """``--calibrations``: calibrate ``times`` times per world size and print each."""
+    for world in worlds:
+        runs = run_local(calibration_worker, world, args=(times, gap_s),
+                         timeout=300 + times * (gap_s + 120))[0]
+        for k, f in enumerate(runs):
+            print(f"# {world} ranks, calibration {k + 1} of {times}: {_brief(f)}", flush=True)
 
 
 def reprice(path: str) -> list[dict[str, Any]]:
@@ -300,7 +330,8 @@ def _brief(f: dict[str, float]) -> str:
     scale = (f"; model step {f['model_step_ms']:.1f} ms measured (rank 0 alone "
              f"{f.get('model_step_alone_ms', float('nan')):.1f} ms) / "
              f"{f['model_predicted_ms']:.1f} ms roofline = compute scale "
-             f"{f['compute_scale']:.2f}") if "compute_scale" in f else ""
+             f"{f['compute_scale']:.2f}, cores {f.get('cores', 0.0):.2f}") if "compute_scale" in f \
+        else ""
     return (f"{f['device_tflops'] * 1e3:.1f} GFLOP/s, {f['op_overhead_us']:.0f} us/op, link "
             f"{f['latency_us']:.0f} us + {f['gbps']:.2f} Gbit/s, DTensor "
             f"{f['tp_overhead_us']:.0f} us/linear, FSDP2 {f['zero_overhead_us']:.0f} us/unit, "
@@ -328,8 +359,15 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--reprice", default=None, metavar="JSON",
                         help="re-predict a stored run's plans (nothing is executed)")
+    parser.add_argument("--calibrations", type=int, default=0, metavar="K",
+                        help="only calibrate, K times per world size (repeatability)")
+    parser.add_argument("--gap", type=float, default=60.0,
+                        help="seconds between --calibrations")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.calibrations:
+        repeatability(args.worlds, args.calibrations, args.gap)
+        return
     if args.reprice:
         print(_HEADER)
         _summary(reprice(args.reprice))

@@ -45,7 +45,8 @@ def _plans(graph: ModelGraph, cluster: Cluster) -> list[Plan]:
 
 
 @pytest.mark.parametrize("cluster", [_CLUSTER, _CLUSTER.replace(tp_overhead_us=0.0,
-                                                                 zero_overhead_us=0.0)])
+                                                                 zero_overhead_us=0.0),
+                                     _CLUSTER.replace(cores_per_host=2.0)])
 def test_reprice_reproduces_every_planned_and_hand_made_prediction(cluster: Cluster) -> None:
     graph = _gpt_graph()
     plans = _plans(graph, cluster)

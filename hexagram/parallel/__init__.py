@@ -30,6 +30,7 @@ from hexagram.parallel.graph import ModelGraph, capture
 from hexagram.parallel.models import gpt, mlp_stack
 from hexagram.parallel.planner import NoPlanFitsError, plan, plan_graph
 from hexagram.parallel.plans import Plan, StagePlan
+from hexagram.parallel.reprice import breakdown, price, stage_latencies
 from hexagram.parallel.runner import ParallelModel
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "apply_stage",
     "auto",
     "baselines",
+    "breakdown",
     "capture",
     "default_loss",
     "evaluate_fixed",
@@ -56,5 +58,7 @@ __all__ = [
     "parallelize",
     "plan",
     "plan_graph",
+    "price",
+    "stage_latencies",
     "sync_gradients",
 ]

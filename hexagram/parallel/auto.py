@@ -29,8 +29,14 @@ from torch import nn
 
 from hexagram.errors import HexagramError
 from hexagram.parallel.apply import LossFn, default_loss, parallelize
-from hexagram.parallel.calibrate import measure_compute, measure_job
+from hexagram.parallel.calibrate import (
+    calibrated,
+    measure_compute,
+    measure_job,
+    with_model_figures,
+)
 from hexagram.parallel.cluster import Cluster, Constraints
+from hexagram.parallel.overheads import model_compute_scale
 from hexagram.parallel.planner import plan
 from hexagram.parallel.plans import Plan
 from hexagram.parallel.runner import ParallelModel
@@ -51,9 +57,10 @@ def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None 
     and between hosts, and the framework overheads from
     :func:`~hexagram.parallel.calibrate.measure_job` (median over ranks, so every rank gets
     the same figures). With ``model`` and ``example_inputs`` the compute fields are scaled
-    by the model's measured / predicted step
-    (:func:`~hexagram.parallel.overheads.model_compute_scale`; ``targets`` None: the
-    output's sum is the loss). ``memory_gb``: per device (default: the GPU's total memory,
+    by the model's measured / predicted step, the overheads are measured on layers of the
+    model's shape, and a single host's ``cores_per_host`` is set from the measured cores
+    (:func:`~hexagram.parallel.calibrate.measure_job`; ``targets`` None: the output's sum
+    is the loss). ``memory_gb``: per device (default: the GPU's total memory,
     or 4 GB per CPU rank).
 
     Example:
@@ -69,11 +76,17 @@ def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None 
         raise HexagramError(f"auto needs the same power-of-two number of ranks on every "
                             f"host, got {rt.world_size} ranks with {per_host} on this one; "
                             f"build a Cluster by hand and pass cluster=")
+    with_model = model is not None and example_inputs is not None
     if rt.world_size == 1:  # no links, no parallel machinery to measure
         figures = {**measure_compute(dtype, device=rt.device, stat="median"),
                    "latency_us": 0.0, "gbps": 100.0}
+        if with_model:
+            assert model is not None
+            figures.update(model_compute_scale(model, example_inputs, targets,
+                                               calibrated(figures, 1, dtype)))
     else:
-        figures = measure_job(dtype)
+        figures = measure_job(dtype, model=model if with_model else None,
+                              inputs=example_inputs, targets=targets)
     if memory_gb is None:
         memory_gb = (torch.cuda.get_device_properties(rt.device).total_memory / 1e9
                      if rt.device.type == "cuda" else 4.0)
@@ -89,12 +102,7 @@ def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None 
                       dtype_bytes=torch.empty((), dtype=dtype).element_size(),
                       device_memory_gb=memory_gb,
                       **overheads)
-    if model is None or example_inputs is None:
-        return cluster
-    from hexagram.parallel.overheads import model_compute_scale, scale_compute
-
-    scale = model_compute_scale(model, example_inputs, targets, cluster)["compute_scale"]
-    return scale_compute(cluster, scale)
+    return with_model_figures(cluster, figures)
 
 
 def auto(model: nn.Module, example_inputs: Any, constraints: Constraints | None = None,

@@ -1,9 +1,10 @@
 """Calibrate a :class:`Cluster` by measuring this machine (compute, memory, gloo links).
 
 - compute: a square matmul (FLOP/s), a large add (memory GB/s), a tiny op (fixed cost);
-- links: allreduce of a small and a large tensor between local ranks (on the runtime's
-  device: CPU with gloo, GPU with NCCL), fitted to the
-  alpha-beta model ``t = 2(n-1) a + 2(n-1)/n X / w``.
+- links: allreduce at four sizes (8 KB to 8 MB) between local ranks, timed in interleaved
+  turns (on the runtime's device: CPU with gloo, GPU with NCCL), fitted to the alpha-beta
+  model ``t = 2(n-1) a + 2(n-1)/n X / w`` (rate: least-squares slope; alpha: the smallest
+  size, see :func:`fit_alpha_beta`).
 
 Example:
     >>> c = calibrated_cluster(devices=2)                         # doctest: +SKIP
@@ -21,8 +22,9 @@ import torch
 
 from hexagram.parallel.cluster import Cluster
 
-__all__ = ["calibrated", "calibrated_cluster", "fit_links", "job_worker", "link_worker",
-           "measure_compute", "measure_job", "measure_links"]
+__all__ = ["LINK_SIZES", "calibrated", "calibrated_cluster", "fit_alpha_beta", "fit_links",
+           "interleaved", "job_worker", "link_worker", "measure_compute", "measure_job",
+           "measure_links", "with_model_figures"]
 
 
 def _best_time(fn: Callable[[], object], repeat: int, stat: str = "min") -> float:
@@ -65,38 +67,111 @@ def measure_compute(dtype: torch.dtype = torch.float64, size: int = 256, repeat:
             "op_overhead_us": t_op * 1e6}
 
 
-def fit_links(sizes: tuple[int, int] = (1_000, 2_000_000), repeat: int = 5,
-              group: object = None, stat: str = "min") -> dict[str, float]:
-    """In a running job (collective over ``group``): fit allreduce times to alpha (us) and
-    rate (Gbit/s), on the runtime's device (CPU with gloo, GPU with NCCL); ``stat``: see
-    :func:`_best_time`."""
+def fit_alpha_beta(ranks: int, nbytes: list[float], times: list[float]) -> dict[str, float]:
+    """Allreduce ``times`` (s) of ``nbytes`` on ``ranks`` fitted to ``t = 2(n-1) a +
+    2(n-1)/n X / w``: the rate ``w`` (Gbit/s) from the least-squares slope over all sizes,
+    alpha (us, clipped at 0) from the smallest size's time less its byte term. Not the
+    intercept: the largest sizes, whose noise is milliseconds, have the most leverage on
+    it (a 223 us intercept in session 13's run H, 635-1523 us in six other calibrations).
+
+    Raises:
+        HexagramError: the times do not grow with the size (the byte term is lost in the
+            noise: measure larger sizes, or on a quieter machine).
+
+    Example:
+        >>> f = fit_alpha_beta(4, [0.0, 8e6], [6e-3, 6e-3 + 1.5 * 8e6 / 1e9])
+        >>> round(f["latency_us"]), round(f["gbps"], 3)
+        (1000, 8.0)
+    """
+    if len(nbytes) != len(times) or len(set(nbytes)) < 2:
+        raise ValueError(f"fit_alpha_beta needs times at two sizes or more, got sizes "
+                         f"{nbytes} and {len(times)} times")
+    mx, my = statistics.fmean(nbytes), statistics.fmean(times)
+    sxx = sum((x - mx) ** 2 for x in nbytes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(nbytes, times)) / sxx
+    if slope <= 0:
+        from hexagram.errors import HexagramError
+
+        raise HexagramError(f"allreduce times {[round(t * 1e3, 3) for t in times]} ms do not "
+                            f"grow with the sizes {nbytes} bytes: the bandwidth cannot be "
+                            f"fitted; measure larger sizes or on a quieter machine")
+    rate = 2 * (ranks - 1) / ranks / slope  # bytes/s
+    small = min(range(len(nbytes)), key=lambda i: nbytes[i])
+    alpha = max(0.0, times[small] - nbytes[small] * slope) / (2 * (ranks - 1))
+    return {"latency_us": alpha * 1e6, "gbps": rate * 8 / 1e9}
+
+
+def interleaved(fns: list[Callable[[], object]], repeat: int, group: object = None
+                ) -> list[list[float]]:
+    """Seconds of each of ``fns``, run in turn ``repeat`` times (after one warm-up turn),
+    each call between barriers of ``group`` (collective): ``out[k][r]`` is ``fns[k]`` in
+    turn ``r``. Load that drifts over the turns hits every function alike, so per-turn
+    differences (and their median) are what the functions themselves cost.
+
+    Example:
+        >>> a, b = interleaved([plain, sharded], 9)               # doctest: +SKIP
+        >>> statistics.median(y - x for x, y in zip(a, b))        # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    out: list[list[float]] = [[] for _ in fns]
+    for turn in range(repeat + 1):
+        for k, fn in enumerate(fns):
+            dist.barrier(group=group)  # type: ignore[arg-type]
+            start = time.perf_counter()
+            fn()
+            if turn:
+                out[k].append(time.perf_counter() - start)
+    return out
+
+
+#: allreduce sizes (float64 elements) of the link fit: the largest, 8 MB, takes ~10-20 ms
+#: on gloo, enough for the byte term to stand out of the latency noise at 4 ranks
+LINK_SIZES = (1_000, 64_000, 256_000, 1_000_000)
+
+
+def fit_links(sizes: tuple[int, ...] = LINK_SIZES, repeat: int = 5, group: object = None,
+              stat: str = "min") -> dict[str, float]:
+    """In a running job (collective over ``group``): allreduce times at ``sizes`` (float64
+    elements, timed in interleaved turns, the least or the median per size: ``stat``)
+    fitted by least squares to alpha (us) and rate (Gbit/s) (:func:`fit_alpha_beta`), on
+    the runtime's device (CPU with gloo, GPU with NCCL). If the times do not grow with
+    the size, the sizes are taken 4x larger, twice at most, before giving up."""
     import torch.distributed as dist
 
     from hexagram.comm.device import group_device
+    from hexagram.errors import HexagramError
 
     n = dist.get_world_size(group)  # type: ignore[arg-type]
     if n == 1:
         return {"latency_us": 0.0, "gbps": 100.0}
-    times = []
-    for count in sizes:
-        x = torch.zeros(count, dtype=torch.float64, device=group_device(group))
+    for attempt in range(3):
+        counts = [c * 4 ** attempt for c in sizes]
+        bufs = [torch.zeros(c, dtype=torch.float64, device=group_device(group))
+                for c in counts]
 
-        def reduce(x: torch.Tensor = x) -> None:
-            dist.all_reduce(x, group=group)  # type: ignore[arg-type]
-            if x.is_cuda:
-                torch.cuda.synchronize()
+        def reducer(x: torch.Tensor) -> Callable[[], None]:
+            def run() -> None:
+                dist.all_reduce(x, group=group)  # type: ignore[arg-type]
+                if x.is_cuda:
+                    torch.cuda.synchronize()
+            return run
 
-        dist.barrier(group=group)  # type: ignore[arg-type]
-        times.append(_best_time(reduce, repeat, stat))
-    nbytes = [8 * s for s in sizes]
-    per_byte = (times[1] - times[0]) / (nbytes[1] - nbytes[0])  # = 2(n-1)/n / w
-    rate = 2 * (n - 1) / n / max(per_byte, 1e-15)
-    alpha = max(0.0, (times[0] - 2 * (n - 1) / n * nbytes[0] / rate) / (2 * (n - 1)))
-    return {"latency_us": alpha * 1e6, "gbps": rate * 8 / 1e9}
+        runs = interleaved([reducer(b) for b in bufs], repeat, group)
+        pick = min if stat == "min" else statistics.median
+        times = [float(pick(r)) for r in runs]
+        # every rank fits the same times (the slowest rank's), so all agree on retrying
+        every = torch.tensor(times, dtype=torch.float64, device=group_device(group))
+        dist.all_reduce(every, op=dist.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
+        try:
+            return fit_alpha_beta(n, [8.0 * c for c in counts], every.tolist())
+        except HexagramError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
-def link_worker(sizes: tuple[int, int] = (1_000, 2_000_000), repeat: int = 5
-                ) -> dict[str, float]:
+def link_worker(sizes: tuple[int, ...] = LINK_SIZES, repeat: int = 5) -> dict[str, float]:
     """Run on every rank: :func:`fit_links` over all ranks."""
     import hexagram as hx
 
@@ -111,23 +186,43 @@ def measure_links(world_size: int = 2, timeout: float = 120.0) -> dict[str, floa
     return dict(run_local(link_worker, world_size, timeout=timeout)[0])
 
 
-def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15) -> dict[str, float]:
+def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
+                model: torch.nn.Module | None = None, inputs: object = None,
+                targets: object = None) -> dict[str, float]:
     """In a running job, every rank at once: compute (median, so ranks sharing cores see
     each other), links, and the framework overheads of :mod:`hexagram.parallel.overheads`
-    fitted against the cost model's own formulas. Values are the median over ranks."""
+    fitted against the cost model's own formulas. With ``model`` and ``inputs`` (the
+    job's batch; ``targets`` None: the output's sum is the loss) the overheads are
+    measured on layers of the model's own shape and the model's step is measured too
+    (:func:`~hexagram.parallel.overheads.model_compute_scale`: ``compute_scale`` and
+    ``cores``). Values are the median over ranks, the same on every rank.
+
+    Example:
+        >>> figures = measure_job(torch.float64, model=model, inputs=x)   # doctest: +SKIP
+        >>> cluster = with_model_figures(calibrated(figures, 2, torch.float64), figures)
+        ... # doctest: +SKIP
+    """
     import torch.distributed as dist
 
-    from hexagram.parallel.overheads import framework_overheads
+    from hexagram.parallel.overheads import (
+        framework_overheads,
+        model_compute_scale,
+        model_linear_shape,
+    )
 
+    world = dist.get_world_size()
+    shape = model_linear_shape(model, inputs, world) if model is not None else None
     dist.barrier()
     comp = measure_compute(dtype, stat="median")
-    links = fit_links((1_000, 250_000), repeat, stat="median")
+    links = fit_links(repeat=max(5, repeat // 2), stat="median")
     mine = {**comp, **links}
-    mine.update(framework_overheads(calibrated(mine, dist.get_world_size(), dtype), dtype,
-                                    repeat))
-    every: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+    mine.update(framework_overheads(calibrated(mine, world, dtype), dtype, repeat, shape))
+    every: list[dict[str, float]] = [{} for _ in range(world)]
     dist.all_gather_object(every, mine)
-    return {k: statistics.median(r[k] for r in every) for k in mine}
+    out = {k: statistics.median(r[k] for r in every) for k in mine}
+    if model is not None:
+        out.update(model_compute_scale(model, inputs, targets, calibrated(out, world, dtype)))
+    return out
 
 
 def job_worker(dtype: torch.dtype = torch.float64, repeat: int = 15) -> dict[str, float]:
@@ -140,7 +235,8 @@ def job_worker(dtype: torch.dtype = torch.float64, repeat: int = 15) -> dict[str
 
 def calibrated(measured: dict[str, float], devices: int, dtype: torch.dtype) -> Cluster:
     """A one-host :class:`Cluster` of ``devices`` ranks from :func:`measure_job`'s figures
-    (overheads absent from ``measured`` stay 0)."""
+    (overheads absent from ``measured`` stay 0; the model's ``compute_scale`` and
+    ``cores`` are not applied: :func:`with_model_figures` does)."""
     keys = ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us")
     overheads: dict[str, float] = {k: measured[k] for k in keys if k in measured}
     return Cluster(hosts=1, devices_per_host=devices, intra_host_gbps=measured["gbps"],
@@ -150,6 +246,27 @@ def calibrated(measured: dict[str, float], devices: int, dtype: torch.dtype) -> 
                    op_overhead_us=measured["op_overhead_us"],
                    dtype_bytes=torch.empty((), dtype=dtype).element_size(),
                    device_memory_gb=4.0).replace(**overheads)
+
+
+def with_model_figures(cluster: Cluster, measured: dict[str, float]) -> Cluster:
+    """``cluster`` with the model's measured step applied, where ``measured`` has it: the
+    compute fields scaled by ``compute_scale`` and ``cores_per_host`` set from ``cores``
+    (one host; below the ranks per host: they share cores). Without them: unchanged.
+
+    Example:
+        >>> c = with_model_figures(Cluster(devices_per_host=4, device_tflops=1.0),
+        ...                        {"compute_scale": 2.0, "cores": 2.0})
+        >>> c.device_tflops, c.cores_per_host
+        (0.5, 2.0)
+    """
+    from hexagram.parallel.overheads import scale_compute
+
+    if "compute_scale" in measured:
+        cluster = scale_compute(cluster, measured["compute_scale"])
+    cores = measured.get("cores", 0.0)
+    if cluster.hosts == 1 and 1 <= cores < cluster.devices_per_host:
+        cluster = cluster.replace(cores_per_host=float(cores))
+    return cluster
 
 
 def calibrated_cluster(devices: int, dtype: torch.dtype = torch.float64,

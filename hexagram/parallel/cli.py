@@ -97,15 +97,12 @@ def calibrate_worker(spec: Any) -> dict[str, float]:
     """Every rank of ``--execute``'s calibration job: the framework calibration
     (``measure_job``) and the model's own step against the roofline (``compute_scale``)."""
     import hexagram as hx
-    from hexagram.parallel.calibrate import calibrated, measure_job
-    from hexagram.parallel.overheads import model_compute_scale
+    from hexagram.parallel.calibrate import measure_job
     from hexagram.parallel.verify import build
 
     hx.init()
-    figures = measure_job(spec.dtype)
-    world = torch.distributed.get_world_size()
-    figures.update(model_compute_scale(*build(spec), calibrated(figures, world, spec.dtype)))
-    return figures
+    model, x, y = build(spec)
+    return measure_job(spec.dtype, model=model, inputs=x, targets=y)
 
 
 def execute(args: argparse.Namespace, cluster: Cluster, cons: Constraints) -> int:
@@ -113,8 +110,7 @@ def execute(args: argparse.Namespace, cluster: Cluster, cons: Constraints) -> in
     import statistics
 
     from hexagram.launch import run_local
-    from hexagram.parallel.calibrate import calibrated
-    from hexagram.parallel.overheads import scale_compute
+    from hexagram.parallel.calibrate import calibrated, with_model_figures
     from hexagram.parallel.plans import Plan
     from hexagram.parallel.verify import ParitySpec, parity_worker
 
@@ -127,8 +123,7 @@ def execute(args: argparse.Namespace, cluster: Cluster, cons: Constraints) -> in
                           k: v for k, v in cons.__dict__.items() if v is not None},
                       reference=False)
     figures = run_local(calibrate_worker, cluster.devices, args=(spec,), timeout=600)[0]
-    local = scale_compute(calibrated(figures, cluster.devices, spec.dtype),
-                          figures["compute_scale"])
+    local = with_model_figures(calibrated(figures, cluster.devices, spec.dtype), figures)
     spec = dataclasses.replace(spec, cluster=local)
     res = run_local(parity_worker, cluster.devices, args=(spec,), timeout=600)
     executed = Plan.from_json(res[0]["plan"])

@@ -67,6 +67,12 @@ class Cluster:
             stages and micro-batches.
         step_overhead_us: per training step whatever the plan (the end-of-step
             synchronisation of the ranks).
+        cores_per_host: CPU cores the ranks of one host share (may be fractional: the
+            effective count measured by the calibration); 0 => one core per device, no
+            sharing (accelerators, and every hand-written Cluster). Below
+            ``devices_per_host`` => the compute fields are taken as measured with every
+            rank busy, and a pipeline whose ranks idle in the bubble runs faster
+            (:func:`~hexagram.parallel.inter.step_time`).
         dtype_bytes: bytes per element of parameters, gradients and activations.
         optimizer_bytes: optimizer state bytes per parameter (Adam fp32 master + m + v: 12).
     """
@@ -85,6 +91,7 @@ class Cluster:
     zero_overhead_us: float = 0.0
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
+    cores_per_host: float = 0.0
     dtype_bytes: int = 2
     optimizer_bytes: int = 12
 
@@ -100,6 +107,10 @@ class Cluster:
         for name in ("intra_latency_us", "inter_latency_us", "op_overhead_us", "tp_overhead_us",
                      "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us"):
             check_float(self, name, low=0.0)
+        check_float(self, "cores_per_host", low=0.0)
+        if 0 < self.cores_per_host < 1:
+            raise ConfigError(f"Cluster.cores_per_host must be 0 (one core per device) or at "
+                              f"least 1, got {self.cores_per_host}")
         check_choice(self, "dtype_bytes", (1, 2, 4, 8))
         check_int(self, "optimizer_bytes", low=0)
 
@@ -110,6 +121,17 @@ class Cluster:
     @property
     def memory_bytes(self) -> float:
         return self.device_memory_gb * 1e9
+
+    def sharing(self, busy: float) -> float:
+        """How much slower each rank computes when ``busy`` ranks of a host compute at once
+        (``busy / cores_per_host``, at least 1; always 1 with ``cores_per_host`` 0).
+
+        Example:
+            >>> c = Cluster(hosts=1, devices_per_host=4, cores_per_host=2)
+            >>> c.sharing(4), c.sharing(3), c.sharing(1), Cluster().sharing(8)
+            (2.0, 1.5, 1.0, 1.0)
+        """
+        return max(1.0, busy / self.cores_per_host) if self.cores_per_host else 1.0
 
     def link(self, inter: bool) -> tuple[float, float]:
         """(alpha seconds, bytes per second) of the inter-host or intra-host link."""

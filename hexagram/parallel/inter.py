@@ -23,7 +23,8 @@ from hexagram.parallel.cost import Mesh, logical_meshes
 from hexagram.parallel.graph import ModelGraph
 from hexagram.parallel.intra import LayerOption, fastest, layer_options
 
-__all__ = ["StageChoice", "Tables", "build_tables", "solve", "step_time", "transfer_time"]
+__all__ = ["StageChoice", "Tables", "build_tables", "core_factor", "solve", "step_time",
+           "transfer_time"]
 
 
 @dataclass(frozen=True)
@@ -53,23 +54,66 @@ class Tables:
     cluster: Cluster | None = None        # its measured overheads enter :func:`step_time`
 
 
-def step_time(latencies: list[float], microbatches: int, cluster: Cluster | None = None
-              ) -> float:
+def step_time(latencies: list[float], microbatches: int, cluster: Cluster | None = None,
+              devices: list[int] | None = None) -> float:
     """Seconds of one step of a pipeline whose stages take ``latencies`` per micro-batch:
-    ``sum + (B - 1) max``, plus the cluster's measured overheads: pipelining's per
-    micro-batch and stage cost on each of the ``S + B - 1`` slots of the critical path
-    (pipelines only: one stage runs no pipelining) and the per-step cost.
+    ``sum + (B - 1) max``, times the core-sharing factor of :func:`core_factor` (stage
+    ``k`` on ``devices[k]`` ranks, default: the cluster's devices split evenly), plus the
+    cluster's measured overheads: pipelining's per micro-batch and stage cost on each of
+    the ``S + B - 1`` slots of the critical path (pipelines only: one stage runs no
+    pipelining) and the per-step cost.
 
     Example:
         >>> step_time([1.0, 2.0], 4)
         9.0
+        >>> c = Cluster(hosts=1, devices_per_host=4, cores_per_host=2)
+        >>> step_time([1.0, 1.0, 1.0, 1.0], 4, c)   # 7 slots busy 1,2,3,4,3,2,1: x 9/14
+        4.5
     """
     total = sum(latencies) + (microbatches - 1) * max(latencies)
     if cluster is None:
         return total
+    total *= core_factor(latencies, microbatches, cluster, devices)
     if len(latencies) > 1:
         total += (len(latencies) + microbatches - 1) * cluster.microbatch_overhead_us * 1e-6
     return total + cluster.step_overhead_us * 1e-6
+
+
+def core_factor(latencies: list[float], microbatches: int, cluster: Cluster,
+                devices: list[int] | None = None) -> float:
+    """Step time with ranks idle in the bubble over the step time priced with every rank
+    busy (the compute fields are measured so: ``overheads.model_compute_scale``).
+
+    The pipeline runs in ``S + B - 1`` slots; in slot ``k`` the stages ``s`` with
+    ``0 <= k - s < B`` compute. The slot lasts ``w = max`` of their latencies and keeps
+    ``busy = sum(devices_s x latency_s) / w`` ranks busy on average, who run
+    ``cluster.sharing(busy)`` times slower than alone. The factor is ``sum(w x
+    sharing(busy)) / (sum(w) x sharing(devices_per_host))``: 1 for one stage and for a
+    cluster without ``cores_per_host``, below 1 for a pipeline on shared cores. Stage ``k``
+    runs on ``devices[k]`` ranks (default: the cluster's devices split evenly).
+
+    Example:
+        >>> c = Cluster(hosts=1, devices_per_host=4, cores_per_host=2)
+        >>> core_factor([1.0, 1.0], 4, c), core_factor([1.0], 4, c)  # slots busy 2,4,4,4,2
+        (0.8, 1.0)
+    """
+    if not cluster.cores_per_host or len(latencies) == 1 or max(latencies) <= 0:
+        return 1.0
+    if devices is None:
+        devices = [cluster.devices // len(latencies)] * len(latencies)
+    if len(devices) != len(latencies):
+        raise ValueError(f"core_factor: {len(devices)} device counts for "
+                         f"{len(latencies)} stages; give one per stage")
+    priced = slowed = 0.0
+    for k in range(len(latencies) + microbatches - 1):
+        active = [s for s in range(len(latencies)) if 0 <= k - s < microbatches]
+        w = max(latencies[s] for s in active)
+        if w <= 0:
+            continue
+        busy = sum(devices[s] * latencies[s] for s in active) / w / cluster.hosts
+        priced += w
+        slowed += w * cluster.sharing(busy)
+    return slowed / (priced * cluster.sharing(cluster.devices_per_host)) if priced else 1.0
 
 
 def transfer_time(cluster: Cluster, sub: Submesh, nbytes: float) -> float:
@@ -235,7 +279,8 @@ def solve(tables: Tables, devices: int, stage_counts: list[int], eps: float = 0.
         for s in stage_counts:
             if s < f.shape[0] and np.isfinite(f[s, 0, devices]):
                 stages = _rebuild(tables, choice, s, devices)
-                total = step_time([st.latency for st in stages], b, tables.cluster)
+                total = step_time([st.latency for st in stages], b, tables.cluster,
+                                  [st.sub.devices for st in stages])
                 if best is None or total < best[0]:
                     best = (total, stages)
     return best

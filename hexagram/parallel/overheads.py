@@ -1,13 +1,20 @@
 """Measured framework overheads the cost model adds to its roofline and alpha-beta terms.
 
-Each figure is a residual: a tiny workload is timed on every rank of the running job
-(median of ``repeat`` runs, so ranks sharing cores see each other), and the cost model's
-own prediction of that workload (compute and collectives from the calibrated
+Each figure is a residual: a workload is timed on every rank of the running job at once
+(so ranks sharing cores see each other), in interleaved turns with its plain twin
+(:func:`~hexagram.parallel.calibrate.interleaved`: load that drifts hits both alike, and
+the median of the per-turn differences is kept), and the cost model's own prediction of
+the difference (collectives from the calibrated
 :class:`~hexagram.parallel.cluster.Cluster`) is subtracted. What is left is what the
-executor's machinery adds per unit:
+executor's machinery adds per unit. The DTensor and FSDP2 workloads have the shape of the
+job's model (:func:`model_linear_shape`: its largest linear, at the rows it sees per rank;
+Alpa likewise profiles the model's own stages), since their cost grows with the tensors
+they copy and a tiny layer under-prices it:
 
-- ``tp_overhead_us``: one column-wise and one row-wise ``nn.Linear`` on a DTensor mesh of all
-  ranks (``parallelize_module``), against the same module unsharded; per linear.
+- ``tp_overhead_us``: a linear of the model's shape and its transpose, column-wise and
+  row-wise on a DTensor mesh of all ranks (``parallelize_module``), against the same two
+  linears unsharded (whose compute, in the cost model's proportion, is the sharded one's
+  compute); per linear.
 - ``zero_overhead_us``: the same two linears, each an FSDP2 ``fully_shard`` unit over all
   ranks; per unit and micro-batch.
 - ``microbatch_overhead_us``: a ``torch.distributed.pipelining`` 1F1B pipeline of one tiny
@@ -21,7 +28,8 @@ per-rank share of the batch) against the roofline's prediction of the same step.
 ratio covers what the microbenchmarks miss: the model's own operator shapes and kernels
 (e.g. float64 GELU and attention on CPU), and ranks sharing cores while they all compute
 (4 ranks on 2 cores: each runs at half speed). :func:`scale_compute` applies it to a
-cluster's compute fields.
+cluster's compute fields. The same function measures the cores the ranks share
+(``cores``, for ``Cluster.cores_per_host``).
 
 Example:
     >>> framework_overheads(cluster, torch.float64)             # doctest: +SKIP
@@ -43,7 +51,8 @@ from torch import nn
 from hexagram.parallel.cluster import Cluster, Submesh
 from hexagram.parallel.cost import Mesh
 
-__all__ = ["framework_overheads", "model_compute_scale", "scale_compute"]
+__all__ = ["LayerShape", "framework_overheads", "model_compute_scale", "model_linear_shape",
+           "scale_compute"]
 
 _ROWS = 4  # samples of the tiny workloads
 
@@ -54,11 +63,71 @@ def _median_time(fn: Callable[[], object], repeat: int) -> float:
     dist.barrier()
     return _best_time(fn, repeat, "median")
 
+#: (in_features, out_features, rows) of the layers the overheads are measured on
+LayerShape = tuple[int, int, int]
 
-def _tiny_mlp(width: int, dtype: torch.dtype, device: torch.device) -> nn.Sequential:
+
+def model_linear_shape(model: nn.Module, inputs: Any, world: int = 1) -> LayerShape | None:
+    """The shape of the model's largest ``nn.Linear`` (most parameters, first on ties) and
+    the rows it sees in a forward on ``batch // world`` samples of ``inputs``: the layer
+    the framework overheads are measured on (None: the model has no linear). Buffers are
+    restored afterwards.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+        >>> model_linear_shape(m, torch.zeros(16, 8), world=2)
+        (8, 32, 8)
+    """
+    first = inputs[0] if isinstance(inputs, tuple | list) else inputs
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        raise TypeError(f"model_linear_shape needs a batched tensor (or a tuple starting "
+                        f"with one) as inputs, got {type(first).__name__}")
+    seen: dict[nn.Linear, int] = {}
+
+    def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
+        assert isinstance(mod, nn.Linear)
+        seen.setdefault(mod, args[0].numel() // mod.in_features)
+
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    handles = [m.register_forward_pre_hook(hook) for m in linears]
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    x = _share(inputs, first.shape[0], max(1, first.shape[0] // world))
+    try:
+        with torch.no_grad():
+            model(*(x if isinstance(x, tuple | list) else (x,)))
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+    if not seen:
+        return None
+    big = max(seen, key=lambda m: m.in_features * m.out_features)  # first on ties
+    return big.in_features, big.out_features, seen[big]
+
+
+def _mlp(width: int, hidden: int, dtype: torch.dtype, device: torch.device) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(),
-                         nn.Linear(2 * width, width)).to(dtype=dtype, device=device)
+    return nn.Sequential(nn.Linear(width, hidden), nn.ReLU(),
+                         nn.Linear(hidden, width)).to(dtype=dtype, device=device)
+
+
+def _layers(shape: LayerShape | None, n: int) -> LayerShape:
+    """The model's layer if its width splits over ``n`` ranks, else the tiny one."""
+    if shape is not None and shape[1] % n == 0:
+        return shape
+    return 8 * n, 16 * n, _ROWS
+
+
+def _mlp_roofline(cluster: Cluster, shape: LayerShape, split: int) -> float:
+    """The cost model's seconds of the two-linear MLP, its width split ``split`` ways."""
+    width, hidden, rows = shape
+    mesh = Mesh(cluster=cluster, d=1, t=1, b=1, microbatches=1)
+    nb = cluster.dtype_bytes
+    lin = 2 * rows * width * hidden / split
+    moved = (rows * (width + hidden / split) + width * hidden / split) * nb
+    return 2 * mesh.compute(lin, moved) + mesh.compute(0.0, 2 * rows * hidden / split * nb)
 
 
 def _step(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
@@ -67,7 +136,13 @@ def _step(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int) -> float:
+def _median_diff(runs: list[list[float]], weight: float = 1.0) -> float:
+    """Median over turns of ``runs[1] - weight x runs[0]``."""
+    return statistics.median(b - weight * a for a, b in zip(runs[0], runs[1]))
+
+
+def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
+        shape: LayerShape | None) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -75,52 +150,57 @@ def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int)
         parallelize_module,
     )
 
+    from hexagram.parallel.calibrate import interleaved
+
     n = dist.get_world_size()
-    width = 8 * n
-    x = torch.randn(_ROWS, width, dtype=dtype, device=device)
-    plain = _median_time(_step(_tiny_mlp(width, dtype, device), x), repeat)
-    sharded = parallelize_module(_tiny_mlp(width, dtype, device),
+    width, hidden, rows = shape = _layers(shape, n)
+    x = torch.randn(rows, width, dtype=dtype, device=device)
+    sharded = parallelize_module(_mlp(width, hidden, dtype, device),
                                  init_device_mesh(device.type, (n,)),
                                  {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    measured = _median_time(_step(sharded, x), repeat)
-    mesh = Mesh(cluster=cluster, d=1, t=n, b=_ROWS, microbatches=1)
+    runs = interleaved([_step(_mlp(width, hidden, dtype, device), x), _step(sharded, x)],
+                       repeat)
+    # the sharded compute: the measured whole MLP in the cost model's proportion
+    share = _mlp_roofline(cluster, shape, n) / _mlp_roofline(cluster, shape, 1)
+    mesh = Mesh(cluster=cluster, d=1, t=n, b=rows, microbatches=1)
     # the model's collectives: backward allreduce of the colwise input's gradient,
     # forward allreduce of the rowwise partial output
-    nbytes = width * _ROWS * cluster.dtype_bytes
-    modelled = 2 * mesh.collective("allreduce", "t", nbytes)
-    return (measured - plain - modelled) / 2
+    modelled = 2 * mesh.collective("allreduce", "t", width * rows * cluster.dtype_bytes)
+    return (_median_diff(runs, share) - modelled) / 2
 
 
-def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int) -> float:
+def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
+          shape: LayerShape | None) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, share_comm_ctx
 
+    from hexagram.parallel.calibrate import interleaved
     from hexagram.parallel.zero import InPlaceReduceScatter
 
     n = dist.get_world_size()
-    width = 8 * n
-    x = torch.randn(_ROWS, width, dtype=dtype, device=device)
-    plain = _median_time(_step(_tiny_mlp(width, dtype, device), x), repeat)
-    model = _tiny_mlp(width, dtype, device)
+    width, hidden, rows = _layers(shape, n)
+    x = torch.randn(rows, width, dtype=dtype, device=device)
+    model = _mlp(width, hidden, dtype, device)
     mesh = init_device_mesh(device.type, (n,))
     units = [fully_shard(model[i], mesh=mesh) for i in (0, 2)]
     if "gloo" in str(dist.get_backend()).lower():
         for unit in units:
             unit.set_custom_reduce_scatter(InPlaceReduceScatter())
     share_comm_ctx(units)
-    measured = _median_time(_step(model, x), repeat)
-    d_mesh = Mesh(cluster=cluster, d=n, t=1, b=_ROWS, microbatches=1)
-    modelled = 0.0
-    for i in (0, 2):  # ZeRO-3 per micro-batch: gather for forward and backward, then scatter
-        pbytes = sum(p.numel() for p in _tiny_mlp(width, dtype, torch.device("meta"))[i]
-                     .parameters()) * cluster.dtype_bytes
-        modelled += 2 * d_mesh.collective("allgather", "d", pbytes) + \
-            d_mesh.collective("reduce_scatter", "d", pbytes)
-    return (measured - plain - modelled) / 2
+    runs = interleaved([_step(_mlp(width, hidden, dtype, device), x), _step(model, x)],
+                       repeat)
+    d_mesh = Mesh(cluster=cluster, d=n, t=1, b=rows, microbatches=1)
+    # ZeRO-3 per micro-batch and unit: gather for forward and backward, then scatter
+    pbytes = (width * hidden + hidden) * cluster.dtype_bytes, \
+        (hidden * width + width) * cluster.dtype_bytes
+    modelled = sum(2 * d_mesh.collective("allgather", "d", b) +
+                   d_mesh.collective("reduce_scatter", "d", b) for b in pbytes)
+    return (_median_diff(runs) - modelled) / 2
 
 
-def _pipeline_time(microbatches: int, dtype: torch.dtype, device: torch.device,
-                   repeat: int) -> float:
+def _pipeline_step(microbatches: int, dtype: torch.dtype, device: torch.device
+                   ) -> Callable[[], None]:
+    """One step of a 1F1B pipeline of one tiny linear per rank (collective)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     n, rank, width = dist.get_world_size(), dist.get_rank(), 16
@@ -139,37 +219,42 @@ def _pipeline_time(microbatches: int, dtype: torch.dtype, device: torch.device,
         else:
             schedule.step()
         dist.barrier()
-    return _median_time(step, repeat)
+    return step
 
 
 def _microbatch(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
                 barrier: float) -> tuple[float, float]:
-    """(per micro-batch and stage, fixed per step) seconds of a pipeline of all ranks."""
-    n = dist.get_world_size()
-    counts = (n, 3 * n)
-    times = [_pipeline_time(b, dtype, device, max(3, repeat // 3)) for b in counts]
-    slope = (times[1] - times[0]) / (counts[1] - counts[0])
+    """(per micro-batch and stage, fixed per step) seconds of a pipeline of all ranks:
+    ``n`` and ``3n`` micro-batches timed in interleaved turns, the median per-turn slope."""
+    from hexagram.parallel.calibrate import interleaved
     from hexagram.parallel.inter import transfer_time
 
+    n = dist.get_world_size()
+    counts = (n, 3 * n)
+    runs = interleaved([_pipeline_step(b, dtype, device) for b in counts], repeat)
+    slope = _median_diff(runs) / (counts[1] - counts[0])
     mesh = Mesh(cluster=cluster, d=1, t=1, b=_ROWS, microbatches=counts[0])
     width = 16
     modelled = mesh.compute(2 * width * width * _ROWS, 3 * width * width * cluster.dtype_bytes) \
         + transfer_time(cluster, Submesh(1, 1), width * _ROWS * cluster.dtype_bytes)
     per_mb = slope - modelled
-    fixed = times[0] - (n + counts[0] - 1) * slope - barrier
+    fixed = statistics.median(runs[0]) - (n + counts[0] - 1) * slope - barrier
     return per_mb, fixed
 
 
 def framework_overheads(cluster: Cluster, dtype: torch.dtype = torch.float64,
-                        repeat: int = 15) -> dict[str, float]:
+                        repeat: int = 15, shape: LayerShape | None = None
+                        ) -> dict[str, float]:
     """This rank's view of the overheads (microseconds, clipped at 0); collective: every
-    rank of the job calls it. ``cluster``: the job's calibrated compute and links."""
+    rank of the job calls it. ``cluster``: the job's calibrated compute and links;
+    ``shape``: the model's layer (:func:`model_linear_shape`) that DTensor and FSDP2 are
+    measured on (None, or a width that does not split over the ranks: a tiny one)."""
     from hexagram.parallel.calibrate import _default_device
 
     device = _default_device()
     barrier = _median_time(dist.barrier, repeat)
-    tp = _tp(cluster, dtype, device, repeat)
-    zero = _zero(cluster, dtype, device, repeat)
+    tp = _tp(cluster, dtype, device, repeat, shape)
+    zero = _zero(cluster, dtype, device, repeat, shape)
     per_mb, fixed = _microbatch(cluster, dtype, device, repeat, barrier)
     out = {"tp_overhead_us": tp, "zero_overhead_us": zero, "microbatch_overhead_us": per_mb,
            "step_overhead_us": barrier, "pipeline_fixed_us": fixed}
@@ -204,7 +289,7 @@ def _predicted_step(model: nn.Module, inputs: Any, cluster: Cluster) -> float:
 
 def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cluster,
                         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                        repeat: int = 5) -> dict[str, float]:
+                        repeat: int = 7) -> dict[str, float]:
     """Measured / predicted seconds of one forward + backward of ``model`` (collective:
     every rank calls it with the same model and batch, and they all compute at once).
 
@@ -255,7 +340,21 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
     dist.all_gather_object(every, (measured, alone))
     step_s = statistics.median(m for m, _ in every)
     return {"compute_scale": max(1e-3, step_s / predicted), "model_step_ms": step_s * 1e3,
-            "model_predicted_ms": predicted * 1e3, "model_step_alone_ms": every[0][1] * 1e3}
+            "model_predicted_ms": predicted * 1e3, "model_step_alone_ms": every[0][1] * 1e3,
+            "cores": _cores(step_s, every[0][1], first.device)}
+
+
+def _cores(step_s: float, alone_s: float, device: torch.device) -> float:
+    """Effective cores of the job's ranks: ``world x alone / together``, in [1, ranks]
+    and at most the CPUs this process may run on; 0 (no sharing) off the CPU."""
+    import os
+
+    if device.type != "cpu" or step_s <= 0:
+        return 0.0
+    world = dist.get_world_size()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or world)
+    return max(1.0, min(float(world), float(cpus), world * alone_s / step_s))
 
 
 def scale_compute(cluster: Cluster, factor: float) -> Cluster:

@@ -100,7 +100,8 @@ def stage_latencies(graph: ModelGraph, plan: Plan, cluster: Cluster) -> list[flo
 def price(graph: ModelGraph, plan: Plan, cluster: Cluster | None = None) -> float:
     """Predicted seconds per step of ``plan`` under ``cluster`` (default: its own)."""
     c = cluster or plan.cluster
-    return step_time(stage_latencies(graph, plan, c), plan.microbatches, c)
+    return step_time(stage_latencies(graph, plan, c), plan.microbatches, c,
+                     [st.dp * st.tp for st in plan.stages])
 
 
 #: the cost model's terms and the Cluster fields that switch each off
@@ -110,6 +111,7 @@ _TERMS: dict[str, dict[str, float]] = {
     "FSDP2": {"zero_overhead_us": 0.0},
     "pipelining": {"microbatch_overhead_us": 0.0},
     "step": {"step_overhead_us": 0.0},
+    "core sharing": {"cores_per_host": 0.0},  # negative: a pipeline's bubble frees cores
     "links": {"intra_latency_us": 0.0, "inter_latency_us": 0.0, "intra_host_gbps": 1e12,
               "inter_host_gbps": 1e12},
 }
