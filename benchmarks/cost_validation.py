@@ -343,9 +343,18 @@ def repredict(folder: Path, compute: str = "cell", reps: int = 5) -> dict[str, A
 
 
 def _load(paths: str) -> dict[str, Any]:
-    """One report from comma-separated ``validation.json`` paths (settings joined)."""
-    reports = [json.loads(Path(p).read_text()) for p in paths.split(",")]
-    return {"settings": [s for r in reports for s in r["settings"]]}
+    """One report from comma-separated ``validation.json`` paths (settings joined), each
+    cell with the configuration its run measured (:func:`measured_config`)."""
+    settings = []
+    for path in paths.split(","):
+        report = json.loads(Path(path).read_text())
+        for setting in report["settings"]:
+            for res in setting["models"].values():
+                for c in res.get("cells", []):
+                    c.setdefault("config", measured_config(c["algorithm"],
+                                                           report.get("started", "")))
+            settings.append(setting)
+    return {"settings": settings}
 
 
 def _compare_main(pair: list[str], out: Path) -> int:

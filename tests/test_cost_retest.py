@@ -52,3 +52,11 @@ def test_no_common_cells_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="share no setting"):
         compare(report("1gbit", {"x": (1.0, 1.0), "y": (2.0, 2.0)}),
                 report("unshaped", {"x": (1.0, 1.0), "y": (2.0, 2.0)}))
+
+
+def test_cells_of_another_configuration_are_left_out() -> None:
+    a = report("1gbit", {"x": (1.0, 1.0), "y": (2.0, 2.0), "z": (3.0, 3.0)})
+    b = report("1gbit", {"x": (1.0, 1.0), "y": (2.0, 2.0), "z": (0.5, 3.0)})
+    a["settings"][0]["models"]["mlp"]["cells"][2]["config"] = {"block": 0}  # type: ignore[index]
+    [row] = compare(a, b)
+    assert (row["cells"], row["other_config"], row["retest_spearman"]) == (2, ["z"], 1.0)

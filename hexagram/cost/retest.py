@@ -106,7 +106,9 @@ def _cells(report: dict[str, Any]) -> dict[tuple[str, str], dict[str, dict[str, 
 
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per setting and workload both reports ran (``a``'s order): the cells in both,
+    """Per setting and workload both reports ran (``a``'s order): the cells in both with
+    the same ``config`` (where cells carry one: a registry default that changed between
+    the runs makes another cell; listed in ``other_config``),
     measured-vs-measured Spearman, median ``|b / a - 1|``, and for each run the model's
     Spearman (where the cells hold ``predicted_s``); for ``b`` also :func:`tied_spearman`
     at that spread.
@@ -117,13 +119,15 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     ca, cb = _cells(a), _cells(b)
     rows = []
     for key in (k for k in ca if k in cb):
-        names = [n for n in ca[key] if n in cb[key]]
+        both = [n for n in ca[key] if n in cb[key]]
+        names = [n for n in both if ca[key][n].get("config") == cb[key][n].get("config")]
         if len(names) < 2:
             continue
         ma = [ca[key][n]["measured_s"] for n in names]
         mb = [cb[key][n]["measured_s"] for n in names]
         spread = statistics.median(abs(y / x - 1.0) for x, y in zip(ma, mb))
         row: dict[str, Any] = {"setting": key[0], "workload": key[1], "cells": len(names),
+                               "other_config": [n for n in both if n not in names],
                                "retest_spearman": round(spearman(ma, mb), 3),
                                "median_abs_diff": round(spread, 4)}
         for tag, cells, measured in (("a", ca[key], ma), ("b", cb[key], mb)):
