@@ -20,7 +20,11 @@ Output: ``OUT/validation.json`` and ``OUT/validation.md`` (tables as in
 docs/benchmarks/auto.md). ``--repredict --out OUT`` (no lab, no root) redoes the predictions
 of a saved run with the current model: ``OUT/validation-repredicted.{md,json}``; with
 ``--compute common`` from one compute profile per workload, as auto predicts
-(``OUT/validation-repredicted-common.{md,json}``).
+(``OUT/validation-repredicted-common.{md,json}``). ``--compare A.json B.json --out OUT``
+(no lab): test-retest of two runs of the same cells, per setting and workload
+(:mod:`hexagram.cost.retest`: measured-vs-measured Spearman, median difference, the
+model's Spearman in each and, as an extra view, with ties within that spread):
+``OUT/compare.{md,json}``.
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ from hexagram.bench.workload import ModelSpec, build_workload
 from hexagram.cost import choose
 from hexagram.cost.measure import local_costs, static_profile
 from hexagram.cost.model import predict
+from hexagram.cost.own_work import job_compute, optimizer_extra_s
 from hexagram.cost.probe import NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile, TreeCost
+from hexagram.cost.retest import compare, spearman
+from hexagram.cost.retest import markdown as compare_markdown
 from hexagram.cost.schedule import TensorSpec
 from hexagram.cost.task import load_probe, run_in_lab
 
@@ -68,33 +75,13 @@ def sync_algorithms() -> list[str]:
     return [n for n in registry.names() if n != "auto" and registry.get(n).kind == "grad"]
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        out = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return num / den if den else 1.0
-
-
 def _spec(args: argparse.Namespace, model: str, name: str, config: dict[str, Any],
           warmup: int, bucket_mb: float | None = None) -> dict[str, Any]:
     return {"task": "step", "algorithm": name, "label": name, "config": config,
             "model": {"name": model, **MODELS[model]}, "steps": args.steps, "min_steps": 3,
             "warmup": warmup, "time_limit": args.time_limit, "batch": args.batch,
-            "lr": 0.01, "seed": 0, "bucket_mb": bucket_mb, "stall_timeout": 90}
+            "lr": 0.01, "seed": 0, "bucket_mb": bucket_mb, "stall_timeout": 90,
+            "compute_steps": args.compute_steps}
 
 
 def bucket_study(args: argparse.Namespace, lab: Any, cfg: LabConfig, model: str
@@ -135,13 +122,13 @@ def _compute(ranks: list[dict[str, Any]], shapes: list[tuple[int, ...]]) -> Comp
 
 def _cell(name: str, outcome: Any, args: argparse.Namespace, lab_cfg: LabConfig,
           shapes: list[tuple[int, ...]], network: NetworkProfile,
-          costs: dict[str, CompressorCost]) -> dict[str, Any]:
+          costs: dict[str, CompressorCost], extra_s: float) -> dict[str, Any]:
     row = summarize_outcome(outcome, lab_cfg.rate, args.batch, lab_cfg.world_size)
     if "error" in row:
         return {"algorithm": name, "error": row["error"]}
     algorithm = registry.get(name, **CONFIG.get(name, {}))
     compute = _compute(outcome.ranks, shapes)
-    pred = predict(algorithm, compute, network, costs.get(name))
+    pred = predict(algorithm, job_compute(name, compute, extra_s), network, costs.get(name))
     return {"algorithm": name, "measured_s": row["step_s"], "predicted_s": pred.step_s,
             "error": None, "rel_error": pred.step_s / row["step_s"] - 1.0,
             "wire_predicted": pred.wire_bytes, "wire_reported": row["reported_bytes_per_step"],
@@ -221,7 +208,9 @@ def _run_model(args: argparse.Namespace, lab: Any, cfg: LabConfig, bandwidth: st
     print(f"{bandwidth} {model}: {', '.join(s['label'] for s in specs)}", file=sys.stderr,
           flush=True)
     outcomes = run_series(lab, specs, timeout=args.timeout)
-    cells = [_cell(n, o, args, cfg, shapes, network, costs) for n, o in zip(names, outcomes)]
+    extra = optimizer_extra_s(shapes) if "qadam" in names else 0.0
+    cells = [_cell(n, o, args, cfg, shapes, network, costs, extra)
+             for n, o in zip(names, outcomes)]
     auto = None
     if args.auto:
         row = summarize_outcome(outcomes[-1], cfg.rate, args.batch, cfg.world_size)
@@ -334,10 +323,13 @@ def repredict(folder: Path, compute: str = "cell", reps: int = 5) -> dict[str, A
             common = sorted(profiles, key=lambda p: p.step_s)[len(profiles) // 2]
             configs = {c["algorithm"]: measured_config(c["algorithm"], started) for c in cells}
             costs = model_costs(list(configs), profiles[0], network.world, configs, reps)
+            shapes = [t.shape for t in profiles[0].tensors]
+            extra = optimizer_extra_s(shapes) if "qadam" in configs else 0.0
             for c, own in zip(cells, profiles):
                 algorithm = registry.get(c["algorithm"], **configs[c["algorithm"]])
-                pred = predict(algorithm, common if compute == "common" else own, network,
-                               costs.get(c["algorithm"]))
+                job = job_compute(c["algorithm"], common if compute == "common" else own,
+                                  extra)
+                pred = predict(algorithm, job, network, costs.get(c["algorithm"]))
                 c.update(predicted_s=pred.step_s, rel_error=pred.step_s / c["measured_s"] - 1,
                          parts=[pred.compute_s, pred.compress_s, pred.exposed_s],
                          wire_predicted=pred.wire_bytes, config=configs[c["algorithm"]])
@@ -346,6 +338,32 @@ def repredict(folder: Path, compute: str = "cell", reps: int = 5) -> dict[str, A
                           f"{pred.wire_bytes} B/step, the run reported {c['wire_reported']}: "
                           "not the configuration it measured", file=sys.stderr)
     return report
+
+
+def _load(paths: str) -> dict[str, Any]:
+    """One report from comma-separated ``validation.json`` paths (settings joined), each
+    cell with the configuration its run measured (:func:`measured_config`)."""
+    settings = []
+    for path in paths.split(","):
+        report = json.loads(Path(path).read_text())
+        for setting in report["settings"]:
+            for res in setting["models"].values():
+                for c in res.get("cells", []):
+                    c.setdefault("config", measured_config(c["algorithm"],
+                                                           report.get("started", "")))
+            settings.append(setting)
+    return {"settings": settings}
+
+
+def _compare_main(pair: list[str], out: Path) -> int:
+    rows = compare(_load(pair[0]), _load(pair[1]))
+    text = compare_markdown(rows, "A", "B") + f"\n\nA: {pair[0]}\nB: {pair[1]}\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(text)
+    (out / "compare.json").write_text(json.dumps({"a": pair[0], "b": pair[1], "rows": rows},
+                                                 indent=1))
+    print(text)
+    return 0
 
 
 def main() -> int:
@@ -357,6 +375,8 @@ def main() -> int:
     a.add_argument("--batch", type=int, default=32)
     a.add_argument("--steps", type=int, default=6)
     a.add_argument("--warmup", type=int, default=2)
+    a.add_argument("--compute-steps", type=int, default=10,
+                   help="local steps each rank's compute profile is the median of")
     a.add_argument("--time-limit", type=float, default=30.0)
     a.add_argument("--timeout", type=float, default=600.0)
     a.add_argument("--auto", action="store_true", help="also run algorithm='auto'")
@@ -380,7 +400,13 @@ def main() -> int:
                         "per workload (as auto predicts)")
     a.add_argument("--timing-reps", type=int, default=5,
                    help="with --repredict: compressor timings per workload (median)")
+    a.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                   help="no lab: test-retest of two runs' validation.json files (each may "
+                        "be several, comma-separated: their settings are joined); the "
+                        "table goes to OUT/compare.{md,json}")
     args = a.parse_args()
+    if args.compare:
+        return _compare_main(args.compare, Path(args.out))
     if args.repredict:
         redone = repredict(Path(args.out), args.compute, args.timing_reps)
         text = markdown(redone)

@@ -105,3 +105,36 @@ def test_qadam_encode_is_timed_through_its_feedback() -> None:
 
     got = {n: _has_feedback(hx.algorithms.get(n)) for n in ("qadam", "topk", "qsgd", "fp16")}
     assert got == {"qadam": True, "topk": True, "qsgd": False, "fp16": False}
+
+
+def test_qadam_momentum_arithmetic_adds_to_encode_and_decode_by_hand() -> None:
+    # one 250k bucket, a free network, share 1: the transform to momentum (0 + 1e-8 s per
+    # element: 2.5 ms) delays the bucket on the training thread, the transform back
+    # (1 ms + 2e-8 s per element: 6 ms) follows the exchange; the bare compressor is free
+    qadam = hx.algorithms.get("qadam")
+    bare = CompressorCost((0.0, 0.0), (0.0, 0.0))
+    own = CompressorCost((0.0, 0.0), (0.0, 0.0), TreeCost((0.0, 1e-8), (0.001, 2e-8)))
+    assert predict(qadam, one_tensor(250_000), fast_net(), bare).compress_s == 0.0
+    p = predict(qadam, one_tensor(250_000), fast_net(), own)
+    assert p.compress_s == pytest.approx(0.0025 + 0.006)
+    # 5 ms forward + (10 ms ready + 2.5 ms encode + 6 ms decode) + 2 ms update
+    assert p.step_s == pytest.approx(0.005 + 0.0185 + 0.002, rel=1e-6)
+
+
+def test_qadam_own_work_is_timed_on_the_job_shapes() -> None:
+    specs = [TensorSpec("a", (64, 64)), TensorSpec("b", (256, 256))]
+    prof = ComputeProfile(0.0, 0.0, 0.0, specs, [0.0, 0.0])
+    costs = local_costs([("qadam", hx.algorithms.get("qadam"))], prof, 4)
+    tree = costs["qadam"].tree
+    assert tree is not None and tree.seconds(65536, 1) > 0.0
+
+
+def test_job_compute_adds_the_optimizer_difference_to_qadam_only() -> None:
+    from hexagram.cost.own_work import job_compute, optimizer_extra_s
+
+    c = ComputeProfile(0.0, 0.10, 0.01, [TensorSpec("w", (10,))], [0.1], cpu_s=0.08)
+    q = job_compute("qadam", c, 0.02)
+    assert (q.update_s, q.cpu_s, q.backward_s) == pytest.approx((0.03, 0.10, 0.10))
+    assert job_compute("allreduce", c, 0.02) is c
+    assert job_compute("qadam", ComputeProfile(0.0, 0.1, 0.0, [], []), 0.02).cpu_s is None
+    assert optimizer_extra_s([(64, 64), (64,)]) >= 0.0

@@ -212,16 +212,22 @@ def best_per_label(preds: Sequence[Prediction], margin: float = BUCKET_MARGIN
 
 def trials(preds: Sequence[Prediction], excluded: Collection[str], tie: float, count: int,
            exact: Collection[str] = ()) -> list[tuple[str, int]]:
-    """``(label, bucket bytes)`` configurations to time in the first steps: the fastest
-    predicted candidates, each at its bucket size of :func:`best_per_label`, while they
-    are predicted within ``tie`` (relative) of the best, at most ``count`` (the model's
-    error is larger than such gaps: measure, do not trust it), the best ``exact``
-    (exact-sum) one among them whenever it is that close; a clear winner's best ``count``
-    bucket sizes.
+    """``(label, bucket bytes)`` configurations to time in the first steps.
+
+    Several candidates predicted within ``tie`` (relative) of the best: the model's error
+    is larger than such gaps, so the distinct candidates among them are measured, each at
+    its bucket size of :func:`best_per_label`, at most ``count``. When more are that close
+    than ``count`` allows, the order of the predictions is no guide, so the trials are
+    spread over what separates candidates when the prediction cannot: the best predicted,
+    the one sending the fewest wire bytes, the one needing the least CPU per step (its
+    :attr:`~hexagram.cost.model.Prediction.cpu_floor_s` where cores are shared), then
+    the next predicted; the best ``exact`` (exact-sum) one replaces the last trial when it
+    is close and not already in. A clear winner: its best ``count`` bucket sizes.
 
     >>> from hexagram.cost.model import Prediction
-    >>> def p(label, mb, s):
-    ...     return Prediction(label, s, 0.0, 0.0, 0.0, 0, int(mb * MB), [])
+    >>> def p(label, mb, s, wire=0, cpu=0.0):
+    ...     return Prediction(label, s, 0.0, 0.0, 0.0, wire, int(mb * MB), [],
+    ...                       cpu_floor_s=cpu)
     >>> trials([p("a", 4, 1.0), p("b", 1, 1.05), p("a", 25, 1.2), p("c", 4, 2.0)],
     ...        (), 0.1, 3)
     [('a', 4194304), ('b', 1048576)]
@@ -229,6 +235,10 @@ def trials(preds: Sequence[Prediction], excluded: Collection[str], tie: float, c
     [('a', 4194304), ('x', 4194304)]
     >>> trials([p("a", 4, 1.0), p("a", 25, 1.2), p("c", 4, 2.0)], (), 0.1, 3)
     [('a', 4194304), ('a', 26214400)]
+    >>> [t[0] for t in trials([p("a", 4, 1.00, 900, 0.9), p("b", 4, 1.01, 800, 0.8),
+    ...                        p("c", 4, 1.02, 700, 0.5), p("d", 4, 1.03, 10, 0.7)],
+    ...                       (), 0.1, 3)]
+    ['a', 'd', 'c']
     """
     ok = [p for p in preds if p.label not in excluded]
     if not ok:
@@ -236,7 +246,7 @@ def trials(preds: Sequence[Prediction], excluded: Collection[str], tie: float, c
     best = min(ok, key=lambda p: p.step_s)
     close = [p for p in best_per_label(ok) if p.step_s <= best.step_s * (1.0 + tie)]
     if len(close) > 1:
-        chosen = close[:count]
+        chosen = _spread(close, count)
         first_exact = next((p for p in close if p.label in exact), None)
         if first_exact is not None and first_exact not in chosen:
             chosen[-1] = first_exact  # the exact sum is always measured when it is close
@@ -244,6 +254,21 @@ def trials(preds: Sequence[Prediction], excluded: Collection[str], tie: float, c
     sizes = [p.bucket_bytes for p in sorted(ok, key=lambda p: p.step_s)
              if p.label == best.label]
     return [(best.label, b) for b in sizes[:count]]
+
+
+def _spread(close: Sequence[Prediction], count: int) -> list[Prediction]:
+    """At most ``count`` of ``close`` (fastest predicted first): all of them if they fit,
+    else the first, the fewest wire bytes, the least CPU floor, then in predicted order
+    (see :func:`trials`)."""
+    if len(close) <= count:
+        return list(close)
+    order = [close[0], min(close, key=lambda p: (p.wire_bytes, p.step_s)),
+             min(close, key=lambda p: (p.cpu_floor_s, p.step_s)), *close]
+    chosen: list[Prediction] = []
+    for p in order:
+        if p not in chosen:
+            chosen.append(p)
+    return chosen[:count]
 
 
 def pick_measured(trials: Sequence[tuple[str, int]], times: Sequence[float],

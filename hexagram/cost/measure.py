@@ -61,8 +61,9 @@ def local_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputePro
     of 2 runs each (:func:`hexagram.cost.profile.measure_compressor`), through error
     feedback where the algorithm has it (its encode then also decodes locally). Sizing every
     candidate's payloads on the way warms each compressor up (first calls are slow).
-    Algorithms with CPU of their own outside the compressor (gTop-k's tree,
-    :data:`hexagram.cost.own_work.OWN_WORK`) get it timed at the same shapes."""
+    Algorithms with CPU of their own outside the compressor (gTop-k's tree, QAdam's
+    momentum arithmetic: :data:`hexagram.cost.own_work.OWN_WORK`) get it timed at the
+    same shapes."""
     out: dict[str, CompressorCost] = {}
     layout = [specs for specs, _ in bucket_layout(profile, 25 * MB, MB)]
     sizes = _timing_shapes([t.shape for t in profile.tensors])

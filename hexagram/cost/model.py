@@ -124,7 +124,9 @@ def _cpu(algorithm: Algorithm, specs: Sequence[TensorSpec], world: int,
     :func:`hexagram.comm.primitives.scatter_gather_many`) compresses each of a segment's P
     chunks on its own, then decodes the P chunks received, compresses the reduced one and
     decodes the P gathered ones: P encodes, then 2P decodes and an encode, of ``n / P``
-    elements each (every call pays the intercept). QAdam compresses whole buckets."""
+    elements each (every call pays the intercept). QAdam compresses whole buckets; its
+    momentum arithmetic (``cost.tree``, :func:`hexagram.cost.own_work.qadam_own_cost`)
+    adds ``once(n)`` to the encode and ``per_round(n)`` to the decode."""
     comp = _compressor(algorithm)
     if comp is None or cost is None or world <= 1:
         return 0.0, 0.0
@@ -145,6 +147,9 @@ def _cpu(algorithm: Algorithm, specs: Sequence[TensorSpec], world: int,
         dec = sum(gathered_decodes(algorithm, world) * cost.decode(n) for n in sizes)
     else:
         dec = sum(cost.decode(n) for n in sizes)
+    if algorithm.name == "qadam" and cost.tree is not None:  # its momentum arithmetic
+        enc += sum(cost.tree.once[0] + cost.tree.once[1] * n for n in sizes)
+        dec += sum(cost.tree.per_round[0] + cost.tree.per_round[1] * n for n in sizes)
     return enc, dec
 
 

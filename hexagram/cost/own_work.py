@@ -14,6 +14,15 @@ making the pairs, and fits ``a + b n`` per segment of ``n`` elements
 (:class:`~hexagram.cost.profile.TreeCost`). Only local work is timed: the partner's pairs
 come from a second random tensor, as a partner's would.
 
+QAdam (:mod:`hexagram.algorithms.qadam`) turns each bucket's gradient into its
+preconditioned momentum before the encode, ``x = ((1 - beta) g + beta m) / d`` (three
+passes on the training thread), and back into the gradient the optimizer needs after the
+exchange, ``g = (u d - beta m) / (1 - beta)`` (three passes on the communication thread).
+:func:`qadam_own_cost` times both, on the job's shapes, as ``once`` and ``per_round``
+(one round). :func:`optimizer_step_s` times one step of an optimizer on the job's
+shapes: the lab profiles every cell's compute with SGD and momentum, and QAdam's runs
+:class:`~hexagram.optim.QAdamOptimizer` (Adam with a frozen variance) instead.
+
 Example:
     >>> import hexagram as hx
     >>> cost = gtopk_tree_cost(hx.algorithms.get("gtopk"), ((64, 64), (256, 256)))
@@ -23,16 +32,19 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from hexagram.algorithms.base import Algorithm
-from hexagram.cost.profile import TreeCost, device_clock
+from hexagram.cost.profile import ComputeProfile, TreeCost, device_clock
 
-__all__ = ["OWN_WORK", "gtopk_tree_cost"]
+__all__ = ["OWN_WORK", "gtopk_tree_cost", "job_compute", "optimizer_extra_s", "optimizer_step_s",
+           "qadam_own_cost"]
 
 Shapes = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -91,5 +103,93 @@ def _line(n0: int, t0: float, n1: int, t1: float) -> tuple[float, float]:
     return max(0.0, t0 - slope * n0), slope
 
 
+def _qadam_times(n: int, beta: float, reps: int, clock: Callable[[], float]
+                 ) -> tuple[float, float]:
+    """(to momentum, back to gradient) CPU seconds on ``n`` elements, the operations of
+    :meth:`hexagram.algorithms.qadam.QAdamAlgorithm.bucket_ready` in the same order."""
+    gen = torch.Generator().manual_seed(0)
+    g, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    d = torch.rand(n, generator=gen).add_(0.5)
+    to_s, _ = _best(lambda: g.mul_(1 - beta).add_(m, alpha=beta).div_(d), reps, clock)
+    back_s, _ = _best(lambda: g.mul_(d).sub_(m, alpha=beta).div_(1 - beta), reps, clock)
+    return to_s, back_s
+
+
+def qadam_own_cost(algorithm: Algorithm, sizes: Shapes, reps: int = 3,
+                   device: torch.device | str = "cpu") -> TreeCost:
+    """QAdam's momentum arithmetic (module doc) timed at the two ``sizes``, best of
+    ``reps``: ``once`` is the transform before the encode (training thread),
+    ``per_round`` the one after the exchange (one round). CPU seconds of this thread.
+
+    >>> import hexagram as hx
+    >>> cost = qadam_own_cost(hx.algorithms.get("qadam"), ((64, 64), (512, 512)))
+    >>> cost.seconds(262144, 1) > cost.seconds(4096, 1) > 0
+    True
+    """
+    del algorithm  # beta1 is the optimizer's; its value does not change the work
+    clock = device_clock(device)
+    (n0, n1) = (max(2, math.prod(s)) for s in sizes)
+    (a0, b0), (a1, b1) = (_qadam_times(n, 0.9, reps, clock) for n in (n0, n1))
+    return TreeCost(_line(n0, a0, n1, a1), _line(n0, b0, n1, b1))
+
+
+def optimizer_step_s(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                     shapes: Sequence[tuple[int, ...]], reps: int = 3, warm: int = 2
+                     ) -> float:
+    """CPU seconds (this thread) of one ``make(params).step()`` on parameters of
+    ``shapes`` with gradients, after ``warm`` untimed steps (state created; QAdam's
+    variance frozen with ``warmup_steps=1``); the best of ``reps``.
+
+    >>> sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    >>> optimizer_step_s(sgd, [(256, 256)]) > 0
+    True
+    """
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(*p.shape, generator=gen) * 1e-3
+    opt = make(params)
+    for _ in range(warm):
+        opt.step()
+    best, _ = _best(opt.step, reps, time.thread_time)
+    return best
+
+
+def optimizer_extra_s(shapes: Sequence[tuple[int, ...]], reps: int = 3) -> float:
+    """CPU seconds a step of QAdam's optimizer (Adam, variance frozen) takes beyond an
+    SGD-with-momentum step on ``shapes``, one intra-op thread: the lab's workers profile
+    every cell's compute with SGD, the qadam cell runs
+    :class:`~hexagram.optim.QAdamOptimizer` (:func:`job_compute`)."""
+    from hexagram.optim import QAdamOptimizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        adam = optimizer_step_s(lambda ps: QAdamOptimizer(ps, lr=1e-3, warmup_steps=1),
+                                shapes, reps)
+        sgd = optimizer_step_s(lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+                               shapes, reps)
+    finally:
+        torch.set_num_threads(threads)
+    return max(0.0, adam - sgd)
+
+
+def job_compute(name: str, compute: ComputeProfile, extra_s: float) -> ComputeProfile:
+    """``compute`` (profiled with SGD and momentum) as algorithm ``name``'s job runs it:
+    QAdam's optimizer step costs ``extra_s`` more (:func:`optimizer_extra_s`), added to
+    the update and to the CPU; other algorithms as profiled.
+
+    >>> c = ComputeProfile(0.0, 0.10, 0.01, [], [], cpu_s=0.08)
+    >>> q = job_compute("qadam", c, 0.02)
+    >>> round(q.update_s, 3), round(q.cpu_s, 3), job_compute("topk", c, 0.02) is c
+    (0.03, 0.1, True)
+    """
+    if name != "qadam" or extra_s <= 0:
+        return compute
+    cpu = None if compute.cpu_s is None else compute.cpu_s + extra_s
+    return dataclasses.replace(compute, update_s=compute.update_s + extra_s, cpu_s=cpu)
+
+
 #: algorithms with CPU of their own outside the compressor, and how it is timed
-OWN_WORK: dict[str, Callable[[Algorithm, Shapes], TreeCost]] = {"gtopk": gtopk_tree_cost}
+OWN_WORK: dict[str, Callable[[Algorithm, Shapes], TreeCost]] = {"gtopk": gtopk_tree_cost,
+                                                                "qadam": qadam_own_cost}

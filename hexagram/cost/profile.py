@@ -90,13 +90,16 @@ class ComputeProfile:
 
 @dataclass(frozen=True)
 class TreeCost:
-    """CPU seconds of a tree reduction's own work on one segment of ``n`` elements, outside
-    the compressor (gTop-k, :func:`hexagram.cost.own_work.gtopk_tree_cost`): ``once``
-    (``a + b n``: this rank's pairs sorted, the result written into the segment) and
-    ``per_round`` (``a + b n``: a round's pack, unpack, merge and survival check).
+    """CPU seconds of an algorithm's own work on one segment of ``n`` elements, outside
+    the compressor. gTop-k's tree (:func:`hexagram.cost.own_work.gtopk_tree_cost`):
+    ``once`` (``a + b n``: this rank's pairs sorted, the result written into the segment)
+    and ``per_round`` (``a + b n``: a round's pack, unpack, merge and survival check).
+    QAdam (:func:`hexagram.cost.own_work.qadam_own_cost`): ``once`` turns the gradient into
+    the preconditioned momentum before the encode, ``per_round`` (one round) turns the
+    exchanged momentum back into a gradient.
 
-    >>> round(TreeCost((1e-3, 1e-9), (2e-3, 1e-8)).seconds(10**6, 2), 6)
-    0.025
+    >>> round(TreeCost((1e-3, 1e-9), (2e-3, 1e-8)).seconds(10**6, 2), 6)  # 2 + 2 * 12 ms
+    0.026
     """
 
     once: tuple[float, float]
