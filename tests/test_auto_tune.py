@@ -107,3 +107,22 @@ def test_bucket_ties_go_to_fewer_buckets() -> None:
     lossy = {"fp16": True, "allreduce": False}
     assert auto_tune.pick(algos, [0.200, 0.209], lossy, config) == 1
     assert auto_tune.pick(algos, [0.200, 0.230], lossy, config) == 0
+
+
+def test_bucket_difference_inside_the_trials_own_spread_is_a_tie() -> None:
+    """A smaller bucket wins only by more than the trials resolve: with visit times that
+    range over 20 % within each trial, a 10 % faster median still keeps the larger size;
+    with steady trials the same 10 % decides."""
+    sizes = [(LABEL, MB), (LABEL, 25 * MB)]
+    plan = auto_tune.visits(2, 6, same_algorithm=True)  # trials 0 1 1 0 0 1
+    noisy = [0.18, 0.20, 0.24, 0.20, 0.22, 0.22]        # 0: .18 .20 .22  1: .20 .24 .22
+    steady = [0.200, 0.220, 0.221, 0.201, 0.199, 0.222]
+    assert auto_tune.spread(noisy, plan, 2) == pytest.approx((0.2 + 0.04 / 0.22) / 2, abs=1e-6)
+    assert auto_tune.spread(steady, plan, 2) < 0.02
+    config = AutoConfig()
+    for times, kept in ((noisy, 1), (steady, 0)):
+        score = auto_tune.scores(times, plan, 2)
+        noise = auto_tune.spread(times, plan, 2)
+        assert auto_tune.pick(sizes, score, {LABEL: True}, config, noise) == kept
+    with pytest.raises(ValueError, match="step times"):
+        auto_tune.spread([0.2], plan, 2)

@@ -333,7 +333,9 @@ class AutoAlgorithm(Algorithm):
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self._control.group)
         score = auto_tune.scores(times.tolist(), self._plan, len(self._trials))
         lossy = {lb: is_lossy(a) for lb, a in self.candidates}
-        label, bucket = self._trials[auto_tune.pick(self._trials, score, lossy, self.config)]
+        noise = auto_tune.spread(times.tolist(), self._plan, len(self._trials))
+        label, bucket = self._trials[auto_tune.pick(self._trials, score, lossy, self.config,
+                                                    noise)]
         if (label, bucket) != (self.label, self._bucket):
             self._adopt(label, bucket)
         self._record_tuned(label, bucket, score)

@@ -16,7 +16,8 @@ buckets"):
   whole block. Trials of different algorithms each build a fresh algorithm (groups,
   threads, warm starts), so they keep one block each and score the fastest step of it
   (the first step pays the set-up; noise only adds time).
-- **Ties go to fewer buckets.** Bucket sizes measured within ``bucket_tie`` of the fastest
+- **Ties go to fewer buckets.** Bucket sizes measured within ``bucket_tie`` of the fastest,
+  or within the trials' own step-to-step range (:func:`spread`) when that is larger,
   count as equal and the largest is kept (:func:`pick_bucket`): each bucket has fixed
   costs that the model leaves out (PowerSGD's two collectives, QR and hand-off per bucket:
   2 buckets ran 5-7 % faster than 3 on the MLP in the study), and a median of 3 steps on a
@@ -41,7 +42,8 @@ from hexagram.cost import choose
 from hexagram.cost.model import MB, Prediction, bucket_layout
 from hexagram.cost.profile import ComputeProfile
 
-__all__ = ["distinct", "layout_of", "named", "pick", "pick_bucket", "scores", "trials", "visits"]
+__all__ = ["distinct", "layout_of", "named", "pick", "pick_bucket", "scores", "spread", "trials",
+           "visits"]
 
 
 def trials(preds: Sequence[Prediction], excluded: Collection[str], exact: Collection[str],
@@ -113,9 +115,9 @@ def visits(n: int, steps: int, same_algorithm: bool) -> list[tuple[int, int]]:
     return [(i, steps // n) for i in range(n)]
 
 
-def scores(step_s: Sequence[float], plan: Sequence[tuple[int, int]], n: int) -> list[float]:
-    """Each trial's score from the steps of ``plan`` (:func:`visits`, ``step_s`` in run
-    order): the median over its visits of each visit's fastest step.
+def _visit_times(step_s: Sequence[float], plan: Sequence[tuple[int, int]], n: int
+                 ) -> list[list[float]]:
+    """Per trial, the fastest step of each of its visits (``step_s`` in run order).
 
     Raises:
         ValueError: ``step_s`` does not hold one time per planned step.
@@ -128,13 +130,38 @@ def scores(step_s: Sequence[float], plan: Sequence[tuple[int, int]], n: int) -> 
     for trial, length in plan:
         per[trial].append(min(step_s[at:at + length]))
         at += length
-    return [statistics.median(v) for v in per]
+    return per
+
+
+def scores(step_s: Sequence[float], plan: Sequence[tuple[int, int]], n: int) -> list[float]:
+    """Each trial's score from the steps of ``plan`` (:func:`visits`, ``step_s`` in run
+    order): the median over its visits of each visit's fastest step.
+
+    Raises:
+        ValueError: ``step_s`` does not hold one time per planned step.
+    """
+    return [statistics.median(v) for v in _visit_times(step_s, plan, n)]
+
+
+def spread(step_s: Sequence[float], plan: Sequence[tuple[int, int]], n: int) -> float:
+    """The trials' own resolution: over the trials, the median of each trial's range of
+    visit times relative to its median (:func:`scores`' per-visit times; 0 with fewer
+    than 2 visits a trial). Two medians of 3 steps differ by about one such range from
+    noise alone, so a smaller difference between bucket sizes is not resolved.
+
+    >>> spread([0.20, 0.30, 0.25, 0.20, 0.22, 0.24], visits(2, 6, True), 2)
+    0.17
+    """
+    ranges = [(max(v) - min(v)) / statistics.median(v) for v in _visit_times(step_s, plan, n)
+              if len(v) > 1 and statistics.median(v) > 0]
+    return round(statistics.median(ranges), 6) if ranges else 0.0
 
 
 def pick_bucket(trials: Sequence[tuple[str, int]], score: Sequence[float], tie: float
                 ) -> int:
     """Index of the trial to keep among bucket sizes of one algorithm: the largest size
-    scored within ``tie`` (relative) of the fastest (module doc).
+    scored within ``tie`` (relative) of the fastest (module doc; :func:`pick` passes
+    the larger of ``bucket_tie`` and the trials' :func:`spread`).
 
     >>> pick_bucket([("a", MB), ("a", 25 * MB)], [0.200, 0.208], 0.05)
     1
@@ -147,15 +174,17 @@ def pick_bucket(trials: Sequence[tuple[str, int]], score: Sequence[float], tie: 
 
 
 def pick(trials: Sequence[tuple[str, int]], score: Sequence[float],
-         lossy: Mapping[str, bool], config: Any) -> int:
+         lossy: Mapping[str, bool], config: Any, noise: float = 0.0) -> int:
     """The trial to keep: among bucket sizes of one algorithm :func:`pick_bucket` with
-    ``config.bucket_tie``; among algorithms :func:`hexagram.cost.choose.pick_measured` with
-    ``config.prefer_exact`` (an :class:`~hexagram.algorithms.auto_config.AutoConfig`).
+    the larger of ``config.bucket_tie`` and ``noise`` (the trials' :func:`spread`: a
+    smaller bucket must be faster by more than the trials resolve); among algorithms
+    :func:`hexagram.cost.choose.pick_measured` with ``config.prefer_exact`` (an
+    :class:`~hexagram.algorithms.auto_config.AutoConfig`).
 
     >>> from hexagram.algorithms.auto_config import AutoConfig
     >>> pick([("a", MB), ("a", 4 * MB)], [0.20, 0.205], {"a": True}, AutoConfig())
     1
     """
     if len({label for label, _ in trials}) == 1:
-        return pick_bucket(trials, score, config.bucket_tie)
+        return pick_bucket(trials, score, max(config.bucket_tie, noise))
     return choose.pick_measured(trials, score, lossy, config.prefer_exact)
