@@ -9,7 +9,9 @@ algorithm's ``bucket_ready`` on a :class:`~hexagram.comm.communicator.Communicat
 the stage's ``dp`` group; the reduced buckets are written back into ``.grad`` and the
 algorithm's ``after_backward`` ends its step. Compression, error feedback and warm starts
 are the algorithm's own (nothing re-implemented here); its state (PowerSGD's Q, residuals)
-lives in one :class:`StageSync` per stage module, kept across steps.
+lives in one :class:`StageSync` per stage module, kept across steps, and goes into
+checkpoints by :func:`stage_state` / :func:`load_stage_state`
+(``ParallelModel.algorithm_state_dict``).
 
 What combines: tensor-parallel (DTensor) parameters are synchronised through their local
 shards (each ``dp`` group holds ranks of the same ``tp`` index, hence the same shards);
@@ -223,7 +225,11 @@ def load_stage_state(module: nn.Module, stage: StagePlan, saved: Mapping[str, An
         raise ConfigError(f"algorithm state for parameters {list(saved['params'])[:3]}... "
                           f"({len(saved['params'])}) does not fit this stage's {names[:3]}... "
                           f"({len(names)}): resume with the same plan and model")
-    if saved["state"] is None:
+    if saved["state"] is None:  # saved before the first step: start the algorithm afresh
+        _PENDING.pop(module, None)
+        old = _SYNCS.pop(module, None)
+        if old is not None:
+            old.algorithm.close()
         return
     sync = _SYNCS.get(module)
     if sync is not None:
