@@ -13,6 +13,10 @@ PowerSGD; per run: mean step time (slowest rank), bytes the busiest host sent on
 per step (interface counter), training loss at the end (mean of the last 20 steps) and the
 validation loss of the trained model (16 x 64 fixed windows of the held-out text).
 
+The PowerSGD run uses the config the planner emits for a relaxed stage
+(``relax_cost.planned_options("powersgd")``); ``--ranks 4,8`` adds hand-set ranks. The last
+lines print the ratios against the allreduce run of the same command.
+
     python benchmarks/plan_relax.py plan
     sudo .venv/bin/python benchmarks/plan_relax.py lab --steps 200 --bandwidth 100mbit
 """
@@ -28,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this tree's hexagram, also without PYTHONPATH
 WORKER_DEFAULTS = {"layers": 4, "width": 256, "block": 64, "batch": 16, "microbatches": 2,
                    "lr": 1e-3, "steps": 200, "seed": 0}
 
@@ -120,6 +126,7 @@ def rank_main(spec: dict[str, Any], out: Path) -> None:
         losses.append(loss)
     sync = stage_sync(pm.module)
     result = {"rank": dist.get_rank(), "stage": pm.stage_index, "times": times,
+              "hexagram": hx.__file__,
               "losses": losses, "plan": p.to_json(indent=None),
               "valid_loss": _valid_loss(pm, GPT(cfg), corpus, spec),
               "bytes_counted": sync.bytes_sent() if sync is not None else None,
@@ -133,49 +140,77 @@ def _run(lab: Any, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         tx0 = [lab.tx_bytes(h) for h in range(2)]
         t0 = time.perf_counter()
-        results = lab.run([sys.executable, __file__, "--rank-mode", tmp], timeout=timeout)
+        results = lab.run([sys.executable, __file__, "--rank-mode", tmp], timeout=timeout,
+                          env={"PYTHONPATH": str(ROOT)})  # this tree's hexagram
         wall = time.perf_counter() - t0
         tx = max(lab.tx_bytes(h) - tx0[h] for h in range(2))
         failed = lab.ranks_failed_message(results)
         if failed:
             raise RuntimeError(failed)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+    wrong = {r["hexagram"] for r in ranks} - {str(ROOT / "hexagram" / "__init__.py")}
+    if wrong:
+        raise RuntimeError(f"rank processes imported hexagram from {sorted(wrong)}, not "
+                           f"{ROOT}: check PYTHONPATH")
     return {"ranks": ranks, "wall_s": wall, "tx_bytes": tx}
 
 
-def _summary(label: str, run: dict[str, Any], skip: int) -> str:
+def _metrics(run: dict[str, Any], skip: int) -> dict[str, float]:
+    """Step time (slowest rank; mean over steps after ``skip`` and over all), link MB per
+    step, first and last-20 training loss, validation loss, wall seconds."""
     ranks, steps = run["ranks"], len(run["ranks"][0]["times"])
-    per_step = max(sum(r["times"][skip:]) / (steps - skip) for r in ranks)
     last = [r["losses"] for r in ranks if r["losses"][0] is not None]
-    end = sum(sum(ls[-20:]) / 20 for ls in last) / len(last)
-    first = sum(ls[0] for ls in last) / len(last)
-    valid = next(r["valid_loss"] for r in ranks if r["valid_loss"] is not None)
-    return (f"| {label} | {per_step:.3f} | {run['tx_bytes'] / steps / 1e6:.2f} | "
-            f"{first:.3f} | {end:.3f} | {valid:.3f} | {run['wall_s']:.0f} |")
+    return {"s_step": max(sum(r["times"][skip:]) / (steps - skip) for r in ranks),
+            "s_step_all": max(sum(r["times"]) / steps for r in ranks),
+            "mb_step": run["tx_bytes"] / steps / 1e6,
+            "first": sum(ls[0] for ls in last) / len(last),
+            "train": sum(sum(ls[-20:]) / len(ls[-20:]) for ls in last) / len(last),
+            "valid": next(r["valid_loss"] for r in ranks if r["valid_loss"] is not None),
+            "wall": run["wall_s"]}
+
+
+def _row(label: str, m: dict[str, float]) -> str:
+    return (f"| {label} | {m['s_step']:.3f} | {m['s_step_all']:.3f} | {m['mb_step']:.2f} | "
+            f"{m['first']:.3f} | {m['train']:.3f} | {m['valid']:.3f} | {m['wall']:.0f} |")
+
+
+def _ratios(label: str, m: dict[str, float], base: dict[str, float]) -> str:
+    """``label`` against the allreduce run: speed-up (>1: faster), link bytes, losses."""
+    return (f"{label} vs allreduce: {base['s_step'] / m['s_step']:.2f}x faster per step "
+            f"({base['s_step_all'] / m['s_step_all']:.2f}x over all steps), "
+            f"{base['mb_step'] / m['mb_step']:.1f}x fewer link bytes, train loss "
+            f"{(m['train'] / base['train'] - 1) * 100:+.2f} %, validation loss "
+            f"{(m['valid'] / base['valid'] - 1) * 100:+.2f} %")
 
 
 def lab_main(args: argparse.Namespace) -> None:
     from hexagram.bench.lab import LabConfig, NetworkLab
+    from hexagram.parallel.relax_cost import planned_options
 
     base = {**WORKER_DEFAULTS, "steps": args.steps}
+    planned = planned_options("powersgd")
     runs = [("allreduce", "allreduce", {})] if args.allreduce else []
+    label = "powersgd " + ", ".join(f"{k} {v}" for k, v in planned.items()) + " (planned)"
+    runs += [(label, "powersgd", planned)] if args.planned else []
     runs += [(f"powersgd rank {r}", "powersgd", {"rank": r}) for r in args.ranks]
-    rows = []
+    done: list[tuple[str, dict[str, float]]] = []
     with NetworkLab(LabConfig(hosts=2, ranks_per_host=2, bandwidth=args.bandwidth,
                               prefix="hxr")) as lab:
         for label, name, opts in runs:
             run = _run(lab, {**base, "algorithm": name, "options": opts}, args.timeout)
-            rows.append(_summary(label, run, args.skip))
-            print(rows[-1], flush=True)
+            done.append((label, _metrics(run, args.skip)))
+            print(_row(*done[-1]), flush=True)
     stage = json.loads(run["ranks"][0]["plan"])["stages"]
     print(f"\n2 hosts x 2 ranks, {args.bandwidth} between hosts; GPT {base['layers']} layers, "
           f"width {base['width']}, block {base['block']}, global batch {base['batch']}, "
           f"{base['microbatches']} micro-batches, AdamW lr {base['lr']}, {args.steps} steps; "
-          f"stages on ranks {[s['ranks'] for s in stage]}\n")
-    print("| dp sync | s/step (steps > " f"{args.skip}) | MB/step on busiest host link | "
-          "loss step 1 | loss, last 20 steps | validation loss | wall s |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+          f"stages on ranks {[s['ranks'] for s in stage]}; hexagram from {ROOT}\n")
+    print(f"| dp sync | s/step (steps > {args.skip}) | s/step (all) | MB/step on busiest host "
+          "link | loss step 1 | loss, last 20 steps | validation loss | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(_row(label, m) for label, m in done))
+    if done and done[0][0] == "allreduce":
+        print("\n" + "\n".join(_ratios(label, m, done[0][1]) for label, m in done[1:]))
 
 
 def main() -> int:
@@ -186,7 +221,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--skip", type=int, default=20, help="steps left out of the mean")
     parser.add_argument("--ranks", type=lambda t: [int(v) for v in t.split(",")],
-                        default=[4], help="PowerSGD ranks to run, e.g. 4,8")
+                        default=[], help="hand-set PowerSGD ranks to run too, e.g. 4,8")
+    parser.add_argument("--no-planned", dest="planned", action="store_false",
+                        help="skip the run with the planner's PowerSGD config")
     parser.add_argument("--no-allreduce", dest="allreduce", action="store_false",
                         help="skip the allreduce run")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")

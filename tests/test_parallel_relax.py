@@ -166,7 +166,8 @@ def test_wire_bytes_follow_the_payload_formats() -> None:
     n = 512 * 256
     assert wire_bytes("allreduce", (512, 256), 4) == (4.0 * n,)
     assert wire_bytes("fp16", (512, 256), 4) == (2.0 * n,)
-    assert wire_bytes("powersgd", (512, 256), 4) == (512 * 2 * 4.0, 256 * 2 * 4.0)  # rank 2
+    rank = 8  # the planner's PowerSGD config (relax_cost.PLANNED_OPTIONS), not the default 2
+    assert wire_bytes("powersgd", (512, 256), 4) == (512 * rank * 4.0, 256 * rank * 4.0)
     assert wire_bytes("powersgd", (512,), 4) == (4.0 * 512,)  # vectors go dense
     k = math.ceil(0.02 * n)  # top-k's default density: values + int32 indices
     assert wire_bytes("topk", (512, 256), 4) == (8.0 * k,)

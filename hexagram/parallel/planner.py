@@ -22,6 +22,7 @@ from hexagram.parallel.graph import Layer, ModelGraph, capture
 from hexagram.parallel.inter import StageChoice, build_tables, solve
 from hexagram.parallel.intra import LayerOption
 from hexagram.parallel.plans import Plan, StagePlan
+from hexagram.parallel.relax_cost import planned_options
 
 __all__ = ["NoPlanFitsError", "microbatch_choices", "plan", "plan_graph", "to_plan"]
 
@@ -80,7 +81,8 @@ def _stage_plan(graph: ModelGraph, st: StageChoice, first_rank: int,
                      ranks=list(range(first_rank, first_rank + st.sub.devices)),
                      dp=st.mesh.d, tp=st.mesh.t, latency_s=st.latency, memory_bytes=st.memory,
                      shardings=shard, layouts=layouts, sharded_ops=sharded,
-                     dp_algorithm=st.mesh.dp_algorithm)
+                     dp_algorithm=st.mesh.dp_algorithm,
+                     dp_options=planned_options(st.mesh.dp_algorithm))
 
 
 def to_plan(graph: ModelGraph, cluster: Cluster, microbatches: int, schedule: str,

@@ -9,7 +9,9 @@ algorithm's ``bucket_ready`` on a :class:`~hexagram.comm.communicator.Communicat
 the stage's ``dp`` group; the reduced buckets are written back into ``.grad`` and the
 algorithm's ``after_backward`` ends its step. Compression, error feedback and warm starts
 are the algorithm's own (nothing re-implemented here); its state (PowerSGD's Q, residuals)
-lives in one :class:`StageSync` per stage module, kept across steps.
+lives in one :class:`StageSync` per stage module, kept across steps, and goes into
+checkpoints by :func:`stage_state` / :func:`load_stage_state`
+(``ParallelModel.algorithm_state_dict``).
 
 What combines: tensor-parallel (DTensor) parameters are synchronised through their local
 shards (each ``dp`` group holds ranks of the same ``tp`` index, hence the same shards);
@@ -50,7 +52,8 @@ from hexagram.parallel.plans import StagePlan
 from hexagram.parallel.zero import fsdp_managed
 from hexagram.runtime import get_runtime, is_initialized
 
-__all__ = ["StageSync", "algorithm_sync", "check_dp_algorithm", "stage_sync"]
+__all__ = ["StageSync", "algorithm_sync", "check_dp_algorithm", "load_stage_state",
+           "stage_state", "stage_sync"]
 
 _MB = 1024 * 1024
 #: gradient algorithms that need more than a process group (they are refused, with why)
@@ -90,6 +93,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _synced(module: nn.Module, managed: set[int]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a stage's algorithm synchronises (FSDP2 keeps ``managed`` ones)."""
+    return [(n, p) for n, p in module.named_parameters()
+            if p.requires_grad and id(p) not in managed]
+
+
 class StageSync:
     """A gradient algorithm bound to one stage module and its ``dp`` process group.
 
@@ -112,8 +121,7 @@ class StageSync:
         managed = fsdp_managed(module)
         # proxies over the local shards (no copy): buckets need plain tensors
         self.params = [(n, p, nn.Parameter(_local(p).detach(), requires_grad=False))
-                       for n, p in module.named_parameters()
-                       if p.requires_grad and id(p) not in managed]
+                       for n, p in _synced(module, managed)]
         named = [(n, proxy) for n, _, proxy in self.params]
         cap = int(bucket_size_mb * _MB)
         self.buckets: list[Bucket] = build_buckets(list(reversed(named)), cap,
@@ -147,6 +155,8 @@ class StageSync:
 
 
 _SYNCS: weakref.WeakKeyDictionary[nn.Module, StageSync] = weakref.WeakKeyDictionary()
+#: algorithm state loaded before the stage's first sync: applied when the sync is set up
+_PENDING: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def stage_sync(module: nn.Module) -> StageSync | None:
@@ -174,4 +184,55 @@ def algorithm_sync(module: nn.Module, stage: StagePlan, group: dist.ProcessGroup
         check_dp_algorithm(stage.dp_algorithm, stage.dp_options)
         algorithm = registry.get(stage.dp_algorithm, **dict(stage.dp_options))
         sync = _SYNCS[module] = StageSync(module, group, algorithm)
+        pending = _PENDING.pop(module, None)
+        if pending is not None:  # after set-up, as hexagram's DDP loads it
+            algorithm.load_state_dict(pending)
     sync()
+
+
+def stage_state(module: nn.Module, stage: StagePlan) -> dict[str, Any]:
+    """This rank's state of the stage's dp sync, for a checkpoint: the algorithm and its
+    config, the parameters it synchronises and the algorithm's own ``state_dict()`` (step
+    counter, error-feedback residuals, PowerSGD's warm-start Q, random generators; None
+    before the first step, or for the built-in allreduce sync, which keeps none).
+
+    Example:
+        >>> st = StagePlan(layers=(0, 1), ranks=[0, 1], dp=2, tp=1, latency_s=0.0,
+        ...                memory_bytes=0.0, dp_algorithm="powersgd", dp_options={"rank": 8})
+        >>> stage_state(nn.Linear(4, 4), st)["state"] is None     # no step taken yet
+        True
+    """
+    sync = _SYNCS.get(module)
+    state = sync.algorithm.state_dict() if sync is not None else _PENDING.get(module)
+    return {"dp_algorithm": stage.dp_algorithm, "dp_options": dict(stage.dp_options),
+            "params": [n for n, _ in _synced(module, fsdp_managed(module))], "state": state}
+
+
+def load_stage_state(module: nn.Module, stage: StagePlan, saved: Mapping[str, Any]) -> None:
+    """Restore :func:`stage_state` into ``module``'s sync (before or after its first step).
+
+    Raises:
+        ConfigError: the state is of another algorithm or config, or of other parameters.
+    """
+    if saved["dp_algorithm"] != stage.dp_algorithm or \
+            dict(saved["dp_options"]) != dict(stage.dp_options):
+        theirs = ",".join(f"{k}={v}" for k, v in sorted(saved["dp_options"].items()))
+        raise ConfigError(f"algorithm state of dp sync {saved['dp_algorithm']}({theirs}) "
+                          f"cannot be loaded into a stage synchronised by {stage.sync_label}: "
+                          f"resume with the plan that saved it")
+    names = [n for n, _ in _synced(module, fsdp_managed(module))]
+    if list(saved["params"]) != names:
+        raise ConfigError(f"algorithm state for parameters {list(saved['params'])[:3]}... "
+                          f"({len(saved['params'])}) does not fit this stage's {names[:3]}... "
+                          f"({len(names)}): resume with the same plan and model")
+    if saved["state"] is None:  # saved before the first step: start the algorithm afresh
+        _PENDING.pop(module, None)
+        old = _SYNCS.pop(module, None)
+        if old is not None:
+            old.algorithm.close()
+        return
+    sync = _SYNCS.get(module)
+    if sync is not None:
+        sync.algorithm.load_state_dict(dict(saved["state"]))
+    else:
+        _PENDING[module] = dict(saved["state"])

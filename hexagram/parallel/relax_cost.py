@@ -18,7 +18,8 @@ buffer; PowerSGD's Q). Parameter shapes are not in the captured graph, only coun
 linear's ``(out, in)`` is recovered from its output/input widths, an embedding is priced as
 a square matrix (PowerSGD's factors of a tall vocab x hidden table are larger: this
 under-prices them by ~2-4x, a few kB against a table of MBs), norms and other parameters
-as vectors (never compressed).
+as vectors (never compressed). Each algorithm is priced at the config the planner emits
+with it (:data:`PLANNED_OPTIONS`: PowerSGD rank 8, a drop-in for allreduce's loss).
 
 Example:
     >>> from hexagram.parallel.cluster import Cluster
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import math
 from functools import cache, lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,20 +48,39 @@ if TYPE_CHECKING:
     from hexagram.parallel.cost import Mesh
     from hexagram.parallel.graph import Op
 
-__all__ = ["PRICED", "check_priced", "op_shapes", "sync_cost", "wire_bytes"]
+__all__ = ["PLANNED_OPTIONS", "PRICED", "check_priced", "op_shapes", "planned_options",
+           "sync_cost", "wire_bytes"]
 
 #: algorithms the planner can price (the executor runs any gradient algorithm)
 PRICED = ("allreduce", "fp16", "powersgd", "topk")
+#: the config the planner prices *and* emits (``StagePlan.dp_options``) per algorithm: one
+#: that trains like allreduce as a drop-in, not the registry default. PowerSGD's default
+#: rank 2 is the paper's speed setting; on the lab's small GPT with AdamW (pp=2 x dp=2,
+#: 200 steps) rank 4 ended 2.4 % (train) / 3.7 % (validation) above allreduce, rank 8 0.7 %
+#: in both (docs/benchmarks/planner.md, section 6). ``start_iter`` 10 keeps the paper's
+#: full-precision warm-up (``auto`` drops it: there the first steps are timing trials, here
+#: a plan trains from step 0). Others: their registry defaults.
+PLANNED_OPTIONS: dict[str, dict[str, Any]] = {"powersgd": {"rank": 8, "start_iter": 10}}
 _DTYPE = {1: torch.float16, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 #: memory passes over the gradient to encode + decode (read/write), per algorithm
 _PASSES = {"allreduce": 0.0, "fp16": 3.0, "powersgd": 6.0, "topk": 5.0}
+
+
+def planned_options(name: str) -> dict[str, Any]:
+    """The ``dp_options`` the planner emits for a stage synchronised by ``name`` (a copy;
+    ``{}`` = the registry default), the same config :func:`sync_cost` prices.
+
+    >>> planned_options("powersgd")
+    {'rank': 8, 'start_iter': 10}
+    """
+    return dict(PLANNED_OPTIONS.get(name, {}))
 
 
 @cache
 def _compressor(name: str) -> Compressor | None:
     from hexagram.algorithms import registry
 
-    return getattr(registry.get(name), "compressor", None)
+    return getattr(registry.get(name, **planned_options(name)), "compressor", None)
 
 
 def op_shapes(op: Op, in_elems: float, psplit: int) -> list[tuple[int, ...]]:

@@ -1,9 +1,16 @@
 """The model :func:`hexagram.parallel.parallelize` returns: one training step at a time.
 
+A checkpoint of a planned run is, per rank: ``pm.module.state_dict()``, the optimizer's
+state and ``pm.algorithm_state_dict()`` (the stage's dp-sync algorithm state: PowerSGD's Q
+and residuals); restored in that order into a run of the same plan it continues
+bit-identically.
+
 Example:
     >>> pm = parallelize(model, plan)                           # doctest: +SKIP
     >>> opt = torch.optim.SGD(pm.parameters(), lr=0.1)          # doctest: +SKIP
     >>> loss = pm.train_step(x, y); opt.step(); opt.zero_grad() # doctest: +SKIP
+    >>> torch.save(pm.algorithm_state_dict(), f"algo{rank}.pt") # doctest: +SKIP
+    >>> pm.load_algorithm_state_dict(torch.load(f"algo{rank}.pt"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -105,6 +112,48 @@ class ParallelModel:
         if dp > 1:
             dist.all_reduce(loss, group=self.dp_group)
         return float(loss) / dp
+
+    def _where(self) -> dict[str, Any]:
+        """This rank's place in the plan, as a checkpoint records it."""
+        st = self.plan.stages[self.stage_index]
+        return {"world": dist.get_world_size(), "rank": dist.get_rank(),
+                "stage_index": self.stage_index, "stages": len(self.plan.stages),
+                "layers": list(st.layers), "ranks": list(st.ranks), "dp": st.dp, "tp": st.tp}
+
+    def algorithm_state_dict(self) -> dict[str, Any]:
+        """This rank's state of its stage's dp-sync algorithm (PowerSGD's warm-start Q and
+        error-feedback residuals, its step counter and random generators), with where it
+        sits in the plan; ``torch.save``-able. Per rank: residuals differ across dp ranks.
+        A stage with the built-in allreduce sync (or before its first step) has state None.
+        """
+        from hexagram.parallel.relax import stage_state
+
+        return {"where": self._where(),
+                "sync": stage_state(self.module, self.plan.stages[self.stage_index])}
+
+    def load_algorithm_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`algorithm_state_dict` of the same rank of the same plan (before or
+        after the first step); with the module's and the optimizer's state the run then
+        continues exactly as it would have.
+
+        Raises:
+            HexagramError: the state is of another rank, stage or plan shape (both named).
+            ConfigError: of another dp-sync algorithm or config, or other parameters.
+        """
+        from hexagram.parallel.relax import load_stage_state
+
+        if not isinstance(state, dict) or set(state) != {"where", "sync"}:
+            raise HexagramError("load_algorithm_state_dict expects what algorithm_state_dict "
+                                f"returned (keys 'where', 'sync'), got {type(state).__name__}"
+                                f"{sorted(state) if isinstance(state, dict) else ''}")
+        mine = self._where()
+        if state["where"] != mine:
+            diff = {k: (state["where"].get(k), v) for k, v in mine.items()
+                    if state["where"].get(k) != v}
+            raise HexagramError(f"algorithm state saved by another rank or plan: (saved, this "
+                                f"run) differ in {diff}; load each rank's own state into the "
+                                f"same plan")
+        load_stage_state(self.module, self.plan.stages[self.stage_index], state["sync"])
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Gradients of this stage's parameters, whole (collective over the stage's tp)."""
