@@ -332,6 +332,9 @@ def _brief(f: dict[str, float]) -> str:
              f"{f['model_predicted_ms']:.1f} ms roofline = compute scale "
              f"{f['compute_scale']:.2f}, cores {f.get('cores', 0.0):.2f}") if "compute_scale" in f \
         else ""
+    if "work_scale" in f:
+        scale += (f"; whole batch per rank {f['model_step_whole_batch_ms']:.1f} ms: work "
+                  f"scale {f['work_scale']:.2f}, per-operator scale {f['op_scale']:.2f}")
     return (f"{f['device_tflops'] * 1e3:.1f} GFLOP/s, {f['op_overhead_us']:.0f} us/op, link "
             f"{f['latency_us']:.0f} us + {f['gbps']:.2f} Gbit/s, DTensor "
             f"{f['tp_overhead_us']:.0f} us/linear, FSDP2 {f['zero_overhead_us']:.0f} us/unit, "

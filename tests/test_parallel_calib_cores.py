@@ -15,7 +15,7 @@ from hexagram.launch import run_local
 from hexagram.parallel import Cluster, Constraints, capture, gpt, plan_graph
 from hexagram.parallel.calibrate import fit_alpha_beta, with_model_figures
 from hexagram.parallel.inter import core_factor, step_time
-from hexagram.parallel.overheads import model_linear_shape
+from hexagram.parallel.overheads import model_linear_shape, split_scale
 
 _SHARED = Cluster(hosts=1, devices_per_host=4, cores_per_host=2.0)
 
@@ -105,6 +105,26 @@ def test_with_model_figures_sets_cores_only_when_ranks_share_them() -> None:
     assert shared.cores_per_host == 1.7 and shared.device_tflops == 0.5
     assert with_model_figures(c, {"compute_scale": 1.0, "cores": 4.0}).cores_per_host == 0.0
     assert with_model_figures(c, {}) == c
+
+
+def test_two_batch_sizes_split_the_scale_into_rate_and_per_operator_parts() -> None:
+    """measured = op_scale x ops + work_scale x work at both points, solved by hand; a
+    negative per-operator share falls back to a rate-only fit through the origin; a larger
+    batch measured no slower keeps the one scale of the small point."""
+    # ops 20 ms at both sizes, rates 30 -> 120 ms; measured 100 -> 340 ms:
+    # work = (340 - 100) / (120 - 30) = 8/3, op = (100 - 8/3 x 30) / 20 = 1
+    assert split_scale((0.10, 0.02, 0.03), (0.34, 0.02, 0.12)) == {
+        "work_scale": pytest.approx(8 / 3, abs=1e-6), "op_scale": pytest.approx(1.0, abs=1e-6)}
+    # 4x the batch measured 4x the time while the roofline grew 1.7x: per-op share < 0
+    got = split_scale((0.10, 0.05, 0.03), (0.40, 0.05, 0.06))
+    assert got["op_scale"] == 0.0
+    assert got["work_scale"] == pytest.approx((0.1 * 0.03 + 0.4 * 0.06) / (0.03 ** 2 + 0.06 ** 2),
+                                              abs=1e-6)
+    assert split_scale((0.10, 0.02, 0.03), (0.09, 0.02, 0.12)) == {"work_scale": 2.0,
+                                                                    "op_scale": 2.0}
+    c = Cluster(hosts=1, devices_per_host=4, device_tflops=1.0, op_overhead_us=10.0)
+    both = with_model_figures(c, {"compute_scale": 3.0, "work_scale": 4.0, "op_scale": 0.5})
+    assert both.device_tflops == 0.25 and both.op_overhead_us == 5.0
 
 
 def test_model_linear_shape_is_the_largest_linear_at_its_rows() -> None:

@@ -163,6 +163,9 @@ def test_auto_prices_with_the_calibration_and_the_models_own_step() -> None:
     assert figs["model_step_alone_ms"] > 0
     assert figs["compute_scale"] == pytest.approx(figs["model_step_ms"]
                                                   / figs["model_predicted_ms"])
+    # the whole batch per rank timed too: the scale split into rate and per-operator parts
+    assert figs["model_step_whole_batch_ms"] > 0
+    assert figs["work_scale"] > 0 and figs["op_scale"] >= 0
 
 
 @pytest.mark.timeout(600)

@@ -250,7 +250,8 @@ def calibrated(measured: dict[str, float], devices: int, dtype: torch.dtype) -> 
 
 def with_model_figures(cluster: Cluster, measured: dict[str, float]) -> Cluster:
     """``cluster`` with the model's measured step applied, where ``measured`` has it: the
-    compute fields scaled by ``compute_scale`` and ``cores_per_host`` set from ``cores``
+    compute fields scaled by ``work_scale`` and ``op_scale`` (measured at two batch sizes;
+    else by ``compute_scale``) and ``cores_per_host`` set from ``cores``
     (one host; below the ranks per host: they share cores). Without them: unchanged.
 
     Example:
@@ -261,7 +262,9 @@ def with_model_figures(cluster: Cluster, measured: dict[str, float]) -> Cluster:
     """
     from hexagram.parallel.overheads import scale_compute
 
-    if "compute_scale" in measured:
+    if "work_scale" in measured:  # two batch sizes: rate and per-operator scales apart
+        cluster = scale_compute(cluster, measured["work_scale"], measured["op_scale"])
+    elif "compute_scale" in measured:
         cluster = scale_compute(cluster, measured["compute_scale"])
     cores = measured.get("cores", 0.0)
     if cluster.hosts == 1 and 1 <= cores < cluster.devices_per_host:

@@ -52,7 +52,7 @@ from hexagram.parallel.cluster import Cluster, Submesh
 from hexagram.parallel.cost import Mesh
 
 __all__ = ["LayerShape", "framework_overheads", "model_compute_scale", "model_linear_shape",
-           "scale_compute"]
+           "scale_compute", "split_scale"]
 
 _ROWS = 4  # samples of the tiny workloads
 
@@ -296,26 +296,57 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
     Each rank runs ``repeat`` steps back to back on its share of the batch (``batch //
     world`` samples), long enough for ranks that share a core to slow each other; the
     median step, median over ranks, is divided by the cost model's prediction of the same
-    step from ``cluster``'s compute fields. The loss is ``loss_fn`` (default: cross-entropy,
-    or the output's sum when ``targets`` is None). The model's gradients are cleared and its
-    buffers (e.g. batch-norm statistics) restored afterwards. Returns ``compute_scale``,
-    ``model_step_ms`` (measured), ``model_predicted_ms`` and, for diagnosis only,
+    step from ``cluster``'s compute fields (``compute_scale``). With more than one rank the
+    same is timed on the whole batch per rank (what a rank computes when the plan
+    replicates a layer over tensor-parallel ranks), and the two points split the scale
+    (:func:`split_scale`): ``work_scale`` for the roofline's rate terms, which grow with the
+    batch, ``op_scale`` for its fixed per-operator cost. The loss is ``loss_fn`` (default:
+    cross-entropy, or the output's sum when ``targets`` is None). The model's gradients are
+    cleared and its buffers (e.g. batch-norm statistics) restored afterwards. Also returns
+    ``model_step_ms`` (measured), ``model_predicted_ms`` and, for diagnosis,
     ``model_step_alone_ms``: rank 0's step while the other ranks wait (step / alone ~ how
-    much the ranks slow each other).
+    much the ranks slow each other), and ``cores``.
 
     Example:
         >>> figs = model_compute_scale(model, x, y, cluster)      # doctest: +SKIP
         >>> figs["compute_scale"] > 1                             # doctest: +SKIP
         True
     """
-    from hexagram.parallel.apply import default_loss
-
     first = inputs[0] if isinstance(inputs, tuple | list) else inputs
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         raise TypeError(f"model_compute_scale needs a batched tensor (or a tuple starting "
                         f"with one) as inputs, got {type(first).__name__}")
     batch = first.shape[0]
     rows = max(1, batch // dist.get_world_size())
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    step_s, alone_s, predicted, work = _timed(model, inputs, targets, loss_fn, cluster,
+                                              batch, rows, repeat, alone=True)
+    out = {"compute_scale": max(1e-3, step_s / predicted), "model_step_ms": step_s * 1e3,
+           "model_predicted_ms": predicted * 1e3, "model_step_alone_ms": alone_s * 1e3,
+           "cores": _cores(step_s, alone_s, first.device)}
+    if rows < batch:
+        whole_s, _, whole_pred, whole_work = _timed(model, inputs, targets, loss_fn,
+                                                    cluster, batch, batch, repeat)
+        out.update(split_scale((step_s, predicted - work, work),
+                               (whole_s, whole_pred - whole_work, whole_work)))
+        out["model_step_whole_batch_ms"] = whole_s * 1e3
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    return out
+
+
+def _timed(model: nn.Module, inputs: Any, targets: Any,
+           loss_fn: Callable[[Any, Any], torch.Tensor] | None, cluster: Cluster,
+           batch: int, rows: int, repeat: int, alone: bool = False
+           ) -> tuple[float, float, float, float]:
+    """The model's step on ``rows`` samples per rank, every rank at once (median over
+    ranks), rank 0's step alone (when ``alone``), and the roofline's step and its rate
+    part (the same without the per-operator cost)."""
+    from hexagram.parallel.apply import default_loss
+    from hexagram.parallel.calibrate import _best_time
+
     x, y = _share(inputs, batch, rows), _share(targets, batch, rows)
     loss = loss_fn or (default_loss if targets is not None else _output_sum)
     args = x if isinstance(x, tuple | list) else (x,)
@@ -323,25 +354,38 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
     def step() -> None:
         loss(model(*args), y).backward()
 
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     measured = _median_time(step, repeat)
-    # diagnostic: rank 0 alone while the others wait (core sharing vs. kernels)
-    from hexagram.parallel.calibrate import _best_time
-
+    dist.barrier()  # diagnostic: rank 0 alone while the others wait
+    solo = _best_time(step, repeat, "median") if alone and dist.get_rank() == 0 else 0.0
     dist.barrier()
-    alone = _best_time(step, repeat, "median") if dist.get_rank() == 0 else 0.0
-    dist.barrier()
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
-    predicted = _predicted_step(model, x, cluster)
     every: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
-    dist.all_gather_object(every, (measured, alone))
-    step_s = statistics.median(m for m, _ in every)
-    return {"compute_scale": max(1e-3, step_s / predicted), "model_step_ms": step_s * 1e3,
-            "model_predicted_ms": predicted * 1e3, "model_step_alone_ms": every[0][1] * 1e3,
-            "cores": _cores(step_s, every[0][1], first.device)}
+    dist.all_gather_object(every, (measured, solo))
+    return (statistics.median(m for m, _ in every), every[0][1],
+            _predicted_step(model, x, cluster),
+            _predicted_step(model, x, cluster.replace(op_overhead_us=0.0)))
+
+
+def split_scale(small: tuple[float, float, float], large: tuple[float, float, float]
+                ) -> dict[str, float]:
+    """``work_scale`` and ``op_scale`` from two measured steps, each ``(measured s,
+    predicted per-operator s, predicted rate s)``: ``measured = op_scale x ops + work_scale
+    x work`` at both points. A negative per-operator share is taken as 0 (the rate scale
+    then fits both points through the origin); without a rate difference, or when the
+    larger step measured no slower, one scale (the small point's ratio) serves both.
+
+    Example:
+        >>> split_scale((0.10, 0.02, 0.03), (0.34, 0.02, 0.12))
+        {'work_scale': 2.666667, 'op_scale': 1.0}
+    """
+    (m1, o1, w1), (m2, o2, w2) = small, large
+    single = m1 / max(o1 + w1, 1e-12)
+    det = o1 * w2 - o2 * w1  # the 2 x 2 system [o w] [op work]' = m
+    if w2 - w1 <= 1e-12 or m2 <= m1 or abs(det) <= 1e-18:
+        return {"work_scale": round(single, 6), "op_scale": round(single, 6)}
+    work, op = (o1 * m2 - o2 * m1) / det, (m1 * w2 - m2 * w1) / det
+    if op < 0:
+        work, op = (m1 * w1 + m2 * w2) / (w1 * w1 + w2 * w2), 0.0
+    return {"work_scale": round(max(work, 1e-3), 6), "op_scale": round(op, 6)}
 
 
 def _cores(step_s: float, alone_s: float, device: torch.device) -> float:
@@ -357,17 +401,23 @@ def _cores(step_s: float, alone_s: float, device: torch.device) -> float:
     return max(1.0, min(float(world), float(cpus), world * alone_s / step_s))
 
 
-def scale_compute(cluster: Cluster, factor: float) -> Cluster:
+def scale_compute(cluster: Cluster, factor: float, op_factor: float | None = None
+                  ) -> Cluster:
     """``cluster`` with its compute ``factor`` times slower: matmul rate and memory bandwidth
-    divided, per-operator cost multiplied (links and framework overheads unchanged).
+    divided, per-operator cost multiplied by ``op_factor`` (default ``factor``; links and
+    framework overheads unchanged).
 
     Example:
         >>> c = scale_compute(Cluster(device_tflops=10.0, op_overhead_us=5.0), 2.0)
         >>> c.device_tflops, c.op_overhead_us
         (5.0, 10.0)
+        >>> scale_compute(c, 2.0, 0.5).op_overhead_us
+        5.0
     """
-    if not factor > 0:
-        raise ValueError(f"scale_compute: factor must be > 0, got {factor}")
+    ops = factor if op_factor is None else op_factor
+    if not factor > 0 or not ops >= 0:
+        raise ValueError(f"scale_compute: factor must be > 0 and op_factor >= 0, got "
+                         f"{factor} and {op_factor}")
     return cluster.replace(device_tflops=cluster.device_tflops / factor,
                            memory_gbps=cluster.memory_gbps / factor,
-                           op_overhead_us=cluster.op_overhead_us * factor)
+                           op_overhead_us=cluster.op_overhead_us * ops)
