@@ -86,9 +86,7 @@ def fit_alpha_beta(ranks: int, nbytes: list[float], times: list[float]) -> dict[
     if len(nbytes) != len(times) or len(set(nbytes)) < 2:
         raise ValueError(f"fit_alpha_beta needs times at two sizes or more, got sizes "
                          f"{nbytes} and {len(times)} times")
-    mx, my = statistics.fmean(nbytes), statistics.fmean(times)
-    sxx = sum((x - mx) ** 2 for x in nbytes)
-    slope = sum((x - mx) * (y - my) for x, y in zip(nbytes, times)) / sxx
+    slope, _ = statistics.linear_regression(nbytes, times)
     if slope <= 0:
         from hexagram.errors import HexagramError
 

@@ -40,8 +40,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,6 +68,28 @@ def _median_time(fn: Callable[[], object], repeat: int) -> float:
 LayerShape = tuple[int, int, int]
 
 
+def _batched(inputs: Any, who: str) -> torch.Tensor:
+    """The batch tensor of ``inputs`` (it, or the first of a tuple), checked."""
+    first = inputs[0] if isinstance(inputs, tuple | list) else inputs
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        raise TypeError(f"{who} needs a batched tensor (or a tuple starting with one) as "
+                        f"inputs, got {type(first).__name__}")
+    return first
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Run timing or probing steps on ``model``, then restore its buffers (batch-norm
+    statistics) as they were."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+
+
 def model_linear_shape(model: nn.Module, inputs: Any, world: int = 1) -> LayerShape | None:
     """The shape of the model's largest ``nn.Linear`` (most parameters, first on ties) and
     the rows it sees in a forward on ``batch // world`` samples of ``inputs``: the layer
@@ -78,10 +101,7 @@ def model_linear_shape(model: nn.Module, inputs: Any, world: int = 1) -> LayerSh
         >>> model_linear_shape(m, torch.zeros(16, 8), world=2)
         (8, 32, 8)
     """
-    first = inputs[0] if isinstance(inputs, tuple | list) else inputs
-    if not isinstance(first, torch.Tensor) or first.dim() == 0:
-        raise TypeError(f"model_linear_shape needs a batched tensor (or a tuple starting "
-                        f"with one) as inputs, got {type(first).__name__}")
+    first = _batched(inputs, "model_linear_shape")
     seen: dict[nn.Linear, int] = {}
 
     def hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
@@ -90,17 +110,13 @@ def model_linear_shape(model: nn.Module, inputs: Any, world: int = 1) -> LayerSh
 
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     handles = [m.register_forward_pre_hook(hook) for m in linears]
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     x = _share(inputs, first.shape[0], max(1, first.shape[0] // world))
     try:
-        with torch.no_grad():
+        with _buffers_kept(model), torch.no_grad():
             model(*(x if isinstance(x, tuple | list) else (x,)))
     finally:
         for h in handles:
             h.remove()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
     if not seen:
         return None
     big = max(seen, key=lambda m: m.in_features * m.out_features)  # first on ties
@@ -276,15 +292,16 @@ def _output_sum(output: Any, _targets: Any) -> torch.Tensor:
     return first.sum()
 
 
-def _predicted_step(model: nn.Module, inputs: Any, cluster: Cluster) -> float:
-    """The cost model's seconds of one forward + backward of ``model`` on one device."""
+def _predicted_step(model: nn.Module, inputs: Any, *clusters: Cluster) -> list[float]:
+    """The cost model's seconds of one forward + backward of ``model`` on one device of
+    each of ``clusters`` (the model captured once)."""
     from hexagram.parallel.graph import capture
     from hexagram.parallel.intra import fastest
 
     graph = capture(model, inputs)
-    mesh = Mesh(cluster=cluster.replace(hosts=1, devices_per_host=1), d=1, t=1,
-                b=graph.batch, microbatches=1)
-    return sum(fastest(layer, mesh).time for layer in graph.layers)
+    meshes = [Mesh(cluster=c.replace(hosts=1, devices_per_host=1), d=1, t=1, b=graph.batch,
+                   microbatches=1) for c in clusters]
+    return [sum(fastest(layer, mesh).time for layer in graph.layers) for mesh in meshes]
 
 
 def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cluster,
@@ -312,28 +329,22 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
         >>> figs["compute_scale"] > 1                             # doctest: +SKIP
         True
     """
-    first = inputs[0] if isinstance(inputs, tuple | list) else inputs
-    if not isinstance(first, torch.Tensor) or first.dim() == 0:
-        raise TypeError(f"model_compute_scale needs a batched tensor (or a tuple starting "
-                        f"with one) as inputs, got {type(first).__name__}")
+    first = _batched(inputs, "model_compute_scale")
     batch = first.shape[0]
     rows = max(1, batch // dist.get_world_size())
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    step_s, alone_s, predicted, work = _timed(model, inputs, targets, loss_fn, cluster,
-                                              batch, rows, repeat, alone=True)
-    out = {"compute_scale": max(1e-3, step_s / predicted), "model_step_ms": step_s * 1e3,
-           "model_predicted_ms": predicted * 1e3, "model_step_alone_ms": alone_s * 1e3,
-           "cores": _cores(step_s, alone_s, first.device)}
-    if rows < batch:
-        whole_s, _, whole_pred, whole_work = _timed(model, inputs, targets, loss_fn,
-                                                    cluster, batch, batch, repeat)
-        out.update(split_scale((step_s, predicted - work, work),
-                               (whole_s, whole_pred - whole_work, whole_work)))
-        out["model_step_whole_batch_ms"] = whole_s * 1e3
+    with _buffers_kept(model):
+        step_s, alone_s, predicted, work = _timed(model, inputs, targets, loss_fn, cluster,
+                                                  batch, rows, repeat, alone=True)
+        out = {"compute_scale": max(1e-3, step_s / predicted), "model_step_ms": step_s * 1e3,
+               "model_predicted_ms": predicted * 1e3, "model_step_alone_ms": alone_s * 1e3,
+               "cores": _cores(step_s, alone_s, first.device)}
+        if rows < batch:
+            whole_s, _, whole_pred, whole_work = _timed(model, inputs, targets, loss_fn,
+                                                        cluster, batch, batch, repeat)
+            out.update(split_scale((step_s, predicted - work, work),
+                                   (whole_s, whole_pred - whole_work, whole_work)))
+            out["model_step_whole_batch_ms"] = whole_s * 1e3
     model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(buffers[name])
     return out
 
 
@@ -360,9 +371,8 @@ def _timed(model: nn.Module, inputs: Any, targets: Any,
     dist.barrier()
     every: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
     dist.all_gather_object(every, (measured, solo))
-    return (statistics.median(m for m, _ in every), every[0][1],
-            _predicted_step(model, x, cluster),
-            _predicted_step(model, x, cluster.replace(op_overhead_us=0.0)))
+    whole, rate = _predicted_step(model, x, cluster, cluster.replace(op_overhead_us=0.0))
+    return statistics.median(m for m, _ in every), every[0][1], whole, rate
 
 
 def split_scale(small: tuple[float, float, float], large: tuple[float, float, float]
