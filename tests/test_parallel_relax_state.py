@@ -21,6 +21,7 @@ from hexagram.launch import run_local
 from hexagram.parallel import Cluster, Constraints, StagePlan, gpt, plan
 from hexagram.parallel.cost import Mesh
 from hexagram.parallel.graph import Op
+from hexagram.parallel.plans import DP_BUCKET_BYTES
 from hexagram.parallel.relax import load_stage_state, stage_state
 from hexagram.parallel.relax_cost import planned_options, sync_cost, wire_bytes
 from hexagram.parallel.verify import ParitySpec
@@ -84,5 +85,6 @@ def test_planner_emits_the_powersgd_config_it_prices() -> None:
                 dp_algorithm="powersgd")
     secs, state = sync_cost(op, 256, mesh, 1)  # state: the residual, then Q (256 x rank)
     assert state == 512 * 256 * 4 + 256 * rank * 4
-    assert secs > sum(mesh.collective("allreduce", "d", b)
+    share = 512 * 256 * 4 / DP_BUCKET_BYTES  # P and Q travel bucket-wide: a latency share
+    assert secs > sum(mesh.collective("allreduce", "d", b, share)
                       for b in wire_bytes("powersgd", (512, 256), 4))

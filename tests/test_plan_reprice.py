@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from hexagram.parallel.models import ResidualMLP, gpt, mlp_stack
 from hexagram.parallel.overheads import scale_compute
 from hexagram.parallel.planner import plan_graph
 from hexagram.parallel.plans import Plan
+from hexagram.parallel.relax_cost import planned_options
 from hexagram.parallel.reprice import breakdown, price
 
 #: a small CPU-like cluster whose framework overheads are all non-zero
@@ -71,6 +73,18 @@ def test_reprice_reproduces_tensor_parallel_and_relaxed_plans() -> None:
     assert relaxed.stages[0].dp_algorithm == "powersgd"
     for p in (tp, relaxed):
         assert price(mlp, p) == pytest.approx(p.step_time_s, rel=1e-9)
+
+
+def test_reprice_prices_a_stage_at_its_own_algorithm_config() -> None:
+    mlp = capture(mlp_stack(layers=2, hidden=2048, in_features=64, classes=10,
+                            device="meta"), torch.zeros(64, 64, device="meta"))
+    slow = Cluster(hosts=2, devices_per_host=2, inter_host_gbps=1)
+    planned = plan_graph(mlp, slow, Constraints(dp=4, dp_algorithms=("allreduce", "powersgd")))
+    assert planned.stages[0].dp_options == planned_options("powersgd")  # rank 8
+    stage = dataclasses.replace(planned.stages[0], dp_options={"rank": 1})
+    rank1 = dataclasses.replace(planned, stages=[stage])
+    # rank 1 sends an eighth of rank 8's factors over the 1 Gbit/s link: priced cheaper
+    assert price(mlp, rank1) < price(mlp, planned) == pytest.approx(planned.step_time_s)
 
 
 def test_breakdown_names_each_term() -> None:

@@ -20,9 +20,11 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hexagram.parallel.cluster import Cluster, Submesh
 from hexagram.parallel.graph import Layer, Op
+from hexagram.parallel.plans import DP_BUCKET_BYTES
 
 __all__ = ["Mesh", "Strategy", "edge_cost", "logical_meshes", "strategies"]
 
@@ -44,6 +46,8 @@ class Mesh:
     spans_hosts: bool = False
     #: gradient algorithm of the ``d`` sync (``hexagram.parallel.relax_cost.PRICED``)
     dp_algorithm: str = "allreduce"
+    #: its config (``relax_cost.frozen_options``); ``None``: the one the planner emits
+    dp_options: tuple[tuple[str, Any], ...] | None = None
     #: whether parameters may be ZeRO-sharded over ``d`` (``Constraints.zero``)
     zero: bool = True
 
@@ -56,14 +60,15 @@ class Mesh:
         share = min(self.t, self.cluster.devices_per_host) if self.spans_hosts else 1
         return alpha, rate / share, self.d
 
-    def collective(self, kind: str, axis: str, nbytes: float, count: int = 1) -> float:
+    def collective(self, kind: str, axis: str, nbytes: float, count: float = 1.0) -> float:
         """Seconds of ``count`` collectives of ``nbytes`` in all (full tensors) over mesh axis
-        ``"d"``/``"t"``: each pays the latency, the bytes are paid once."""
+        ``"d"``/``"t"``: each pays the latency, the bytes are paid once. A fractional
+        ``count`` is a tensor's share of a bucket's one collective."""
         alpha, rate, n = self._link(axis)
         if n <= 1 or nbytes <= 0:
             return 0.0
         f = _FACTOR[kind]
-        return f * (n - 1) * alpha * max(1, count) + f * (n - 1) / n * nbytes / rate
+        return f * (n - 1) * alpha * count + f * (n - 1) / n * nbytes / rate
 
     def compute(self, flops: float, nbytes: float) -> float:
         """Forward + backward seconds of an operator (backward ~ 2x forward)."""
@@ -100,8 +105,9 @@ def _param_costs(op: Op, mesh: Mesh, psplit: int, zero: bool,
         from hexagram.parallel.relax_cost import sync_cost
         sync, extra = sync_cost(op, in_elems, mesh, psplit)
         return sync / mesh.microbatches, state + extra
-    if not zero or mesh.d == 1:  # one allreduce per parameter tensor
-        return mesh.collective("allreduce", "d", pbytes, op.tensors) / mesh.microbatches, state
+    if not zero or mesh.d == 1:  # the executor's buckets: a latency per DP_BUCKET_BYTES
+        return mesh.collective("allreduce", "d", pbytes, pbytes / DP_BUCKET_BYTES) \
+            / mesh.microbatches, state
     # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients once;
     # the module is one FSDP unit (its tensors travel flattened together)
     per_mb = 2 * mesh.collective("allgather", "d", pbytes) + c.zero_overhead_us * 1e-6

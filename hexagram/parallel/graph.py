@@ -54,8 +54,7 @@ class Op:
         inputs: indices (in the layer) of the operators producing its tensor inputs.
         out_elems, out_const: output elements per sample, and those not scaling with batch.
         flops: forward FLOPs per sample; params: parameter count.
-        tensors: parameter tensors (weight, bias): the executor syncs each with its own
-            collective, so each pays one latency.
+        tensors: parameter tensors (weight, bias).
     """
 
     kind: str

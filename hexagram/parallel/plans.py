@@ -25,7 +25,12 @@ from typing import Any
 
 from hexagram.parallel.cluster import Cluster
 
-__all__ = ["Plan", "StagePlan"]
+__all__ = ["DP_BUCKET_BYTES", "Plan", "StagePlan"]
+
+#: capacity of the buckets in which the executor allreduces a stage's gradients over its
+#: ``dp`` ranks (PyTorch DDP's default, 25 MB): one collective, so one link latency, per
+#: bucket rather than per parameter tensor. The cost model prices the same buckets.
+DP_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 @dataclass

@@ -5,12 +5,16 @@ The wire bytes come from :mod:`hexagram.cost.payload_size` (each compressor's pa
 shapes and config, checked against real payloads by the tests there), the seconds from the
 stage mesh's alpha-beta collectives (:meth:`hexagram.parallel.cost.Mesh.collective`):
 
-| algorithm | collective over ``d`` per tensor |
-|---|---|
-| allreduce | allreduce of the gradient |
-| fp16 | allreduce of the 16-bit payload |
-| powersgd | allreduce of P (rows x r), then of Q (cols x r); dense if not smaller |
-| topk | allgather of ``d`` payloads ((k,) values + (k,) int32 indices) |
+| algorithm | collective over ``d`` per tensor | latencies |
+|---|---|---|
+| allreduce | allreduce of the gradient | per bucket |
+| fp16 | allreduce of the 16-bit payload | per tensor |
+| powersgd | allreduce of P (rows x r), then of Q (cols x r); dense if not smaller | 2 per bucket |
+| topk | allgather of ``d`` payloads ((k,) values + (k,) int32 indices) | per tensor |
+
+"Per bucket": the engine's buckets (:data:`~hexagram.parallel.plans.DP_BUCKET_BYTES`) each
+send one message, so a tensor pays its byte share of the bucket's latency; the
+compressors' default granularity (``"layer"``) sends one message per tensor.
 
 plus the encode/decode time on the device (memory passes over the gradient; PowerSGD's
 three matmuls as FLOPs) and the state it keeps (error-feedback residuals: one gradient-sized
@@ -43,13 +47,14 @@ import torch
 
 from hexagram.compress.base import Compressor
 from hexagram.cost.payload_size import payload_layout
+from hexagram.parallel.plans import DP_BUCKET_BYTES
 
 if TYPE_CHECKING:
     from hexagram.parallel.cost import Mesh
     from hexagram.parallel.graph import Op
 
-__all__ = ["PLANNED_OPTIONS", "PRICED", "check_priced", "op_shapes", "planned_options",
-           "sync_cost", "wire_bytes"]
+__all__ = ["PLANNED_OPTIONS", "PRICED", "check_priced", "frozen_options", "op_shapes",
+           "planned_options", "sync_cost", "wire_bytes"]
 
 #: algorithms the planner can price (the executor runs any gradient algorithm)
 PRICED = ("allreduce", "fp16", "powersgd", "topk")
@@ -76,11 +81,26 @@ def planned_options(name: str) -> dict[str, Any]:
     return dict(PLANNED_OPTIONS.get(name, {}))
 
 
+#: a config as a cache key: sorted ``(field, value)`` pairs; ``None``: the planned config
+Options = tuple[tuple[str, Any], ...] | None
+
+
+def frozen_options(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """``options`` (``StagePlan.dp_options``) as sorted pairs, lists as tuples (hashable).
+
+    >>> frozen_options({"start_iter": 10, "rank": 4})
+    (('rank', 4), ('start_iter', 10))
+    """
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                        for k, v in options.items()))
+
+
 @cache
-def _compressor(name: str) -> Compressor | None:
+def _compressor(name: str, options: Options = None) -> Compressor | None:
     from hexagram.algorithms import registry
 
-    return getattr(registry.get(name, **planned_options(name)), "compressor", None)
+    config = planned_options(name) if options is None else dict(options)
+    return getattr(registry.get(name, **config), "compressor", None)
 
 
 def op_shapes(op: Op, in_elems: float, psplit: int) -> list[tuple[int, ...]]:
@@ -100,11 +120,13 @@ def op_shapes(op: Op, in_elems: float, psplit: int) -> list[tuple[int, ...]]:
 
 
 @lru_cache(maxsize=65536)
-def wire_bytes(name: str, shape: tuple[int, ...], dtype_bytes: int) -> tuple[float, ...]:
+def wire_bytes(name: str, shape: tuple[int, ...], dtype_bytes: int, options: Options = None
+               ) -> tuple[float, ...]:
     """Bytes of each message one rank contributes for a gradient of ``shape`` (PowerSGD: P,
-    then Q; the others: one message), from :func:`~hexagram.cost.payload_size.payload_layout`."""
+    then Q; the others: one message), from :func:`~hexagram.cost.payload_size.payload_layout`;
+    ``options``: the algorithm's config (:func:`frozen_options`; default: the planned one)."""
     dense = (float(math.prod(shape) * dtype_bytes),)
-    comp = _compressor(name)
+    comp = _compressor(name, options)
     if comp is None:
         return dense
     if name == "powersgd" and (len(shape) < 2 or not comp.worthwhile(  # type: ignore[attr-defined]
@@ -123,7 +145,7 @@ def _encode_seconds(name: str, shape: tuple[int, ...], mesh: Mesh) -> float:
         return 0.0
     secs = _PASSES[name] * n * 4 / (c.memory_gbps * 1e9) + c.op_overhead_us * 1e-6
     if name == "powersgd" and len(shape) >= 2:  # M Q, M^T P, P Q^T
-        rank = _compressor(name).config.rank  # type: ignore[union-attr]
+        rank = _compressor(name, mesh.dp_options).config.rank  # type: ignore[union-attr]
         secs += 6.0 * n * rank / (c.device_tflops * 1e12)
     return secs
 
@@ -134,10 +156,13 @@ def sync_cost(op: Op, in_elems: float, mesh: Mesh, psplit: int) -> tuple[float, 
     name, c = mesh.dp_algorithm, mesh.cluster
     secs = extra = 0.0
     for shape in op_shapes(op, in_elems, psplit):
-        msgs = wire_bytes(name, shape, c.dtype_bytes)
+        msgs = wire_bytes(name, shape, c.dtype_bytes, mesh.dp_options)
         if name == "topk":
             secs += mesh.collective("allgather", "d", msgs[0] * mesh.d)
-        else:
+        elif name in ("allreduce", "powersgd"):  # a bucket's one allreduce (PowerSGD: P, Q)
+            share = math.prod(shape) * c.dtype_bytes / DP_BUCKET_BYTES
+            secs += sum(mesh.collective("allreduce", "d", b, share) for b in msgs)
+        else:  # per-tensor segments (the compressors' default granularity, "layer")
             secs += sum(mesh.collective("allreduce", "d", b) for b in msgs)
         secs += _encode_seconds(name, shape, mesh)
         if name == "topk" or (name == "powersgd" and len(msgs) == 2):

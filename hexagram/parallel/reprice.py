@@ -32,6 +32,7 @@ from hexagram.parallel.graph import Layer, ModelGraph
 from hexagram.parallel.inter import step_time, transfer_time
 from hexagram.parallel.intra import evaluate
 from hexagram.parallel.plans import Plan, StagePlan
+from hexagram.parallel.relax_cost import frozen_options
 
 __all__ = ["breakdown", "price", "stage_latencies"]
 
@@ -86,7 +87,7 @@ def stage_latencies(graph: ModelGraph, plan: Plan, cluster: Cluster) -> list[flo
         sub = _submesh(st.dp * st.tp, cluster)
         mesh = Mesh(cluster=cluster, d=st.dp, t=st.tp, b=b_mb // st.dp,
                     microbatches=plan.microbatches, spans_hosts=sub.hosts > 1,
-                    dp_algorithm=st.dp_algorithm)
+                    dp_algorithm=st.dp_algorithm, dp_options=frozen_options(st.dp_options))
         start, end = st.layers
         total = sum(evaluate(layer, mesh, _layer_picks(layer, mesh, st)).time
                     for layer in graph.layers[start:end])
