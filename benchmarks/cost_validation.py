@@ -39,19 +39,19 @@ from typing import Any
 
 import bucket_rounds  # benchmarks/bucket_rounds.py, beside this script
 import torch
+from cost_validation_report import markdown  # beside this script
 
 from hexagram.algorithms import registry
 from hexagram.bench.harness import LoopbackLab, machine_info, run_series
 from hexagram.bench.lab import LabConfig, NetworkLab
 from hexagram.bench.report import summarize_outcome
 from hexagram.bench.workload import ModelSpec, build_workload
-from hexagram.cost import choose
 from hexagram.cost.measure import local_costs, static_profile
 from hexagram.cost.model import predict
 from hexagram.cost.own_work import job_compute, optimizer_extra_s
 from hexagram.cost.probe import NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile, TreeCost
-from hexagram.cost.retest import compare, spearman
+from hexagram.cost.retest import compare
 from hexagram.cost.retest import markdown as compare_markdown
 from hexagram.cost.schedule import TensorSpec
 from hexagram.cost.task import load_probe, run_in_lab
@@ -219,73 +219,6 @@ def _run_model(args: argparse.Namespace, lab: Any, cfg: LabConfig, bandwidth: st
     return {"cells": cells, "auto": auto}
 
 
-def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = [c for c in cells if c.get("error") is None]
-    if not ok:
-        return {}
-    errs = [abs(c["rel_error"]) for c in ok]
-    worst = max(ok, key=lambda c: abs(c["rel_error"]))
-    return {"median_abs_error": statistics.median(errs), "worst": worst["algorithm"],
-            "worst_error": worst["rel_error"],
-            "spearman": spearman([c["predicted_s"] for c in ok], [c["measured_s"] for c in ok])}
-
-
-def markdown(report: dict[str, Any]) -> str:
-    lines = []
-    for setting in report["settings"]:
-        for model, res in setting["models"].items():
-            if res["cells"]:  # --only-buckets runs no validation cells
-                lines += _cell_lines(setting["bandwidth"], model, res["cells"])
-            lines.append(_auto_line(res))
-            lines.append(_bucket_lines(res.get("buckets"), setting["bandwidth"]))
-    return "\n".join(lines)
-
-
-def _cell_lines(bandwidth: str, model: str, cells: list[dict[str, Any]]) -> list[str]:
-    s = summary(cells)
-    lines = [f"\n#### {bandwidth}, {model}: median |error| "
-             f"{100 * s.get('median_abs_error', float('nan')):.0f} %, worst "
-             f"{s.get('worst')} {100 * s.get('worst_error', float('nan')):+.0f} %, "
-             f"Spearman {s.get('spearman', float('nan')):.2f}\n",
-             "| algorithm | predicted s | measured s | error | wire MB predicted "
-             "| wire MB reported | compute / compression / exposed (s) |",
-             "|---|---|---|---|---|---|---|"]
-    for c in cells:
-        if c.get("error"):
-            lines.append(f"| {c['algorithm']} | failed: {c['error'][:80]} | | | | | |")
-            continue
-        parts = " / ".join(f"{x:.3f}" for x in c["parts"])
-        lines.append(f"| {c['algorithm']} | {c['predicted_s']:.3f} | "
-                     f"{c['measured_s']:.3f} | {100 * c['rel_error']:+.0f} % | "
-                     f"{c['wire_predicted'] / 1e6:.2f} | "
-                     f"{c['wire_reported'] / 1e6:.2f} | {parts} |")
-    return lines
-
-
-def _auto_line(res: dict[str, Any]) -> str:
-    auto = res.get("auto")
-    ok = [c for c in res["cells"] if c.get("error") is None]
-    if not auto or not ok:
-        return ""
-    if "error" in auto:
-        return f"\nauto: failed: {auto['error'][:200]}\n"
-    best = min(ok, key=lambda c: c["measured_s"])
-    default = {choose.parse_label(label)[0] for label in choose.DEFAULT}
-    cand = min((c for c in ok if c["algorithm"] in default), key=lambda c: c["measured_s"],
-               default=best)
-    chose = auto.get("decision") or {}
-    label = f" (chose {chose['label']}, {chose.get('bucket_bytes', 0) / 2**20:g} MB buckets)" \
-        if chose else ""
-    return (f"\nauto{label}: {auto['measured_s']:.3f} s/step measured; fastest default "
-            f"candidate: {cand['algorithm']} {cand['measured_s']:.3f} s (auto/fastest = "
-            f"{auto['measured_s'] / cand['measured_s']:.2f}); fastest of all: "
-            f"{best['algorithm']} {best['measured_s']:.3f} s\n")
-
-
-def _bucket_lines(study: dict[str, Any] | None, setting: str = "") -> str:
-    return bucket_rounds.markdown(study, setting) if study else ""
-
-
 def measured_config(name: str, started: str) -> dict[str, Any]:
     """The configuration a run started at ``started`` (``"YYYY-mm-dd HH:MM:SS UTC"``)
     measured for ``name``: the bench's (:data:`CONFIG`), with the defaults of the time
@@ -366,7 +299,8 @@ def _compare_main(pair: list[str], out: Path) -> int:
     return 0
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line (module doc)."""
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--bandwidth", default="10mbit,100mbit,1gbit,unshaped")
     a.add_argument("--models", default="mlp,gpt,cnn")
@@ -404,7 +338,11 @@ def main() -> int:
                    help="no lab: test-retest of two runs' validation.json files (each may "
                         "be several, comma-separated: their settings are joined); the "
                         "table goes to OUT/compare.{md,json}")
-    args = a.parse_args()
+    return a
+
+
+def main() -> int:
+    args = _parser().parse_args()
     if args.compare:
         return _compare_main(args.compare, Path(args.out))
     if args.repredict:

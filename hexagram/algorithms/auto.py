@@ -46,11 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hexagram.algorithms import auto_tune
+from hexagram.algorithms import auto_trials, auto_tune
 from hexagram.algorithms.auto_config import AutoConfig
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket
-from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.cost import choose, measure
@@ -58,7 +57,6 @@ from hexagram.cost.model import MB, Prediction
 from hexagram.cost.probe import NetworkProfile, probe
 from hexagram.cost.profile import CompressorCost, ComputeProfile
 from hexagram.cost.recorder import DriftWatch, StepRecorder
-from hexagram.cost.schedule import is_lossy
 from hexagram.errors import ConfigError
 
 __all__ = ["AutoAlgorithm", "AutoConfig"]
@@ -149,41 +147,20 @@ class AutoAlgorithm(Algorithm):
     # -- deciding ------------------------------------------------------------------------
     def _decide(self, compute: ComputeProfile, provisional: bool = False) -> Prediction:
         """Predict every candidate; rank 0's trials (:func:`choose.trials`) are broadcast
-        and the first one is the pick."""
+        and the first one is the pick (:mod:`~hexagram.algorithms.auto_trials`)."""
         assert self.network is not None and self._control is not None
-        # the engine built its buckets for a gradient algorithm: the provisional choice is one
-        pool = [(label, a) for label, a in self.candidates
-                if not provisional or a.kind == "grad"]
-        preds = choose.predict_all(pool, compute, self.network, self.costs,
-                                   self.config.bucket_mb)
-        exact = [lb for lb, a in self.candidates if not is_lossy(a)]
-        trials = auto_tune.trials(preds, self.flags, exact, compute, self.config)
-        if not trials:
-            raise ConfigError(f"auto: no applicable candidate is a drop-in for the optimizer's "
-                              f"learning rate ({self.flags}); add 'allreduce' to candidates")
-        self._trials = self._agree(trials)
+        preds, trials = auto_trials.shortlist(self.candidates, compute, self.network,
+                                              self.costs, self.flags, self.config, provisional)
+        self._trials = auto_trials.agree(self._control, [lb for lb, _ in self.candidates],
+                                         trials, self.config.tune_buckets)
         self._predicted = {t: next(p for p in preds if (p.label, p.bucket_bytes) == t)
                            for t in self._trials}
         pick = self._predicted[self._trials[0]]
         if not provisional:
-            why = choose.reason(pick, preds, self.network.notes)
-            self.table = choose.format_table(preds, pick.label, why, flags=self.flags)
-            self.decision = {"label": pick.label, "predicted_s": pick.step_s, "reason": why,
-                             "wire_bytes": pick.wire_bytes, "bucket_bytes": pick.bucket_bytes,
-                             "excluded": dict(self.flags)}
+            self.table, self.decision = auto_trials.record(pick, preds, self.network.notes,
+                                                           self.flags)
             self._say("auto: decision\n" + self.table)
         return pick
-
-    def _agree(self, trials: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        """Rank 0's trials, on every rank (probes differ a little)."""
-        assert self._control is not None
-        labels = [lb for lb, _ in self.candidates]
-        flat = [v for label, size in trials for v in (labels.index(label), size)]
-        msg = torch.tensor([len(trials), *flat, *[0] * (2 * self.config.tune_buckets
-                                                         - len(flat))], dtype=torch.int64)
-        primitives.broadcast(self._control, [msg], src=0).wait()
-        pairs = msg[1:1 + 2 * int(msg[0])].view(-1, 2).tolist()
-        return [(labels[i], size) for i, size in pairs]
 
     def switch(self, label: str, bucket_bytes: int | None = None) -> None:
         """Run ``label`` (a candidate) from the next forward, with ``bucket_bytes`` buckets
@@ -329,13 +306,8 @@ class AutoAlgorithm(Algorithm):
                 if nxt != (self.label, self._bucket):
                     self._adopt(*nxt)
             return
-        times = torch.tensor(self._tuned, dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self._control.group)
-        score = auto_tune.scores(times.tolist(), self._plan, len(self._trials))
-        lossy = {lb: is_lossy(a) for lb, a in self.candidates}
-        noise = auto_tune.spread(times.tolist(), self._plan, len(self._trials))
-        label, bucket = self._trials[auto_tune.pick(self._trials, score, lossy, self.config,
-                                                    noise)]
+        (label, bucket), score = auto_trials.best(self._control, self._tuned, self._plan,
+                                                  self._trials, self.candidates, self.config)
         if (label, bucket) != (self.label, self._bucket):
             self._adopt(label, bucket)
         self._record_tuned(label, bucket, score)
@@ -345,13 +317,8 @@ class AutoAlgorithm(Algorithm):
         tuned = auto_tune.named(self._trials, score)
         one = len({lb for lb, _ in self._trials}) == 1
         assert self.decision is not None
-        if label != self.decision["label"]:  # measured faster than the model's pick
-            pred = self._predicted[(label, bucket)]
-            self.decision.update(label=label, predicted_s=pred.step_s,
-                                 wire_bytes=pred.wire_bytes, reason=(
-                                     f"measured best of {len(tuned)} predicted within "
-                                     f"{self.config.tie:.0%}; " + self.decision["reason"]))
-        self.decision.update(bucket_bytes=bucket, tuned=tuned)
+        auto_trials.retimed(self.decision, self._predicted[(label, bucket)], tuned,
+                            self.config.tie)
         self._watcher.restart()
         self._say(f"auto: timed {tuned} s/step ({len(self._tuned)} steps, "
                   f"{'medians of turns' if one else 'best step of each'}) -> {label} at "

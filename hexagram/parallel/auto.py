@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from hexagram.parallel.overheads import model_compute_scale
 from hexagram.parallel.planner import plan
 from hexagram.parallel.plans import Plan
 from hexagram.parallel.runner import ParallelModel
+
+if TYPE_CHECKING:
+    from hexagram.runtime import Runtime
 
 __all__ = ["auto", "measure_cluster"]
 
@@ -71,38 +74,62 @@ def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None 
     import hexagram as hx
 
     rt = hx.init()
+    per_host = _ranks_per_host(rt)
+    with_model = model is not None and example_inputs is not None
+    figures = _job_figures(rt, dtype, model if with_model else None, example_inputs, targets)
+    if memory_gb is None:
+        memory_gb = _device_memory_gb(rt)
+    cluster = _cluster_of(figures, rt.world_size // per_host, per_host, dtype, memory_gb)
+    return with_model_figures(cluster, figures)
+
+
+def _ranks_per_host(rt: Runtime) -> int:
+    """The job's ranks per host, checked: the same power of two on every host."""
     per_host = rt.local_world_size
     if rt.world_size % per_host or per_host & (per_host - 1):
         raise HexagramError(f"auto needs the same power-of-two number of ranks on every "
                             f"host, got {rt.world_size} ranks with {per_host} on this one; "
                             f"build a Cluster by hand and pass cluster=")
-    with_model = model is not None and example_inputs is not None
-    if rt.world_size == 1:  # no links, no parallel machinery to measure
-        figures = {**measure_compute(dtype, device=rt.device, stat="median"),
-                   "latency_us": 0.0, "gbps": 100.0}
-        if with_model:
-            assert model is not None
-            figures.update(model_compute_scale(model, example_inputs, targets,
-                                               calibrated(figures, 1, dtype)))
-    else:
-        figures = measure_job(dtype, model=model if with_model else None,
-                              inputs=example_inputs, targets=targets)
-    if memory_gb is None:
-        memory_gb = (torch.cuda.get_device_properties(rt.device).total_memory / 1e9
-                     if rt.device.type == "cuda" else 4.0)
+    return per_host
+
+
+def _job_figures(rt: Runtime, dtype: torch.dtype, model: nn.Module | None,
+                 example_inputs: Any, targets: Any) -> dict[str, Any]:
+    """The calibration figures of the running job (collective); ``model`` None: without
+    the model's own step. One rank has no links and no parallel machinery to measure."""
+    if rt.world_size > 1:
+        return measure_job(dtype, model=model, inputs=example_inputs, targets=targets)
+    figures = {**measure_compute(dtype, device=rt.device, stat="median"),
+               "latency_us": 0.0, "gbps": 100.0}
+    if model is not None:
+        figures.update(model_compute_scale(model, example_inputs, targets,
+                                           calibrated(figures, 1, dtype)))
+    return figures
+
+
+def _device_memory_gb(rt: Runtime) -> float:
+    """The GPU's total memory, or 4 GB per CPU rank."""
+    if rt.device.type == "cuda":
+        return torch.cuda.get_device_properties(rt.device).total_memory / 1e9
+    return 4.0
+
+
+def _cluster_of(figures: dict[str, Any], hosts: int, per_host: int, dtype: torch.dtype,
+                memory_gb: float) -> Cluster:
+    """The measured figures as a :class:`Cluster`: one link for inside and between hosts,
+    the framework overheads where measured (before the model's figures)."""
     keys = ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us")
     overheads: dict[str, Any] = {k: figures[k] for k in keys if k in figures}
-    cluster = Cluster(hosts=rt.world_size // per_host, devices_per_host=per_host,
-                      intra_host_gbps=figures["gbps"], inter_host_gbps=figures["gbps"],
-                      intra_latency_us=figures["latency_us"],
-                      inter_latency_us=figures["latency_us"],
-                      device_tflops=figures["device_tflops"],
-                      memory_gbps=figures["memory_gbps"],
-                      op_overhead_us=figures["op_overhead_us"],
-                      dtype_bytes=torch.empty((), dtype=dtype).element_size(),
-                      device_memory_gb=memory_gb,
-                      **overheads)
-    return with_model_figures(cluster, figures)
+    return Cluster(hosts=hosts, devices_per_host=per_host,
+                   intra_host_gbps=figures["gbps"], inter_host_gbps=figures["gbps"],
+                   intra_latency_us=figures["latency_us"],
+                   inter_latency_us=figures["latency_us"],
+                   device_tflops=figures["device_tflops"],
+                   memory_gbps=figures["memory_gbps"],
+                   op_overhead_us=figures["op_overhead_us"],
+                   dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+                   device_memory_gb=memory_gb,
+                   **overheads)
 
 
 def auto(model: nn.Module, example_inputs: Any, constraints: Constraints | None = None,
