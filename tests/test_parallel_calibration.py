@@ -102,8 +102,11 @@ def test_calibration_measures_the_overheads_on_two_ranks() -> None:
     for key in ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us",
                 "step_overhead_us", "latency_us", "op_overhead_us"):
         assert math.isfinite(figures[key]) and figures[key] >= 0.0, key
-    # DTensor's dispatch costs more than the bare formulas on any CPU (milliseconds here);
-    # the pipelining slope is a small difference of timings that noise can take to 0
-    assert figures["tp_overhead_us"] > 0.0
+    # FSDP2's per-unit work costs more than its bare collectives on any CPU (3-6 ms per
+    # unit in every 2-rank calibration on record). DTensor's residual is not asserted > 0:
+    # it is what remains after the allreduces priced with the fitted latency, and a high
+    # latency fit leaves 0 (it did in 1 of 3 runs); the pipelining slope is a small
+    # difference of timings that noise can take to 0, too
+    assert figures["zero_overhead_us"] > 0.0
     cluster = calibrated(figures, 2, torch.float64)
     assert cluster.tp_overhead_us == figures["tp_overhead_us"] and cluster.dtype_bytes == 8
