@@ -265,7 +265,8 @@ def _during(world: int, rows: list[dict[str, Any]], figures: dict[str, float],
 
     scale = reference_s * 1e3 / figures["model_predicted_ms"]
     cluster = with_model_figures(model_cluster(figures, world, scaled=False),
-                                 {"compute_scale": scale, "cores": figures.get("cores", 0.0)})
+                                 {"compute_scale": scale, "cores": figures.get("cores", 0.0),
+                                  "dp_sync_scale": figures.get("dp_sync_scale", 0.0)})
     ratios = {r["name"]: r["measured_ms"] / (price(_graph(), Plan.from_json(r["plan"]),
                                                    cluster) * 1e3) for r in rows}
     print(f"# {world} ranks, diagnostic: reference step during the rounds "
@@ -335,6 +336,9 @@ def _brief(f: dict[str, float]) -> str:
     if "work_scale" in f:
         scale += (f"; whole batch per rank {f['model_step_whole_batch_ms']:.1f} ms: work "
                   f"scale {f['work_scale']:.2f}, per-operator scale {f['op_scale']:.2f}")
+    if "dp_sync_ms" in f:
+        scale += (f"; dp sync of the model's gradients {f['dp_sync_ms']:.1f} ms = "
+                  f"{f['dp_sync_scale']:.2f}x its alpha-beta price")
     return (f"{f['device_tflops'] * 1e3:.1f} GFLOP/s, {f['op_overhead_us']:.0f} us/op, link "
             f"{f['latency_us']:.0f} us + {f['gbps']:.2f} Gbit/s, DTensor "
             f"{f['tp_overhead_us']:.0f} us/linear, FSDP2 {f['zero_overhead_us']:.0f} us/unit, "

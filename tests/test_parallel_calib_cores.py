@@ -157,3 +157,5 @@ def test_model_shaped_calibration_on_two_ranks() -> None:
         assert math.isfinite(figures[key]) and figures[key] >= 0.0, key
     assert 0.0 < figures["gbps"] < 1e4  # a fitted rate, not the clipped 1e7 of old
     assert 1.0 <= figures["cores"] <= 2.0
+    # the model's own gradient sync, timed: positive, and its scale reproduces it
+    assert figures["dp_sync_ms"] > 0.0 and figures["dp_sync_scale"] > 0.0

@@ -10,7 +10,6 @@ from torch import nn
 
 from hexagram.launch import run_local
 from hexagram.parallel import Cluster, Constraints, capture, gpt, plan_graph
-from hexagram.parallel.apply import grad_buckets
 from hexagram.parallel.calibrate import calibrated, job_worker
 from hexagram.parallel.cost import Mesh, strategies
 from hexagram.parallel.graph import ModelGraph
@@ -70,15 +69,6 @@ def test_data_parallel_sync_pays_its_bucket_share_of_one_latency() -> None:
         assert sync(layer) == pytest.approx(2e-3 * nbytes / DP_BUCKET_BYTES + nbytes / 1e9)
 
 
-def test_grad_buckets_group_per_dtype_up_to_the_cap() -> None:
-    f64 = [torch.zeros(10, dtype=torch.float64) for _ in range(3)]  # 80 bytes each
-    f32 = torch.zeros(40, dtype=torch.float32)  # 160 bytes: over the cap, alone
-    buckets = grad_buckets([f64[0], f32, f64[1], f64[2]], cap=150)
-    assert [[id(t) for t in b] for b in buckets] == [[id(f32)], [id(f64[0]), id(f64[1])],
-                                                     [id(f64[2])]]
-    assert [len(b) for b in grad_buckets(f64)] == [3]  # the default cap: one bucket
-
-
 def test_measured_dtensor_overhead_steers_the_planner_off_tensor_parallelism() -> None:
     graph = _gpt_graph()
     # the replicated training state does not fit 50 MB, so the choice is tensor parallel
@@ -102,11 +92,9 @@ def test_calibration_measures_the_overheads_on_two_ranks() -> None:
     for key in ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us",
                 "step_overhead_us", "latency_us", "op_overhead_us"):
         assert math.isfinite(figures[key]) and figures[key] >= 0.0, key
-    # FSDP2's per-unit work costs more than its bare collectives on any CPU (3-6 ms per
-    # unit in every 2-rank calibration on record). DTensor's residual is not asserted > 0:
-    # it is what remains after the allreduces priced with the fitted latency, and a high
-    # latency fit leaves 0 (it did in 1 of 3 runs); the pipelining slope is a small
-    # difference of timings that noise can take to 0, too
-    assert figures["zero_overhead_us"] > 0.0
+    # no residual is asserted > 0: each is what remains of a timing after the collectives
+    # priced with the fitted latency, and on these small default layers a high latency fit
+    # leaves 0 (DTensor's did in 1 of 3 runs, FSDP2's in 1 of 2); the model-shaped
+    # calibration (test_parallel_calib_cores.py) and the planner page measure their sizes
     cluster = calibrated(figures, 2, torch.float64)
     assert cluster.tp_overhead_us == figures["tp_overhead_us"] and cluster.dtype_bytes == 8

@@ -47,15 +47,16 @@ from torch.distributed.tensor.parallel import (
 
 from hexagram.comm.device import group_device
 from hexagram.errors import HexagramError
+from hexagram.parallel.dpsync import allreduce_mean
 from hexagram.parallel.hetero import CrossMeshPipeline
-from hexagram.parallel.plans import DP_BUCKET_BYTES, Plan, StagePlan
+from hexagram.parallel.plans import Plan, StagePlan
 from hexagram.parallel.runner import ParallelModel
 from hexagram.parallel.split import boundaries, split_stages
 from hexagram.parallel.zero import apply_zero, fsdp_managed
 from hexagram.runtime import get_runtime, is_initialized
 
 __all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "apply_zero", "check_executable",
-           "default_loss", "grad_buckets", "is_heterogeneous", "parallelize", "sync_gradients"]
+           "default_loss", "is_heterogeneous", "parallelize", "sync_gradients"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -159,25 +160,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def grad_buckets(grads: list[torch.Tensor], cap: int = DP_BUCKET_BYTES
-                 ) -> list[list[torch.Tensor]]:
-    """``grads`` in order, grouped per dtype and device into buckets of about ``cap`` bytes
-    (a bucket closes once it reaches the cap; a larger tensor fills one on its own)."""
-    open_: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], int]] = {}
-    done: list[list[torch.Tensor]] = []
-    for g in grads:
-        key = (g.dtype, g.device)
-        members, size = open_.get(key, ([], 0))
-        members.append(g)
-        size += g.numel() * g.element_size()
-        if size >= cap:
-            done.append(members)
-            open_.pop(key, None)
-        else:
-            open_[key] = (members, size)
-    return done + [m for m, _ in open_.values()]
-
-
 def sync_gradients(module: nn.Module, stage: StagePlan, group: dist.ProcessGroup) -> None:
     """Average gradients over the stage's data-parallel ranks (``group``), one allreduce per
     bucket of :data:`~hexagram.parallel.plans.DP_BUCKET_BYTES` (not one per tensor: each
@@ -193,14 +175,7 @@ def sync_gradients(module: nn.Module, stage: StagePlan, group: dist.ProcessGroup
     managed = fsdp_managed(module)
     grads = [_local(p.grad) for p in module.parameters()
              if p.grad is not None and id(p) not in managed]
-    for bucket in grad_buckets(grads):  # the same order on every rank (module order)
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)
-        flat.div_(stage.dp)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    allreduce_mean(grads, group, stage.dp)  # module order: the same on every rank
 
 
 def _groups(plan: Plan, rank: int, device: torch.device

@@ -193,7 +193,9 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
     job's batch; ``targets`` None: the output's sum is the loss) the overheads are
     measured on layers of the model's own shape and the model's step is measured too
     (:func:`~hexagram.parallel.overheads.model_compute_scale`: ``compute_scale`` and
-    ``cores``). Values are the median over ranks, the same on every rank.
+    ``cores``), and so is its exact data-parallel gradient sync
+    (:func:`~hexagram.parallel.dpsync.measure_dp_sync`: ``dp_sync_ms``,
+    ``dp_sync_scale``). Values are the median over ranks, the same on every rank.
 
     Example:
         >>> figures = measure_job(torch.float64, model=model, inputs=x)   # doctest: +SKIP
@@ -202,6 +204,8 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
     """
     import torch.distributed as dist
 
+    from hexagram.comm.device import group_device
+    from hexagram.parallel.dpsync import measure_dp_sync
     from hexagram.parallel.overheads import (
         framework_overheads,
         model_compute_scale,
@@ -219,7 +223,9 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
     dist.all_gather_object(every, mine)
     out = {k: statistics.median(r[k] for r in every) for k in mine}
     if model is not None:
-        out.update(model_compute_scale(model, inputs, targets, calibrated(out, world, dtype)))
+        cluster = calibrated(out, world, dtype)
+        out.update(model_compute_scale(model, inputs, targets, cluster))
+        out.update(measure_dp_sync(model, cluster, group_device(None)))
     return out
 
 
@@ -249,8 +255,9 @@ def calibrated(measured: dict[str, float], devices: int, dtype: torch.dtype) -> 
 def with_model_figures(cluster: Cluster, measured: dict[str, float]) -> Cluster:
     """``cluster`` with the model's measured step applied, where ``measured`` has it: the
     compute fields scaled by ``work_scale`` and ``op_scale`` (measured at two batch sizes;
-    else by ``compute_scale``) and ``cores_per_host`` set from ``cores``
-    (one host; below the ranks per host: they share cores). Without them: unchanged.
+    else by ``compute_scale``), ``cores_per_host`` set from ``cores`` (one host; below
+    the ranks per host: they share cores) and ``dp_sync_scale`` from the timed gradient
+    sync. Without them: unchanged.
 
     Example:
         >>> c = with_model_figures(Cluster(devices_per_host=4, device_tflops=1.0),
@@ -267,6 +274,8 @@ def with_model_figures(cluster: Cluster, measured: dict[str, float]) -> Cluster:
     cores = measured.get("cores", 0.0)
     if cluster.hosts == 1 and 1 <= cores < cluster.devices_per_host:
         cluster = cluster.replace(cores_per_host=float(cores))
+    if measured.get("dp_sync_scale", 0.0) > 0:  # the model's own gradient sync, timed
+        cluster = cluster.replace(dp_sync_scale=float(measured["dp_sync_scale"]))
     return cluster
 
 

@@ -73,6 +73,10 @@ class Cluster:
             ``devices_per_host`` => the compute fields are taken as measured with every
             rank busy, and a pipeline whose ranks idle in the bubble runs faster
             (:func:`~hexagram.parallel.inter.step_time`).
+        dp_sync_scale: measured / priced seconds of the executor's bucketed gradient
+            allreduce (:func:`~hexagram.parallel.dpsync.measure_dp_sync`, the model's own
+            gradients on the job's ranks); multiplies the exact data-parallel sync's
+            price. 1 => the alpha-beta price as is (every hand-written Cluster).
         dtype_bytes: bytes per element of parameters, gradients and activations.
         optimizer_bytes: optimizer state bytes per parameter (Adam fp32 master + m + v: 12).
     """
@@ -92,6 +96,7 @@ class Cluster:
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
     cores_per_host: float = 0.0
+    dp_sync_scale: float = 1.0
     dtype_bytes: int = 2
     optimizer_bytes: int = 12
 
@@ -102,7 +107,7 @@ class Cluster:
             raise ConfigError(f"Cluster.devices_per_host must be a power of two (submeshes "
                               f"(1, 2^k) tile a host), got {self.devices_per_host}")
         for name in ("intra_host_gbps", "inter_host_gbps", "device_memory_gb", "device_tflops",
-                     "memory_gbps"):
+                     "memory_gbps", "dp_sync_scale"):
             check_float(self, name, low=0.0, low_open=True)
         for name in ("intra_latency_us", "inter_latency_us", "op_overhead_us", "tp_overhead_us",
                      "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us"):

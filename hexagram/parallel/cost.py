@@ -106,8 +106,8 @@ def _param_costs(op: Op, mesh: Mesh, psplit: int, zero: bool,
         sync, extra = sync_cost(op, in_elems, mesh, psplit)
         return sync / mesh.microbatches, state + extra
     if not zero or mesh.d == 1:  # the executor's buckets: a latency per DP_BUCKET_BYTES
-        return mesh.collective("allreduce", "d", pbytes, pbytes / DP_BUCKET_BYTES) \
-            / mesh.microbatches, state
+        sync = mesh.collective("allreduce", "d", pbytes, pbytes / DP_BUCKET_BYTES)
+        return sync * c.dp_sync_scale / mesh.microbatches, state
     # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients once;
     # the module is one FSDP unit (its tensors travel flattened together)
     per_mb = 2 * mesh.collective("allgather", "d", pbytes) + c.zero_overhead_us * 1e-6
