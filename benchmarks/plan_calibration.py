@@ -102,17 +102,19 @@ def executable(cluster: Cluster, world: int) -> tuple[dict[str, Plan], list[str]
 
 
 def _timed(run: tuple[Any, torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor,
-           steps: int) -> list[float]:
+           steps: int, untimed: int = 0) -> list[float]:
     """Seconds of ``steps`` training steps (forward + backward + sync, as the cost model
-    prices; the SGD update is outside the timing), between barriers."""
+    prices; the SGD update is outside the timing), between barriers, after ``untimed``
+    steps that are run but not timed."""
     pm, opt = run
     times = []
-    for _ in range(steps):
+    for k in range(untimed + steps):
         dist.barrier()
         start = time.perf_counter()
         pm.train_step(x, y)
         dist.barrier()
-        times.append(time.perf_counter() - start)
+        if k >= untimed:
+            times.append(time.perf_counter() - start)
         opt.step()
         opt.zero_grad()
     return times
@@ -189,7 +191,9 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, run in models.items():
-            times[name] += _timed(run, x, y, steps)
+            # the first step after switching plans runs on caches the other plans
+            # filled: untimed, so each plan is timed warm, as it runs when it trains alone
+            times[name] += _timed(run, x, y, steps, untimed=1)
     after = measure_job(SPEC.dtype, model=build(SPEC)[0], inputs=x, targets=y)
     return {"figures": figures, "figures_after": after, "times": times,
             "plans": {n: plans[n].to_json(indent=None) for n in models if n in plans},
@@ -382,8 +386,8 @@ def main() -> None:
     print(f"# machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, "
           f"torch {torch.__version__}; GPT {SPEC.layers} blocks, hidden {SPEC.hidden}, seq "
           f"{SPEC.seq}, vocab {SPEC.vocab}, batch {SPEC.batch}, float64; "
-          f"{args.warmup} warm-up steps, then {args.rounds} rounds x {args.steps} timed steps "
-          f"of every plan in turn")
+          f"{args.warmup} warm-up steps, then {args.rounds} rounds x (1 untimed + "
+          f"{args.steps} timed) steps of every plan in turn")
     print(_HEADER)
     results = [run_world(w, args.warmup, args.rounds, args.steps) for w in args.worlds]
     _summary(results)
