@@ -24,7 +24,7 @@ from hexagram.parallel.cluster import Cluster
 
 __all__ = ["LINK_SIZES", "calibrated", "calibrated_cluster", "fit_alpha_beta", "fit_links",
            "interleaved", "job_worker", "link_worker", "measure_compute", "measure_job",
-           "measure_links", "with_model_figures"]
+           "measure_links", "synchronous_time", "with_model_figures"]
 
 
 def _best_time(fn: Callable[[], object], repeat: int, stat: str = "min") -> float:
@@ -121,6 +121,29 @@ def interleaved(fns: list[Callable[[], object]], repeat: int, group: object = No
             if turn:
                 out[k].append(time.perf_counter() - start)
     return out
+
+
+def synchronous_time(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of ``fn`` as a plan's step runs it (collective): every rank starts
+    each call at a barrier and the call lasts until the slowest rank is done (per call,
+    the max over ranks), after one warm-up call. Ranks sharing cores do not finish
+    together, and a step waits for the last of them; a per-rank median would miss it.
+
+    Example:
+        >>> synchronous_time(lambda: model(x).sum().backward(), 7)   # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    fn()
+    mine = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        mine.append(time.perf_counter() - start)
+    every: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, mine)
+    return statistics.median(max(r[k] for r in every) for k in range(repeat))
 
 
 #: allreduce sizes (float64 elements) of the link fit: the largest, 8 MB, takes ~10-20 ms

@@ -16,9 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -65,8 +62,9 @@ def allreduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, r
 def measure_dp_sync(model: nn.Module, cluster: Cluster, device: torch.device,
                     repeat: int = 7) -> dict[str, float]:
     """Collective over the job: :func:`allreduce_mean` of gradients shaped as ``model``'s
-    parameters (those that train), over every rank, ``repeat`` times between barriers.
-    Returns ``dp_sync_ms`` (median per rank, the slowest rank) and ``dp_sync_scale``:
+    parameters (those that train), over every rank, ``repeat`` times from a barrier.
+    Returns ``dp_sync_ms`` (per call the slowest rank, the median over calls:
+    :func:`~hexagram.parallel.calibrate.synchronous_time`) and ``dp_sync_scale``:
     that, over ``cluster``'s price of the same sync (one world-sized ``d`` axis). One rank:
     ``{}``.
 
@@ -75,6 +73,7 @@ def measure_dp_sync(model: nn.Module, cluster: Cluster, device: torch.device,
         ... # doctest: +SKIP
         {'dp_sync_ms': 17.3, 'dp_sync_scale': 2.4}
     """
+    from hexagram.parallel.calibrate import synchronous_time
     from hexagram.parallel.cost import Mesh
 
     world = dist.get_world_size()
@@ -82,19 +81,15 @@ def measure_dp_sync(model: nn.Module, cluster: Cluster, device: torch.device,
     if world == 1 or not params:
         return {}
     grads = [torch.zeros(p.shape, dtype=p.dtype, device=device) for p in params]
-    turns = []
-    for _ in range(repeat + 1):  # the first turn warms the buffers up, untimed
-        dist.barrier()
-        start = time.perf_counter()
+
+    def sync() -> None:
         allreduce_mean(grads, None, world)
         if device.type == "cuda":  # NCCL returns before the stream has run
             torch.cuda.synchronize(device)
-        turns.append(time.perf_counter() - start)
-    slowest = torch.tensor(statistics.median(turns[1:]), dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+
+    measured = synchronous_time(sync, repeat)
     nbytes = float(sum(g.numel() * g.element_size() for g in grads))
     priced = Mesh(cluster=cluster, d=world, t=1, b=1, microbatches=1).collective(
         "allreduce", "d", nbytes, nbytes / DP_BUCKET_BYTES)
-    measured = float(slowest)
     return {"dp_sync_ms": measured * 1e3,
             "dp_sync_scale": measured / priced if priced > 0 else 1.0}

@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import statistics
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -137,15 +136,17 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
     """Measured / predicted seconds of one forward + backward of ``model`` (collective:
     every rank calls it with the same model and batch, and they all compute at once).
 
-    Each rank runs ``repeat`` steps back to back on its share of the batch (``batch //
-    world`` samples), long enough for ranks that share a core to slow each other; the
-    median step, median over ranks, is divided by the cost model's prediction of the same
-    step from ``cluster``'s compute fields (``compute_scale``). With more than one rank the
-    same is timed on the whole batch per rank (what a rank computes when the plan
-    replicates a layer over tensor-parallel ranks), and the two points split the scale
-    (:func:`split_scale`): ``work_scale`` for the roofline's rate terms, which grow with the
-    batch, ``op_scale`` for its fixed per-operator cost. The loss is ``loss_fn`` (default:
-    cross-entropy, or the output's sum when ``targets`` is None). The model's gradients are
+    Every rank runs ``repeat`` steps on its share of the batch (``batch // world``
+    samples), each started at a barrier, so ranks that share a core slow each other; the
+    median over steps of the slowest rank's step (what a plan's step waits for:
+    :func:`~hexagram.parallel.calibrate.synchronous_time`) is divided by the cost
+    model's prediction of the same step from ``cluster``'s compute fields
+    (``compute_scale``). With more than one rank the same is timed on the whole batch per
+    rank (what a rank computes when the plan replicates a layer over tensor-parallel
+    ranks), and the two points split the scale (:func:`split_scale`): ``work_scale`` for
+    the roofline's rate terms, which grow with the batch, ``op_scale`` for its fixed
+    per-operator cost. The loss is ``loss_fn`` (default: cross-entropy, or the output's
+    sum when ``targets`` is None). The model's gradients are
     cleared and its buffers (e.g. batch-norm statistics) restored afterwards. Also returns
     ``model_step_ms`` (measured), ``model_predicted_ms`` and, for diagnosis,
     ``model_step_alone_ms``: rank 0's step while the other ranks wait (step / alone ~ how
@@ -179,11 +180,12 @@ def _timed(model: nn.Module, inputs: Any, targets: Any,
            loss_fn: Callable[[Any, Any], torch.Tensor] | None, cluster: Cluster,
            batch: int, rows: int, repeat: int, alone: bool = False
            ) -> tuple[float, float, float, float]:
-    """The model's step on ``rows`` samples per rank, every rank at once (median over
-    ranks), rank 0's step alone (when ``alone``), and the roofline's step and its rate
-    part (the same without the per-operator cost)."""
+    """The model's step on ``rows`` samples per rank, every rank at once (the slowest
+    rank's: :func:`~hexagram.parallel.calibrate.synchronous_time`), rank 0's step alone
+    (when ``alone``), and the roofline's step and its rate part (the same without the
+    per-operator cost)."""
     from hexagram.parallel.apply import default_loss
-    from hexagram.parallel.calibrate import _best_time
+    from hexagram.parallel.calibrate import _best_time, synchronous_time
 
     x, y = _share(inputs, batch, rows), _share(targets, batch, rows)
     loss = loss_fn or (default_loss if targets is not None else _output_sum)
@@ -192,14 +194,14 @@ def _timed(model: nn.Module, inputs: Any, targets: Any,
     def step() -> None:
         loss(model(*args), y).backward()
 
-    measured = _median_time(step, repeat)
+    measured = synchronous_time(step, repeat)
     dist.barrier()  # diagnostic: rank 0 alone while the others wait
     solo = _best_time(step, repeat, "median") if alone and dist.get_rank() == 0 else 0.0
     dist.barrier()
-    every: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
-    dist.all_gather_object(every, (measured, solo))
+    every: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(every, solo)
     whole, rate = _predicted_step(model, x, cluster, cluster.replace(op_overhead_us=0.0))
-    return statistics.median(m for m, _ in every), every[0][1], whole, rate
+    return measured, every[0], whole, rate
 
 
 def split_scale(small: tuple[float, float, float], large: tuple[float, float, float]
