@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import platform
@@ -188,6 +189,10 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
     ref = _Reference(world)
     models[REFERENCE] = (ref, torch.optim.SGD(ref.parameters(), lr=0.01))
     _timed(models[REFERENCE], x, y, warmup)
+    # every plan stays alive for the rounds (a training job holds one): the collector's
+    # full passes would walk all of their objects during the steps, so park them
+    gc.collect()
+    gc.freeze()
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, run in models.items():

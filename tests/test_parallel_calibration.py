@@ -98,3 +98,27 @@ def test_calibration_measures_the_overheads_on_two_ranks() -> None:
     # calibration (test_parallel_calib_cores.py) and the planner page measure their sizes
     cluster = calibrated(figures, 2, torch.float64)
     assert cluster.tp_overhead_us == figures["tp_overhead_us"] and cluster.dtype_bytes == 8
+
+
+def test_zero_gradient_reduction_is_priced_as_the_collective_it_runs_as() -> None:
+    g = capture(nn.Sequential(nn.Linear(64, 64)), torch.zeros(4, 64))
+    c = Cluster(hosts=1, devices_per_host=2, intra_latency_us=100.0, intra_host_gbps=8.0,
+                dtype_bytes=4)
+
+    def zero_time(cluster: Cluster, microbatches: int) -> float:
+        mesh = Mesh(cluster=cluster, d=2, t=1, b=2, microbatches=microbatches)
+        return {s.zero: s.time for s in strategies(g.layers[0], 1, mesh)}[True]
+
+    # the per-step reduction is the part divided by the micro-batches: 1 mb minus 2 mbs x 2
+    def reduction(cluster: Cluster) -> float:
+        return 2 * (zero_time(cluster, 1) - zero_time(cluster, 2))
+
+    nbytes = 4 * (64 * 64 + 64)
+    mesh = Mesh(cluster=c, d=2, t=1, b=2, microbatches=1)
+    assert reduction(c) == pytest.approx(mesh.collective("reduce_scatter", "d", nbytes))
+    gloo = calibrated({"gbps": 8.0, "latency_us": 100.0, "device_tflops": 1.0,
+                       "memory_gbps": 10.0, "op_overhead_us": 5.0,
+                       "zero_rs_as_allreduce": 1.0}, 2, torch.float32)
+    assert gloo.zero_grad_collective == "allreduce"
+    # in place, then this rank's slice: twice a reduce-scatter's bytes and latencies
+    assert reduction(gloo) == pytest.approx(2 * reduction(c))

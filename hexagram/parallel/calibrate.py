@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -240,7 +241,9 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
     dist.barrier()
     comp = measure_compute(dtype, stat="median")
     links = fit_links(repeat=max(5, repeat // 2), stat="median")
-    mine = {**comp, **links}
+    # ZeRO's gradient reduce-scatter runs as an allreduce on gloo (parallel/zero.py)
+    mine = {**comp, **links, "zero_rs_as_allreduce": float("gloo" in str(
+        dist.get_backend()).lower())}
     mine.update(framework_overheads(calibrated(mine, world, dtype), dtype, repeat, shape))
     every: list[dict[str, float]] = [{} for _ in range(world)]
     dist.all_gather_object(every, mine)
@@ -262,10 +265,13 @@ def job_worker(dtype: torch.dtype = torch.float64, repeat: int = 15) -> dict[str
 
 def calibrated(measured: dict[str, float], devices: int, dtype: torch.dtype) -> Cluster:
     """A one-host :class:`Cluster` of ``devices`` ranks from :func:`measure_job`'s figures
-    (overheads absent from ``measured`` stay 0; the model's ``compute_scale`` and
-    ``cores`` are not applied: :func:`with_model_figures` does)."""
+    (overheads absent from ``measured`` stay 0; ``zero_rs_as_allreduce``, set on gloo,
+    prices ZeRO's reduce-scatter as the allreduce it runs as; the model's
+    ``compute_scale`` and ``cores`` are not applied: :func:`with_model_figures` does)."""
     keys = ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us")
-    overheads: dict[str, float] = {k: measured[k] for k in keys if k in measured}
+    overheads: dict[str, Any] = {k: measured[k] for k in keys if k in measured}
+    if measured.get("zero_rs_as_allreduce", 0.0) > 0:
+        overheads["zero_grad_collective"] = "allreduce"
     return Cluster(hosts=1, devices_per_host=devices, intra_host_gbps=measured["gbps"],
                    inter_host_gbps=measured["gbps"], intra_latency_us=measured["latency_us"],
                    inter_latency_us=measured["latency_us"],

@@ -77,6 +77,10 @@ class Cluster:
             allreduce (:func:`~hexagram.parallel.dpsync.measure_dp_sync`, the model's own
             gradients on the job's ranks); multiplies the exact data-parallel sync's
             price. 1 => the alpha-beta price as is (every hand-written Cluster).
+        zero_grad_collective: the collective ZeRO's gradient reduction runs as:
+            ``"reduce_scatter"``, or ``"allreduce"`` where the executor reduces in place
+            and keeps its slice (gloo: :class:`~hexagram.parallel.zero.InPlaceReduceScatter`,
+            twice the bytes; the calibration sets it from the job's backend).
         dtype_bytes: bytes per element of parameters, gradients and activations.
         optimizer_bytes: optimizer state bytes per parameter (Adam fp32 master + m + v: 12).
     """
@@ -97,6 +101,7 @@ class Cluster:
     step_overhead_us: float = 0.0
     cores_per_host: float = 0.0
     dp_sync_scale: float = 1.0
+    zero_grad_collective: str = "reduce_scatter"
     dtype_bytes: int = 2
     optimizer_bytes: int = 12
 
@@ -116,6 +121,7 @@ class Cluster:
         if 0 < self.cores_per_host < 1:
             raise ConfigError(f"Cluster.cores_per_host must be 0 (one core per device) or at "
                               f"least 1, got {self.cores_per_host}")
+        check_choice(self, "zero_grad_collective", ("reduce_scatter", "allreduce"))
         check_choice(self, "dtype_bytes", (1, 2, 4, 8))
         check_int(self, "optimizer_bytes", low=0)
 

@@ -111,7 +111,7 @@ def _param_costs(op: Op, mesh: Mesh, psplit: int, zero: bool,
     # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients once;
     # the module is one FSDP unit (its tensors travel flattened together)
     per_mb = 2 * mesh.collective("allgather", "d", pbytes) + c.zero_overhead_us * 1e-6
-    return per_mb + mesh.collective("reduce_scatter", "d", pbytes) / mesh.microbatches, \
+    return per_mb + mesh.collective(c.zero_grad_collective, "d", pbytes) / mesh.microbatches, \
         state / mesh.d
 
 

@@ -146,7 +146,7 @@ def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: in
     pbytes = (width * hidden + hidden) * cluster.dtype_bytes, \
         (hidden * width + width) * cluster.dtype_bytes
     modelled = sum(2 * d_mesh.collective("allgather", "d", b) +
-                   d_mesh.collective("reduce_scatter", "d", b) for b in pbytes)
+                   d_mesh.collective(cluster.zero_grad_collective, "d", b) for b in pbytes)
     return (_median_diff(runs) - modelled) / 2
 
 
