@@ -109,17 +109,26 @@ def test_with_model_figures_sets_cores_only_when_ranks_share_them() -> None:
 
 def test_two_batch_sizes_split_the_scale_into_rate_and_per_operator_parts() -> None:
     """measured = op_scale x ops + work_scale x work at both points, solved by hand; a
-    negative per-operator share falls back to a rate-only fit through the origin; a larger
+    negative per-operator share falls back to a rate-only fit; a larger
     batch measured no slower keeps the one scale of the small point."""
     # ops 20 ms at both sizes, rates 30 -> 120 ms; measured 100 -> 340 ms:
     # work = (340 - 100) / (120 - 30) = 8/3, op = (100 - 8/3 x 30) / 20 = 1
     assert split_scale((0.10, 0.02, 0.03), (0.34, 0.02, 0.12)) == {
         "work_scale": pytest.approx(8 / 3, abs=1e-6), "op_scale": pytest.approx(1.0, abs=1e-6)}
-    # 4x the batch measured 4x the time while the roofline grew 1.7x: per-op share < 0
+    # 4x the batch measured 4x the time while the roofline grew 1.7x: per-op share < 0;
+    # the rate alone fits the relative errors: w = sum(W/m) / sum((W/m)^2)
     got = split_scale((0.10, 0.05, 0.03), (0.40, 0.05, 0.06))
     assert got["op_scale"] == 0.0
-    assert got["work_scale"] == pytest.approx((0.1 * 0.03 + 0.4 * 0.06) / (0.03 ** 2 + 0.06 ** 2),
-                                              abs=1e-6)
+    assert got["work_scale"] == pytest.approx((0.3 + 0.15) / (0.3 ** 2 + 0.15 ** 2), abs=1e-6)
+    # three consistent points (a 2-row micro-batch added) give the same exact scales, and
+    # a noisy one moves the fit less than it would move a two-point solve
+    tiny = (0.02 * 1.0 + 0.0075 * 8 / 3, 0.02, 0.0075)
+    three = split_scale((0.10, 0.02, 0.03), (0.34, 0.02, 0.12), tiny)
+    assert three == {"work_scale": pytest.approx(8 / 3, abs=1e-5),
+                     "op_scale": pytest.approx(1.0, abs=1e-5)}
+    noisy = split_scale((0.10, 0.02, 0.03), (0.34 * 1.1, 0.02, 0.12), tiny)
+    two = split_scale((0.10, 0.02, 0.03), (0.34 * 1.1, 0.02, 0.12))
+    assert abs(noisy["op_scale"] - 1.0) < abs(two["op_scale"] - 1.0)
     assert split_scale((0.10, 0.02, 0.03), (0.09, 0.02, 0.12)) == {"work_scale": 2.0,
                                                                     "op_scale": 2.0}
     c = Cluster(hosts=1, devices_per_host=4, device_tflops=1.0, op_overhead_us=10.0)

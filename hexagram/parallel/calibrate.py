@@ -25,7 +25,7 @@ from hexagram.parallel.cluster import Cluster
 
 __all__ = ["LINK_SIZES", "calibrated", "calibrated_cluster", "fit_alpha_beta", "fit_links",
            "interleaved", "job_worker", "link_worker", "measure_compute", "measure_job",
-           "measure_links", "synchronous_time", "with_model_figures"]
+           "measure_links", "synchronous_time", "synchronous_times", "with_model_figures"]
 
 
 def _best_time(fn: Callable[[], object], repeat: int, stat: str = "min") -> float:
@@ -124,27 +124,28 @@ def interleaved(fns: list[Callable[[], object]], repeat: int, group: object = No
     return out
 
 
-def synchronous_time(fn: Callable[[], object], repeat: int) -> float:
-    """Median seconds of ``fn`` as a plan's step runs it (collective): every rank starts
-    each call at a barrier and the call lasts until the slowest rank is done (per call,
-    the max over ranks), after one warm-up call. Ranks sharing cores do not finish
-    together, and a step waits for the last of them; a per-rank median would miss it.
+def synchronous_times(fns: list[Callable[[], object]], repeat: int) -> list[float]:
+    """Median seconds of each of ``fns`` as a plan's step runs it (collective): in
+    :func:`interleaved` turns, every rank starts each call at a barrier and the call lasts
+    until the slowest rank is done (per call, the max over ranks). Ranks sharing cores do
+    not finish together, and a step waits for the last of them (a per-rank median would
+    miss it); the turns let load that drifts hit every function alike.
 
     Example:
-        >>> synchronous_time(lambda: model(x).sum().backward(), 7)   # doctest: +SKIP
+        >>> small, large = synchronous_times([step_on(2), step_on(16)], 7)  # doctest: +SKIP
     """
     import torch.distributed as dist
 
-    fn()
-    mine = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        mine.append(time.perf_counter() - start)
-    every: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    mine = interleaved(fns, repeat)
+    every: list[list[list[float]]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(every, mine)
-    return statistics.median(max(r[k] for r in every) for k in range(repeat))
+    return [statistics.median(max(r[k][t] for r in every) for t in range(repeat))
+            for k in range(len(fns))]
+
+
+def synchronous_time(fn: Callable[[], object], repeat: int) -> float:
+    """:func:`synchronous_times` of one function."""
+    return synchronous_times([fn], repeat)[0]
 
 
 #: allreduce sizes (float64 elements) of the link fit: the largest, 8 MB, takes ~10-20 ms

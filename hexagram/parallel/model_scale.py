@@ -139,53 +139,57 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
     Every rank runs ``repeat`` steps on its share of the batch (``batch // world``
     samples), each started at a barrier, so ranks that share a core slow each other; the
     median over steps of the slowest rank's step (what a plan's step waits for:
-    :func:`~hexagram.parallel.calibrate.synchronous_time`) is divided by the cost
+    :func:`~hexagram.parallel.calibrate.synchronous_times`) is divided by the cost
     model's prediction of the same step from ``cluster``'s compute fields
-    (``compute_scale``). With more than one rank the same is timed on the whole batch per
-    rank (what a rank computes when the plan replicates a layer over tensor-parallel
-    ranks), and the two points split the scale (:func:`split_scale`): ``work_scale`` for
-    the roofline's rate terms, which grow with the batch, ``op_scale`` for its fixed
-    per-operator cost. The loss is ``loss_fn`` (default: cross-entropy, or the output's
-    sum when ``targets`` is None). The model's gradients are
-    cleared and its buffers (e.g. batch-norm statistics) restored afterwards. Also returns
-    ``model_step_ms`` (measured), ``model_predicted_ms`` and, for diagnosis,
-    ``model_step_alone_ms``: rank 0's step while the other ranks wait (step / alone ~ how
-    much the ranks slow each other), and ``cores``.
+    (``compute_scale``). With more than one rank the same is timed, in interleaved turns,
+    on the whole batch per rank (what a rank computes when the plan replicates a layer over
+    tensor-parallel ranks) and on 2 rows (a pipeline's micro-batch), and the points split
+    the scale (:func:`split_scale`): ``work_scale`` for the roofline's rate terms, which
+    grow with the batch, ``op_scale`` for its fixed per-operator cost. The loss is
+    ``loss_fn`` (default: cross-entropy, or the output's sum when ``targets`` is None).
+    The model's gradients are cleared and its buffers (e.g. batch-norm statistics)
+    restored afterwards. Also returns ``model_step_ms`` (measured), ``model_predicted_ms``
+    and, for diagnosis, ``model_step_alone_ms``: rank 0's step while the other ranks wait
+    (step / alone ~ how much the ranks slow each other), and ``cores``.
 
     Example:
         >>> figs = model_compute_scale(model, x, y, cluster)      # doctest: +SKIP
         >>> figs["compute_scale"] > 1                             # doctest: +SKIP
         True
     """
+    from hexagram.parallel.calibrate import synchronous_times
+
     first = _batched(inputs, "model_compute_scale")
     batch = first.shape[0]
     rows = max(1, batch // dist.get_world_size())
+    # the share, then the whole batch (a layer replicated over tensor-parallel ranks) and a
+    # micro-batch of 2 rows (a pipeline's), where the per-operator cost shows
+    sizes = list(dict.fromkeys((rows, batch, min(rows, 2)))) if rows < batch else [rows]
     with _buffers_kept(model):
-        step_s, alone_s, predicted, work = _timed(model, inputs, targets, loss_fn, cluster,
-                                                  batch, rows, repeat, alone=True)
-        out = {"compute_scale": max(1e-3, step_s / predicted), "model_step_ms": step_s * 1e3,
-               "model_predicted_ms": predicted * 1e3, "model_step_alone_ms": alone_s * 1e3,
-               "cores": _cores(step_s, alone_s, first.device)}
-        if rows < batch:
-            whole_s, _, whole_pred, whole_work = _timed(model, inputs, targets, loss_fn,
-                                                        cluster, batch, batch, repeat)
-            out.update(split_scale((step_s, predicted - work, work),
-                                   (whole_s, whole_pred - whole_work, whole_work)))
-            out["model_step_whole_batch_ms"] = whole_s * 1e3
+        steps: list[Callable[[], object]] = [_step(model, inputs, targets, loss_fn, batch, r)
+                                             for r in sizes]
+        times = synchronous_times(steps, repeat)
+        alone_s = _alone(steps[0], repeat)
+        preds = [_predicted_step(model, _share(inputs, batch, r), cluster,
+                                 cluster.replace(op_overhead_us=0.0)) for r in sizes]
     model.zero_grad(set_to_none=True)
+    step_s, predicted = times[0], preds[0][0]
+    out = {"compute_scale": max(1e-3, step_s / predicted), "model_step_ms": step_s * 1e3,
+           "model_predicted_ms": predicted * 1e3, "model_step_alone_ms": alone_s * 1e3,
+           "cores": _cores(step_s, alone_s, first.device)}
+    if len(sizes) > 1:
+        out.update(split_scale(*((t, whole - rate, rate) for t, (whole, rate) in
+                                 zip(times, preds))))
+        out["model_step_whole_batch_ms"] = times[1] * 1e3
+        out["model_step_2_rows_ms"] = times[sizes.index(min(rows, 2))] * 1e3
     return out
 
 
-def _timed(model: nn.Module, inputs: Any, targets: Any,
-           loss_fn: Callable[[Any, Any], torch.Tensor] | None, cluster: Cluster,
-           batch: int, rows: int, repeat: int, alone: bool = False
-           ) -> tuple[float, float, float, float]:
-    """The model's step on ``rows`` samples per rank, every rank at once (the slowest
-    rank's: :func:`~hexagram.parallel.calibrate.synchronous_time`), rank 0's step alone
-    (when ``alone``), and the roofline's step and its rate part (the same without the
-    per-operator cost)."""
+def _step(model: nn.Module, inputs: Any, targets: Any,
+          loss_fn: Callable[[Any, Any], torch.Tensor] | None, batch: int, rows: int
+          ) -> Callable[[], None]:
+    """Forward + backward of ``model`` on the first ``rows`` samples of the batch."""
     from hexagram.parallel.apply import default_loss
-    from hexagram.parallel.calibrate import _best_time, synchronous_time
 
     x, y = _share(inputs, batch, rows), _share(targets, batch, rows)
     loss = loss_fn or (default_loss if targets is not None else _output_sum)
@@ -193,37 +197,51 @@ def _timed(model: nn.Module, inputs: Any, targets: Any,
 
     def step() -> None:
         loss(model(*args), y).backward()
+    return step
 
-    measured = synchronous_time(step, repeat)
-    dist.barrier()  # diagnostic: rank 0 alone while the others wait
-    solo = _best_time(step, repeat, "median") if alone and dist.get_rank() == 0 else 0.0
+
+def _alone(step: Callable[[], object], repeat: int) -> float:
+    """Rank 0's step while the other ranks wait (a diagnostic of how much ranks sharing
+    cores slow each other), the same on every rank."""
+    from hexagram.parallel.calibrate import _best_time
+
+    dist.barrier()
+    solo = _best_time(step, repeat, "median") if dist.get_rank() == 0 else 0.0
     dist.barrier()
     every: list[float] = [0.0] * dist.get_world_size()
     dist.all_gather_object(every, solo)
-    whole, rate = _predicted_step(model, x, cluster, cluster.replace(op_overhead_us=0.0))
-    return measured, every[0], whole, rate
+    return every[0]
 
 
-def split_scale(small: tuple[float, float, float], large: tuple[float, float, float]
-                ) -> dict[str, float]:
-    """``work_scale`` and ``op_scale`` from two measured steps, each ``(measured s,
-    predicted per-operator s, predicted rate s)``: ``measured = op_scale x ops + work_scale
-    x work`` at both points. A negative per-operator share is taken as 0 (the rate scale
-    then fits both points through the origin); without a rate difference, or when the
-    larger step measured no slower, one scale (the small point's ratio) serves both.
+def split_scale(*points: tuple[float, float, float]) -> dict[str, float]:
+    """``work_scale`` and ``op_scale`` from measured steps at two or more batch sizes, each
+    ``(measured s, predicted per-operator s, predicted rate s)``: ``measured ~ op_scale x
+    ops + work_scale x work``, fitted by least squares on relative errors (each point's
+    error as a share of its step, so a small batch, where the per-operator cost shows,
+    counts as much as a large one; two points are solved exactly). A negative per-operator
+    share is taken as 0 (the rate scale alone then fits the points); when the rate does not
+    grow, or the largest step measured no slower than the smallest, one scale (the first
+    point's ratio) serves both.
 
     Example:
         >>> split_scale((0.10, 0.02, 0.03), (0.34, 0.02, 0.12))
         {'work_scale': 2.666667, 'op_scale': 1.0}
     """
-    (m1, o1, w1), (m2, o2, w2) = small, large
-    single = m1 / max(o1 + w1, 1e-12)
-    det = o1 * w2 - o2 * w1  # the 2 x 2 system [o w] [op work]' = m
-    if w2 - w1 <= 1e-12 or m2 <= m1 or abs(det) <= 1e-18:
-        return {"work_scale": round(single, 6), "op_scale": round(single, 6)}
-    work, op = (o1 * m2 - o2 * m1) / det, (m1 * w2 - m2 * w1) / det
+    m1, o1, w1 = points[0]
+    single = {"work_scale": round(m1 / max(o1 + w1, 1e-12), 6)}
+    single["op_scale"] = single["work_scale"]
+    small, large = min(points, key=lambda p: p[2]), max(points, key=lambda p: p[2])
+    if large[2] - small[2] <= 1e-12 or large[0] <= small[0]:
+        return single
+    a = [o / m for m, o, _ in points]  # per point: o x op + w x work = 1 in relative terms
+    b = [w / m for m, _, w in points]
+    saa, sab, sbb = (sum(x * y for x, y in zip(u, v)) for u, v in ((a, a), (a, b), (b, b)))
+    det = saa * sbb - sab * sab
+    if abs(det) <= 1e-18 * max(saa * sbb, 1e-300):
+        return single
+    op, work = (sbb * sum(a) - sab * sum(b)) / det, (saa * sum(b) - sab * sum(a)) / det
     if op < 0:
-        work, op = (m1 * w1 + m2 * w2) / (w1 * w1 + w2 * w2), 0.0
+        op, work = 0.0, sum(b) / sbb
     return {"work_scale": round(max(work, 1e-3), 6), "op_scale": round(op, 6)}
 
 
