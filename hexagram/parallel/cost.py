@@ -105,7 +105,7 @@ def _param_costs(op: Op, mesh: Mesh, psplit: int, zero: bool,
         from hexagram.parallel.relax_cost import sync_cost
         sync, extra = sync_cost(op, in_elems, mesh, psplit)
         return sync / mesh.microbatches, state + extra
-    if not zero or mesh.d == 1:  # the executor's buckets: a latency per DP_BUCKET_BYTES
+    if not zero or mesh.d == 1:  # in the executor's buckets: a byte share of one latency
         sync = mesh.collective("allreduce", "d", pbytes, pbytes / DP_BUCKET_BYTES)
         return sync * c.dp_sync_scale / mesh.microbatches, state
     # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients once;
