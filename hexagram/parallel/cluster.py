@@ -58,7 +58,8 @@ class Cluster:
         intra_latency_us, inter_latency_us: alpha of one message on each link.
         op_overhead_us: fixed cost per operator launch (kernel launch, Python dispatch).
         tp_overhead_us: per tensor-parallel ``nn.Linear``, forward + backward: DTensor's
-            dispatch and redistribute bookkeeping beyond its collectives' alpha-beta time;
+            dispatch and redistribute bookkeeping beyond its collectives (measured against
+            the same allreduces timed in the same turns);
             higher => tensor parallelism of small operators loses.
         zero_overhead_us: per ZeRO-sharded module and micro-batch: FSDP2's hooks and
             all-gather / reduce-scatter bookkeeping; higher => fewer ZeRO plans.
