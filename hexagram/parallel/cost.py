@@ -63,12 +63,14 @@ class Mesh:
     def collective(self, kind: str, axis: str, nbytes: float, count: float = 1.0) -> float:
         """Seconds of ``count`` collectives of ``nbytes`` in all (full tensors) over mesh axis
         ``"d"``/``"t"``: each pays the latency, the bytes are paid once. A fractional
-        ``count`` is a tensor's share of a bucket's one collective."""
+        ``count`` is a tensor's share of a bucket's one collective. Over ``"t"`` the price
+        is scaled by the measured ``Cluster.tp_comm_scale``."""
         alpha, rate, n = self._link(axis)
         if n <= 1 or nbytes <= 0:
             return 0.0
         f = _FACTOR[kind]
-        return f * (n - 1) * alpha * count + f * (n - 1) / n * nbytes / rate
+        secs = f * (n - 1) * alpha * count + f * (n - 1) / n * nbytes / rate
+        return secs * self.cluster.tp_comm_scale if axis == "t" else secs
 
     def compute(self, flops: float, nbytes: float) -> float:
         """Forward + backward seconds of an operator (backward ~ 2x forward)."""

@@ -95,7 +95,9 @@ def _median_diff(runs: list[list[float]], weight: float = 1.0) -> float:
 
 
 def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
-        shape: LayerShape | None) -> float:
+        shape: LayerShape | None) -> tuple[float, float]:
+    """(DTensor's seconds per linear beyond its collectives, the collectives' measured /
+    alpha-beta seconds)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -127,7 +129,10 @@ def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
                                    _step(sharded, x), collectives], repeat)
     # the sharded compute: the measured whole MLP in the cost model's proportion
     share = _mlp_roofline(cluster, shape, n) / _mlp_roofline(cluster, shape, 1)
-    return statistics.median(b - share * a - c for a, b, c in zip(plain, tp, comm)) / 2
+    priced = 2 * Mesh(cluster=cluster, d=1, t=n, b=rows, microbatches=1).collective(
+        "allreduce", "t", width * rows * cluster.dtype_bytes)
+    own = statistics.median(b - share * a - c for a, b, c in zip(plain, tp, comm)) / 2
+    return own, statistics.median(comm) / priced if priced > 0 else 1.0
 
 
 def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
@@ -206,19 +211,21 @@ def _microbatch(cluster: Cluster, dtype: torch.dtype, device: torch.device, repe
 def framework_overheads(cluster: Cluster, dtype: torch.dtype = torch.float64,
                         repeat: int = 15, shape: LayerShape | None = None
                         ) -> dict[str, float]:
-    """This rank's view of the overheads (microseconds, clipped at 0); collective: every
-    rank of the job calls it. ``cluster``: the job's calibrated compute and links;
-    ``shape``: the model's layer (:func:`model_linear_shape`) that DTensor and FSDP2 are
-    measured on (None, or a width that does not split over the ranks: a tiny one)."""
+    """This rank's view of the overheads (microseconds, clipped at 0) and of
+    ``tp_comm_scale`` (the DTensor pair's two allreduces, timed, over their alpha-beta
+    price); collective: every rank of the job calls it. ``cluster``: the job's calibrated
+    compute and links; ``shape``: the model's layer (:func:`model_linear_shape`) that
+    DTensor and FSDP2 are measured on (None, or a width that does not split over the ranks:
+    a tiny one)."""
     from hexagram.parallel.calibrate import _default_device
 
     device = _default_device()
     barrier = _median_time(dist.barrier, repeat)
-    tp = _tp(cluster, dtype, device, repeat, shape)
+    tp, tp_comm_scale = _tp(cluster, dtype, device, repeat, shape)
     zero = _zero(cluster, dtype, device, repeat, shape)
     per_mb, fixed = _microbatch(cluster, dtype, device, repeat, barrier)
     out = {"tp_overhead_us": tp, "zero_overhead_us": zero, "microbatch_overhead_us": per_mb,
            "step_overhead_us": barrier, "pipeline_fixed_us": fixed}
-    return {k: max(0.0, v * 1e6) for k, v in out.items()}
+    return {**{k: max(0.0, v * 1e6) for k, v in out.items()}, "tp_comm_scale": tp_comm_scale}
 
 
