@@ -81,6 +81,8 @@ class Cluster:
         tp_comm_scale: measured / priced seconds of a tensor-parallel layer's allreduces
             (timed with DTensor's overhead, :mod:`hexagram.parallel.overheads`);
             multiplies every collective over a stage's ``t`` axis. 1 => as priced.
+        zero_comm_scale: the same for ZeRO's all-gathers and gradient reduction (timed
+            with FSDP2's overhead); multiplies them. 1 => as priced.
         zero_grad_collective: the collective ZeRO's gradient reduction runs as:
             ``"reduce_scatter"``, or ``"allreduce"`` where the executor reduces in place
             and keeps its slice (gloo: :class:`~hexagram.parallel.zero.InPlaceReduceScatter`,
@@ -106,6 +108,7 @@ class Cluster:
     cores_per_host: float = 0.0
     dp_sync_scale: float = 1.0
     tp_comm_scale: float = 1.0
+    zero_comm_scale: float = 1.0
     zero_grad_collective: str = "reduce_scatter"
     dtype_bytes: int = 2
     optimizer_bytes: int = 12
@@ -117,7 +120,8 @@ class Cluster:
             raise ConfigError(f"Cluster.devices_per_host must be a power of two (submeshes "
                               f"(1, 2^k) tile a host), got {self.devices_per_host}")
         for name in ("intra_host_gbps", "inter_host_gbps", "device_memory_gb", "device_tflops",
-                     "memory_gbps", "dp_sync_scale", "tp_comm_scale"):
+                     "memory_gbps", "dp_sync_scale", "tp_comm_scale",
+                     "zero_comm_scale"):
             check_float(self, name, low=0.0, low_open=True)
         for name in ("intra_latency_us", "inter_latency_us", "op_overhead_us", "tp_overhead_us",
                      "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us"):

@@ -112,9 +112,9 @@ def _param_costs(op: Op, mesh: Mesh, psplit: int, zero: bool,
         return sync * c.dp_sync_scale / mesh.microbatches, state
     # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients once;
     # the module is one FSDP unit (its tensors travel flattened together)
-    per_mb = 2 * mesh.collective("allgather", "d", pbytes) + c.zero_overhead_us * 1e-6
-    return per_mb + mesh.collective(c.zero_grad_collective, "d", pbytes) / mesh.microbatches, \
-        state / mesh.d
+    gathers = 2 * mesh.collective("allgather", "d", pbytes) * c.zero_comm_scale
+    reduce = mesh.collective(c.zero_grad_collective, "d", pbytes) * c.zero_comm_scale
+    return gathers + c.zero_overhead_us * 1e-6 + reduce / mesh.microbatches, state / mesh.d
 
 
 def _make(op: Op, in_elems: float, mesh: Mesh, name: str, layouts: tuple[str, str],

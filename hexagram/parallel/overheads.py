@@ -17,7 +17,8 @@ they copy and a tiny layer under-prices it:
   compute) and the pair's two allreduces, timed in the same turns rather than priced
   (a latency fit that ran high used to leave 0); per linear.
 - ``zero_overhead_us``: the same two linears, each an FSDP2 ``fully_shard`` unit over all
-  ranks; per unit and micro-batch.
+  ranks, against the plain pair and the units' collectives timed in the same turns; per
+  unit and micro-batch.
 - ``microbatch_overhead_us``: a ``torch.distributed.pipelining`` 1F1B pipeline of one tiny
   linear per rank, timed at two micro-batch counts; the slope per micro-batch minus the
   modelled stage latency (compute + activation/gradient transfer).
@@ -136,7 +137,9 @@ def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
 
 
 def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
-          shape: LayerShape | None) -> float:
+          shape: LayerShape | None) -> tuple[float, float]:
+    """(FSDP2's seconds per unit and micro-batch beyond its collectives, the collectives'
+    measured / alpha-beta seconds)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, share_comm_ctx
 
@@ -149,19 +152,43 @@ def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: in
     model = _mlp(width, hidden, dtype, device)
     mesh = init_device_mesh(device.type, (n,))
     units = [fully_shard(model[i], mesh=mesh) for i in (0, 2)]
-    if "gloo" in str(dist.get_backend()).lower():
+    if cluster.zero_grad_collective == "allreduce":  # gloo
         for unit in units:
             unit.set_custom_reduce_scatter(InPlaceReduceScatter())
     share_comm_ctx(units)
-    runs = interleaved([_step(_mlp(width, hidden, dtype, device), x), _step(model, x)],
-                       repeat)
+    sizes = (width * hidden + hidden, hidden * width + width)
+    plain, sharded, comm = interleaved([_step(_mlp(width, hidden, dtype, device), x),
+                                        _step(model, x),
+                                        _unit_collectives(sizes, cluster, dtype, device)],
+                                       repeat)
     d_mesh = Mesh(cluster=cluster, d=n, t=1, b=rows, microbatches=1)
     # ZeRO-3 per micro-batch and unit: gather for forward and backward, then scatter
-    pbytes = (width * hidden + hidden) * cluster.dtype_bytes, \
-        (hidden * width + width) * cluster.dtype_bytes
-    modelled = sum(2 * d_mesh.collective("allgather", "d", b) +
-                   d_mesh.collective(cluster.zero_grad_collective, "d", b) for b in pbytes)
-    return (_median_diff(runs) - modelled) / 2
+    priced = sum(2 * d_mesh.collective("allgather", "d", k * cluster.dtype_bytes) +
+                 d_mesh.collective(cluster.zero_grad_collective, "d", k * cluster.dtype_bytes)
+                 for k in sizes)
+    own = statistics.median(b - a - c for a, b, c in zip(plain, sharded, comm)) / 2
+    return own, statistics.median(comm) / priced if priced > 0 else 1.0
+
+
+def _unit_collectives(sizes: tuple[int, ...], cluster: Cluster, dtype: torch.dtype,
+                      device: torch.device) -> Callable[[], None]:
+    """What FSDP2 sends per unit and micro-batch, without FSDP2: two all-gathers of the
+    unit's flat parameters and the gradient's reduction (as ``zero_grad_collective``)."""
+    n = dist.get_world_size()
+    fulls = [torch.zeros(-(-k // n) * n, dtype=dtype, device=device) for k in sizes]
+    shards = [f.view(n, -1)[0].clone() for f in fulls]
+
+    def run() -> None:
+        for full, shard in zip(fulls, shards):
+            for _ in range(2):
+                dist.all_gather_into_tensor(full, shard)
+            if cluster.zero_grad_collective == "allreduce":
+                dist.all_reduce(full)
+            else:
+                dist.reduce_scatter_tensor(shard, full)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return run
 
 
 def _pipeline_step(microbatches: int, dtype: torch.dtype, device: torch.device
@@ -212,20 +239,21 @@ def framework_overheads(cluster: Cluster, dtype: torch.dtype = torch.float64,
                         repeat: int = 15, shape: LayerShape | None = None
                         ) -> dict[str, float]:
     """This rank's view of the overheads (microseconds, clipped at 0) and of
-    ``tp_comm_scale`` (the DTensor pair's two allreduces, timed, over their alpha-beta
-    price); collective: every rank of the job calls it. ``cluster``: the job's calibrated
-    compute and links; ``shape``: the model's layer (:func:`model_linear_shape`) that
-    DTensor and FSDP2 are measured on (None, or a width that does not split over the ranks:
-    a tiny one)."""
+    ``tp_comm_scale`` / ``zero_comm_scale`` (the DTensor pair's allreduces and the FSDP2
+    units' collectives, timed, over their alpha-beta price); collective: every rank of the
+    job calls it. ``cluster``: the job's calibrated compute and links; ``shape``: the
+    model's layer (:func:`model_linear_shape`) that DTensor and FSDP2 are measured on
+    (None, or a width that does not split over the ranks: a tiny one)."""
     from hexagram.parallel.calibrate import _default_device
 
     device = _default_device()
     barrier = _median_time(dist.barrier, repeat)
     tp, tp_comm_scale = _tp(cluster, dtype, device, repeat, shape)
-    zero = _zero(cluster, dtype, device, repeat, shape)
+    zero, zero_comm_scale = _zero(cluster, dtype, device, repeat, shape)
     per_mb, fixed = _microbatch(cluster, dtype, device, repeat, barrier)
     out = {"tp_overhead_us": tp, "zero_overhead_us": zero, "microbatch_overhead_us": per_mb,
            "step_overhead_us": barrier, "pipeline_fixed_us": fixed}
-    return {**{k: max(0.0, v * 1e6) for k, v in out.items()}, "tp_comm_scale": tp_comm_scale}
+    return {**{k: max(0.0, v * 1e6) for k, v in out.items()}, "tp_comm_scale": tp_comm_scale,
+            "zero_comm_scale": zero_comm_scale}
 
 
