@@ -157,23 +157,12 @@ class _Reference:
         return self.model.parameters()
 
 
-def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
-    """Every rank, one job: calibrate, plan, apply every plan, then time them round-robin
-    (``rounds`` x ``steps`` steps each, after ``warmup``) so load changes hit all alike."""
-    import hexagram as hx
+def _applied(plans: dict[str, Plan], x: torch.Tensor, y: torch.Tensor, warmup: int
+             ) -> tuple[dict[str, tuple[Any, torch.optim.Optimizer]], list[str]]:
+    """Every plan applied to a fresh model and run ``warmup`` steps (collective); the
+    plans the executor fails on are reported and left out."""
     from hexagram.parallel.apply import parallelize
-    from hexagram.parallel.calibrate import measure_job
 
-    hx.init()
-    world = dist.get_world_size()
-    model, x, y = build(SPEC)  # the same batch every step (seeded)
-    figures = measure_job(SPEC.dtype, model=model, inputs=x, targets=y)
-    cluster = model_cluster(figures, world)
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        box[0] = executable(cluster, world)
-    dist.broadcast_object_list(box, src=0)
-    plans, skipped = box[0]
     models: dict[str, tuple[Any, torch.optim.Optimizer]] = {}
     failed = []
     for name, p in plans.items():
@@ -186,6 +175,26 @@ def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
                           f"(plan {p.to_json(indent=None)})")
             del models[name]
             dist.barrier()
+    return models, failed
+
+
+def bench_worker(warmup: int, rounds: int, steps: int) -> dict[str, Any]:
+    """Every rank, one job: calibrate, plan, apply every plan, then time them round-robin
+    (``rounds`` x ``steps`` steps each, after ``warmup``) so load changes hit all alike."""
+    import hexagram as hx
+    from hexagram.parallel.calibrate import measure_job
+
+    hx.init()
+    world = dist.get_world_size()
+    model, x, y = build(SPEC)  # the same batch every step (seeded)
+    figures = measure_job(SPEC.dtype, model=model, inputs=x, targets=y)
+    cluster = model_cluster(figures, world)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box[0] = executable(cluster, world)
+    dist.broadcast_object_list(box, src=0)
+    plans, skipped = box[0]
+    models, failed = _applied(plans, x, y, warmup)
     ref = _Reference(world)
     models[REFERENCE] = (ref, torch.optim.SGD(ref.parameters(), lr=0.01))
     _timed(models[REFERENCE], x, y, warmup)
