@@ -357,10 +357,9 @@ def _brief(f: dict[str, float]) -> str:
     if "dp_sync_ms" in f:
         scale += (f"; dp sync of the model's gradients {f['dp_sync_ms']:.1f} ms = "
                   f"{f['dp_sync_scale']:.2f}x its alpha-beta price")
-    tp = f", its allreduces {f['tp_comm_scale']:.2f}x priced" if "tp_comm_scale" in f else ""
     return (f"{f['device_tflops'] * 1e3:.1f} GFLOP/s, {f['op_overhead_us']:.0f} us/op, link "
             f"{f['latency_us']:.0f} us + {f['gbps']:.2f} Gbit/s, DTensor "
-            f"{f['tp_overhead_us']:.0f} us/linear{tp}, FSDP2 {f['zero_overhead_us']:.0f} us/unit, "
+            f"{f['tp_overhead_us']:.0f} us/linear, FSDP2 {f['zero_overhead_us']:.0f} us/unit, "
             f"pipelining {f['microbatch_overhead_us']:.0f} us/micro-batch, step "
             f"{f['step_overhead_us']:.0f} us" + scale)
 

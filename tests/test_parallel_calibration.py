@@ -122,38 +122,3 @@ def test_zero_gradient_reduction_is_priced_as_the_collective_it_runs_as() -> Non
     assert gloo.zero_grad_collective == "allreduce"
     # in place, then this rank's slice: twice a reduce-scatter's bytes and latencies
     assert reduction(gloo) == pytest.approx(2 * reduction(c))
-
-
-def test_measured_tp_comm_scale_multiplies_tensor_parallel_collectives_only() -> None:
-    c = Cluster(hosts=1, devices_per_host=4, intra_latency_us=100.0, intra_host_gbps=8.0)
-    figures = {"gbps": 8.0, "latency_us": 100.0, "device_tflops": 1.0, "memory_gbps": 10.0,
-               "op_overhead_us": 5.0}
-    scaled = calibrated({**figures, "tp_comm_scale": 2.5}, 4, torch.float32)
-    assert scaled.tp_comm_scale == 2.5 and calibrated(figures, 4, torch.float32).tp_comm_scale == 1
-    for cluster, factor in ((c, 1.0), (c.replace(tp_comm_scale=2.5), 2.5)):
-        mesh = Mesh(cluster=cluster, d=2, t=2, b=4, microbatches=1)
-        plain = Mesh(cluster=c, d=2, t=2, b=4, microbatches=1)
-        assert mesh.collective("allreduce", "t", 1e6) == pytest.approx(
-            factor * plain.collective("allreduce", "t", 1e6))
-        assert mesh.collective("allreduce", "d", 1e6) == plain.collective("allreduce", "d", 1e6)
-
-
-def test_measured_zero_comm_scale_multiplies_zero_collectives_only() -> None:
-    g = capture(nn.Sequential(nn.Linear(64, 64)), torch.zeros(4, 64))
-    c = Cluster(hosts=1, devices_per_host=2, intra_latency_us=100.0, intra_host_gbps=8.0,
-                dtype_bytes=4, zero_overhead_us=300.0)
-
-    def times(cluster: Cluster) -> dict[bool, float]:
-        mesh = Mesh(cluster=cluster, d=2, t=1, b=2, microbatches=1)
-        return {s.zero: s.time for s in strategies(g.layers[0], 1, mesh)}
-
-    base, scaled = times(c), times(c.replace(zero_comm_scale=3.0))
-    nbytes = 4 * (64 * 64 + 64)
-    mesh = Mesh(cluster=c, d=2, t=1, b=2, microbatches=1)
-    comm = 2 * mesh.collective("allgather", "d", nbytes) + \
-        mesh.collective("reduce_scatter", "d", nbytes)
-    assert scaled[True] - base[True] == pytest.approx(2 * comm)  # 3x: 2 more copies
-    assert scaled[False] == base[False]  # the exact dp sync has its own scale
-    assert calibrated({"gbps": 8.0, "latency_us": 100.0, "device_tflops": 1.0,
-                       "memory_gbps": 10.0, "op_overhead_us": 5.0, "zero_comm_scale": 3.0},
-                      2, torch.float32).zero_comm_scale == 3.0

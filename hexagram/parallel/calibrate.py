@@ -241,10 +241,7 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
     shape = model_linear_shape(model, inputs, world) if model is not None else None
     dist.barrier()
     comp = measure_compute(dtype, stat="median")
-    # as many turns as the overheads get (15 by default; each turn is ~25 ms at most): a
-    # burst of load over a few turns set a 2-rank latency fit at 4310 us (run AE), against
-    # 380-2300 us in the other calibrations of the session
-    links = fit_links(repeat=max(5, repeat), stat="median")
+    links = fit_links(repeat=max(5, repeat // 2), stat="median")
     # ZeRO's gradient reduce-scatter runs as an allreduce on gloo (parallel/zero.py)
     mine = {**comp, **links, "zero_rs_as_allreduce": float("gloo" in str(
         dist.get_backend()).lower())}
@@ -269,17 +266,13 @@ def job_worker(dtype: torch.dtype = torch.float64, repeat: int = 15) -> dict[str
 
 def calibrated(measured: dict[str, float], devices: int, dtype: torch.dtype) -> Cluster:
     """A one-host :class:`Cluster` of ``devices`` ranks from :func:`measure_job`'s figures
-    (overheads absent from ``measured`` stay 0; ``tp_comm_scale`` and ``zero_comm_scale``
-    scale tensor-parallel and ZeRO collectives; ``zero_rs_as_allreduce``, set on gloo,
+    (overheads absent from ``measured`` stay 0; ``zero_rs_as_allreduce``, set on gloo,
     prices ZeRO's reduce-scatter as the allreduce it runs as; the model's
     ``compute_scale`` and ``cores`` are not applied: :func:`with_model_figures` does)."""
     keys = ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us")
     overheads: dict[str, Any] = {k: measured[k] for k in keys if k in measured}
     if measured.get("zero_rs_as_allreduce", 0.0) > 0:
         overheads["zero_grad_collective"] = "allreduce"
-    for scale in ("tp_comm_scale", "zero_comm_scale"):  # collectives timed / priced
-        if measured.get(scale, 0.0) > 0:
-            overheads[scale] = float(measured[scale])
     return Cluster(hosts=1, devices_per_host=devices, intra_host_gbps=measured["gbps"],
                    inter_host_gbps=measured["gbps"], intra_latency_us=measured["latency_us"],
                    inter_latency_us=measured["latency_us"],

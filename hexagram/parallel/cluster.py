@@ -58,8 +58,7 @@ class Cluster:
         intra_latency_us, inter_latency_us: alpha of one message on each link.
         op_overhead_us: fixed cost per operator launch (kernel launch, Python dispatch).
         tp_overhead_us: per tensor-parallel ``nn.Linear``, forward + backward: DTensor's
-            dispatch and redistribute bookkeeping beyond its collectives (measured against
-            the same allreduces timed in the same turns);
+            dispatch and redistribute bookkeeping beyond its collectives' alpha-beta time;
             higher => tensor parallelism of small operators loses.
         zero_overhead_us: per ZeRO-sharded module and micro-batch: FSDP2's hooks and
             all-gather / reduce-scatter bookkeeping; higher => fewer ZeRO plans.
@@ -78,11 +77,6 @@ class Cluster:
             allreduce (:func:`~hexagram.parallel.dpsync.measure_dp_sync`, the model's own
             gradients on the job's ranks); multiplies the exact data-parallel sync's
             price. 1 => the alpha-beta price as is (every hand-written Cluster).
-        tp_comm_scale: measured / priced seconds of a tensor-parallel layer's allreduces
-            (timed with DTensor's overhead, :mod:`hexagram.parallel.overheads`);
-            multiplies every collective over a stage's ``t`` axis. 1 => as priced.
-        zero_comm_scale: the same for ZeRO's all-gathers and gradient reduction (timed
-            with FSDP2's overhead); multiplies them. 1 => as priced.
         zero_grad_collective: the collective ZeRO's gradient reduction runs as:
             ``"reduce_scatter"``, or ``"allreduce"`` where the executor reduces in place
             and keeps its slice (gloo: :class:`~hexagram.parallel.zero.InPlaceReduceScatter`,
@@ -107,8 +101,6 @@ class Cluster:
     step_overhead_us: float = 0.0
     cores_per_host: float = 0.0
     dp_sync_scale: float = 1.0
-    tp_comm_scale: float = 1.0
-    zero_comm_scale: float = 1.0
     zero_grad_collective: str = "reduce_scatter"
     dtype_bytes: int = 2
     optimizer_bytes: int = 12
@@ -120,8 +112,7 @@ class Cluster:
             raise ConfigError(f"Cluster.devices_per_host must be a power of two (submeshes "
                               f"(1, 2^k) tile a host), got {self.devices_per_host}")
         for name in ("intra_host_gbps", "inter_host_gbps", "device_memory_gb", "device_tflops",
-                     "memory_gbps", "dp_sync_scale", "tp_comm_scale",
-                     "zero_comm_scale"):
+                     "memory_gbps", "dp_sync_scale"):
             check_float(self, name, low=0.0, low_open=True)
         for name in ("intra_latency_us", "inter_latency_us", "op_overhead_us", "tp_overhead_us",
                      "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us"):

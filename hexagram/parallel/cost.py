@@ -63,14 +63,12 @@ class Mesh:
     def collective(self, kind: str, axis: str, nbytes: float, count: float = 1.0) -> float:
         """Seconds of ``count`` collectives of ``nbytes`` in all (full tensors) over mesh axis
         ``"d"``/``"t"``: each pays the latency, the bytes are paid once. A fractional
-        ``count`` is a tensor's share of a bucket's one collective. Over ``"t"`` the price
-        is scaled by the measured ``Cluster.tp_comm_scale``."""
+        ``count`` is a tensor's share of a bucket's one collective."""
         alpha, rate, n = self._link(axis)
         if n <= 1 or nbytes <= 0:
             return 0.0
         f = _FACTOR[kind]
-        secs = f * (n - 1) * alpha * count + f * (n - 1) / n * nbytes / rate
-        return secs * self.cluster.tp_comm_scale if axis == "t" else secs
+        return f * (n - 1) * alpha * count + f * (n - 1) / n * nbytes / rate
 
     def compute(self, flops: float, nbytes: float) -> float:
         """Forward + backward seconds of an operator (backward ~ 2x forward)."""
@@ -112,9 +110,9 @@ def _param_costs(op: Op, mesh: Mesh, psplit: int, zero: bool,
         return sync * c.dp_sync_scale / mesh.microbatches, state
     # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients once;
     # the module is one FSDP unit (its tensors travel flattened together)
-    gathers = 2 * mesh.collective("allgather", "d", pbytes) * c.zero_comm_scale
-    reduce = mesh.collective(c.zero_grad_collective, "d", pbytes) * c.zero_comm_scale
-    return gathers + c.zero_overhead_us * 1e-6 + reduce / mesh.microbatches, state / mesh.d
+    per_mb = 2 * mesh.collective("allgather", "d", pbytes) + c.zero_overhead_us * 1e-6
+    return per_mb + mesh.collective(c.zero_grad_collective, "d", pbytes) / mesh.microbatches, \
+        state / mesh.d
 
 
 def _make(op: Op, in_elems: float, mesh: Mesh, name: str, layouts: tuple[str, str],

@@ -14,11 +14,9 @@ they copy and a tiny layer under-prices it:
 - ``tp_overhead_us``: a linear of the model's shape and its transpose, column-wise and
   row-wise on a DTensor mesh of all ranks (``parallelize_module``), against the same two
   linears unsharded (whose compute, in the cost model's proportion, is the sharded one's
-  compute) and the pair's two allreduces, timed in the same turns rather than priced
-  (a latency fit that ran high used to leave 0); per linear.
+  compute); per linear.
 - ``zero_overhead_us``: the same two linears, each an FSDP2 ``fully_shard`` unit over all
-  ranks, against the plain pair and the units' collectives timed in the same turns; per
-  unit and micro-batch.
+  ranks; per unit and micro-batch.
 - ``microbatch_overhead_us``: a ``torch.distributed.pipelining`` 1F1B pipeline of one tiny
   linear per rank, timed at two micro-batch counts; the slope per micro-batch minus the
   modelled stage latency (compute + activation/gradient transfer).
@@ -96,9 +94,7 @@ def _median_diff(runs: list[list[float]], weight: float = 1.0) -> float:
 
 
 def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
-        shape: LayerShape | None) -> tuple[float, float]:
-    """(DTensor's seconds per linear beyond its collectives, the collectives' measured /
-    alpha-beta seconds)."""
+        shape: LayerShape | None) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -114,32 +110,19 @@ def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
     sharded = parallelize_module(_mlp(width, hidden, dtype, device),
                                  init_device_mesh(device.type, (n,)),
                                  {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    # the collectives the cost model charges the pair: backward allreduce of the colwise
-    # input's gradient, forward allreduce of the rowwise partial output; timed in the
-    # same turns, not priced from the link fit, so the residual is DTensor's own work
-    # whatever the fitted latency (priced, it came out 0 whenever the fit ran high)
-    buf = torch.zeros(rows, width, dtype=dtype, device=device)
-
-    def collectives() -> None:
-        for _ in range(2):
-            dist.all_reduce(buf)
-        if buf.is_cuda:
-            torch.cuda.synchronize(buf.device)
-
-    plain, tp, comm = interleaved([_step(_mlp(width, hidden, dtype, device), x),
-                                   _step(sharded, x), collectives], repeat)
+    runs = interleaved([_step(_mlp(width, hidden, dtype, device), x), _step(sharded, x)],
+                       repeat)
     # the sharded compute: the measured whole MLP in the cost model's proportion
     share = _mlp_roofline(cluster, shape, n) / _mlp_roofline(cluster, shape, 1)
-    priced = 2 * Mesh(cluster=cluster, d=1, t=n, b=rows, microbatches=1).collective(
-        "allreduce", "t", width * rows * cluster.dtype_bytes)
-    own = statistics.median(b - share * a - c for a, b, c in zip(plain, tp, comm)) / 2
-    return own, statistics.median(comm) / priced if priced > 0 else 1.0
+    mesh = Mesh(cluster=cluster, d=1, t=n, b=rows, microbatches=1)
+    # the model's collectives: backward allreduce of the colwise input's gradient,
+    # forward allreduce of the rowwise partial output
+    modelled = 2 * mesh.collective("allreduce", "t", width * rows * cluster.dtype_bytes)
+    return (_median_diff(runs, share) - modelled) / 2
 
 
 def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
-          shape: LayerShape | None) -> tuple[float, float]:
-    """(FSDP2's seconds per unit and micro-batch beyond its collectives, the collectives'
-    measured / alpha-beta seconds)."""
+          shape: LayerShape | None) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, share_comm_ctx
 
@@ -152,43 +135,19 @@ def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: in
     model = _mlp(width, hidden, dtype, device)
     mesh = init_device_mesh(device.type, (n,))
     units = [fully_shard(model[i], mesh=mesh) for i in (0, 2)]
-    if cluster.zero_grad_collective == "allreduce":  # gloo
+    if "gloo" in str(dist.get_backend()).lower():
         for unit in units:
             unit.set_custom_reduce_scatter(InPlaceReduceScatter())
     share_comm_ctx(units)
-    sizes = (width * hidden + hidden, hidden * width + width)
-    plain, sharded, comm = interleaved([_step(_mlp(width, hidden, dtype, device), x),
-                                        _step(model, x),
-                                        _unit_collectives(sizes, cluster, dtype, device)],
-                                       repeat)
+    runs = interleaved([_step(_mlp(width, hidden, dtype, device), x), _step(model, x)],
+                       repeat)
     d_mesh = Mesh(cluster=cluster, d=n, t=1, b=rows, microbatches=1)
     # ZeRO-3 per micro-batch and unit: gather for forward and backward, then scatter
-    priced = sum(2 * d_mesh.collective("allgather", "d", k * cluster.dtype_bytes) +
-                 d_mesh.collective(cluster.zero_grad_collective, "d", k * cluster.dtype_bytes)
-                 for k in sizes)
-    own = statistics.median(b - a - c for a, b, c in zip(plain, sharded, comm)) / 2
-    return own, statistics.median(comm) / priced if priced > 0 else 1.0
-
-
-def _unit_collectives(sizes: tuple[int, ...], cluster: Cluster, dtype: torch.dtype,
-                      device: torch.device) -> Callable[[], None]:
-    """What FSDP2 sends per unit and micro-batch, without FSDP2: two all-gathers of the
-    unit's flat parameters and the gradient's reduction (as ``zero_grad_collective``)."""
-    n = dist.get_world_size()
-    fulls = [torch.zeros(-(-k // n) * n, dtype=dtype, device=device) for k in sizes]
-    shards = [f.view(n, -1)[0].clone() for f in fulls]
-
-    def run() -> None:
-        for full, shard in zip(fulls, shards):
-            for _ in range(2):
-                dist.all_gather_into_tensor(full, shard)
-            if cluster.zero_grad_collective == "allreduce":
-                dist.all_reduce(full)
-            else:
-                dist.reduce_scatter_tensor(shard, full)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return run
+    pbytes = (width * hidden + hidden) * cluster.dtype_bytes, \
+        (hidden * width + width) * cluster.dtype_bytes
+    modelled = sum(2 * d_mesh.collective("allgather", "d", b) +
+                   d_mesh.collective(cluster.zero_grad_collective, "d", b) for b in pbytes)
+    return (_median_diff(runs) - modelled) / 2
 
 
 def _pipeline_step(microbatches: int, dtype: torch.dtype, device: torch.device
@@ -238,22 +197,19 @@ def _microbatch(cluster: Cluster, dtype: torch.dtype, device: torch.device, repe
 def framework_overheads(cluster: Cluster, dtype: torch.dtype = torch.float64,
                         repeat: int = 15, shape: LayerShape | None = None
                         ) -> dict[str, float]:
-    """This rank's view of the overheads (microseconds, clipped at 0) and of
-    ``tp_comm_scale`` / ``zero_comm_scale`` (the DTensor pair's allreduces and the FSDP2
-    units' collectives, timed, over their alpha-beta price); collective: every rank of the
-    job calls it. ``cluster``: the job's calibrated compute and links; ``shape``: the
-    model's layer (:func:`model_linear_shape`) that DTensor and FSDP2 are measured on
-    (None, or a width that does not split over the ranks: a tiny one)."""
+    """This rank's view of the overheads (microseconds, clipped at 0); collective: every
+    rank of the job calls it. ``cluster``: the job's calibrated compute and links;
+    ``shape``: the model's layer (:func:`model_linear_shape`) that DTensor and FSDP2 are
+    measured on (None, or a width that does not split over the ranks: a tiny one)."""
     from hexagram.parallel.calibrate import _default_device
 
     device = _default_device()
     barrier = _median_time(dist.barrier, repeat)
-    tp, tp_comm_scale = _tp(cluster, dtype, device, repeat, shape)
-    zero, zero_comm_scale = _zero(cluster, dtype, device, repeat, shape)
+    tp = _tp(cluster, dtype, device, repeat, shape)
+    zero = _zero(cluster, dtype, device, repeat, shape)
     per_mb, fixed = _microbatch(cluster, dtype, device, repeat, barrier)
     out = {"tp_overhead_us": tp, "zero_overhead_us": zero, "microbatch_overhead_us": per_mb,
            "step_overhead_us": barrier, "pipeline_fixed_us": fixed}
-    return {**{k: max(0.0, v * 1e6) for k, v in out.items()}, "tp_comm_scale": tp_comm_scale,
-            "zero_comm_scale": zero_comm_scale}
+    return {k: max(0.0, v * 1e6) for k, v in out.items()}
 
 
