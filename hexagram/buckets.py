@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Bucket", "BucketEntry", "build_buckets"]
+__all__ = ["Bucket", "BucketEntry", "build_buckets", "group_tensors"]
 
 
 @dataclass(frozen=True)
@@ -160,28 +160,39 @@ class Bucket:
         return f"Bucket(index={self.index}, tensors={len(self.entries)}, numel={self.numel})"
 
 
-def build_buckets(params: Sequence[tuple[str, torch.nn.Parameter]], bucket_bytes: int,
-                  first_bucket_bytes: int | None = None) -> list[Bucket]:
-    """Group ``params`` (in launch order) into buckets per dtype/device.
+def group_tensors(tensors: Sequence[Tensor], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None) -> list[list[int]]:
+    """Indices of ``tensors`` (in launch order) grouped per dtype/device, the groups in the
+    order they close: a group is closed once it holds at least its byte cap (a tensor bigger
+    than the cap gets a group of its own), the ones still open follow at the end;
+    ``bucket_bytes == 0`` gives one tensor per group. The first group closes at
+    ``first_bucket_bytes`` (small, so communication starts early in backward, as DDP does).
 
-    A bucket is closed once it holds at least its byte cap (a tensor bigger than the cap gets
-    a bucket of its own); ``bucket_bytes == 0`` gives one tensor per bucket. The first bucket
-    uses ``first_bucket_bytes`` (small, so communication starts early in backward, as DDP
-    does).
+    Example:
+        >>> group_tensors([torch.zeros(3), torch.zeros(3, dtype=torch.int8), torch.zeros(3)], 20)
+        [[0, 2], [1]]
     """
     if bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
     first_cap = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
-    open_: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.nn.Parameter]]] = {}
+    open_: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
-    for name, p in params:
-        key = (p.dtype, p.device)
-        open_.setdefault(key, []).append((name, p))
-        sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+    groups: list[list[int]] = []
+    for k, t in enumerate(tensors):
+        key = (t.dtype, t.device)
+        open_.setdefault(key, []).append(k)
+        sizes[key] = sizes.get(key, 0) + t.numel() * t.element_size()
         cap = first_cap if not groups else bucket_bytes
         if sizes[key] >= cap:
             groups.append(open_.pop(key))
             sizes.pop(key)
-    groups.extend(g for g in open_.values() if g)
-    return [Bucket(i, g) for i, g in enumerate(groups)]
+    return groups + [g for g in open_.values() if g]
+
+
+def build_buckets(params: Sequence[tuple[str, torch.nn.Parameter]], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None) -> list[Bucket]:
+    """Group ``params`` (in launch order) into buckets per dtype/device
+    (:func:`group_tensors`: a bucket closes at its byte cap, the first at
+    ``first_bucket_bytes``; ``bucket_bytes == 0`` gives one tensor per bucket)."""
+    groups = group_tensors([p for _, p in params], bucket_bytes, first_bucket_bytes)
+    return [Bucket(i, [params[k] for k in g]) for i, g in enumerate(groups)]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hexagram.buckets import group_tensors
 from hexagram.parallel.cluster import Cluster
 from hexagram.parallel.plans import DP_BUCKET_BYTES
 
@@ -29,20 +30,8 @@ __all__ = ["allreduce_mean", "grad_buckets", "measure_dp_sync"]
 def grad_buckets(grads: list[torch.Tensor], cap: int = DP_BUCKET_BYTES
                  ) -> list[list[torch.Tensor]]:
     """``grads`` in order, grouped per dtype and device into buckets of about ``cap`` bytes
-    (a bucket closes once it reaches the cap; a larger tensor fills one on its own)."""
-    open_: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], int]] = {}
-    done: list[list[torch.Tensor]] = []
-    for g in grads:
-        key = (g.dtype, g.device)
-        members, size = open_.get(key, ([], 0))
-        members.append(g)
-        size += g.numel() * g.element_size()
-        if size >= cap:
-            done.append(members)
-            open_.pop(key, None)
-        else:
-            open_[key] = (members, size)
-    return done + [m for m, _ in open_.values()]
+    (the engine's rule, :func:`hexagram.buckets.group_tensors`)."""
+    return [[grads[k] for k in g] for g in group_tensors(grads, cap)]
 
 
 def allreduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, ranks: int
