@@ -54,7 +54,6 @@ class Op:
         inputs: indices (in the layer) of the operators producing its tensor inputs.
         out_elems, out_const: output elements per sample, and those not scaling with batch.
         flops: forward FLOPs per sample; params: parameter count.
-        tensors: parameter tensors (weight, bias).
     """
 
     kind: str
@@ -64,7 +63,6 @@ class Op:
     out_const: float = 0.0
     flops: float = 0.0
     params: int = 0
-    tensors: int = 0
 
 
 @dataclass
@@ -85,8 +83,8 @@ class Layer:
 
     def signature(self) -> tuple[Any, ...]:
         """Equal for structurally identical layers (their ILPs are solved once)."""
-        return tuple((o.kind, tuple(o.inputs), o.out_elems, o.out_const, o.flops, o.params,
-                      o.tensors) for o in self.ops)
+        return tuple((o.kind, tuple(o.inputs), o.out_elems, o.out_const, o.flops, o.params)
+                     for o in self.ops)
 
 
 @dataclass
@@ -168,8 +166,7 @@ def _make_op(node: fx.Node, modules: dict[str, nn.Module], batch: int) -> Op | N
     if kind == "input" or not any(_numel(a) for a in node.all_input_nodes):
         kind = "input" if node.op == "placeholder" else "source"
     mod = modules.get(str(node.target)) if node.op == "call_module" else None
-    tensors = list(mod.parameters()) if mod is not None else []
-    params = sum(p.numel() for p in tensors)
+    params = sum(p.numel() for p in mod.parameters()) if mod is not None else 0
     per = elems / batch if batched else 0.0
     const = 0.0 if batched else float(elems)
     target = str(node.target) if node.op == "call_module" else getattr(
@@ -177,8 +174,7 @@ def _make_op(node: fx.Node, modules: dict[str, nn.Module], batch: int) -> Op | N
     if kind == "unknown" and mod is not None:
         target = f"{target} ({type(mod).__name__})"
     return Op(kind=kind, target=target, out_elems=per, out_const=const,
-              flops=_flops(kind, node, mod, elems) / batch, params=params,
-              tensors=len(tensors))
+              flops=_flops(kind, node, mod, elems) / batch, params=params)
 
 
 def capture(model: nn.Module, example_inputs: Any, warn: bool = True,
