@@ -26,7 +26,7 @@ from typing import Any
 
 from hexagram.errors import HexagramError
 
-__all__ = ["LaunchError", "free_port", "run_local"]
+__all__ = ["LaunchError", "clean_context", "free_port", "preloaded_modules", "run_local"]
 
 
 class LaunchError(HexagramError):
@@ -37,20 +37,39 @@ class LaunchError(HexagramError):
         self.errors = errors
 
 
-def _context() -> Any:
-    """Forkserver where the platform has one, spawn elsewhere.
+def clean_context() -> Any:
+    """A multiprocessing context whose processes start clean: forkserver, or spawn where
+    the platform has no fork server.
 
-    The fork server imports torch and hexagram's engine (runtime, algorithms) once and every
-    rank is forked from it, ready to run; with spawn each rank re-imports torch (about 3
-    CPU-seconds a rank on this machine). Both start from a clean process (no parent threads,
-    no CUDA context), so the semantics are spawn's: ``fn`` and ``args`` are pickled,
-    ``__main__`` is re-imported.
+    Never ``fork`` from a process that may have threads (a test runner after other tests,
+    a process hosting a ``TCPStore``, whose server thread resolves peer names): a lock a
+    thread held at the fork stays locked in the child forever. A replica restarted while
+    the store's thread held glibc's resolver lock hung in ``getnameinfo`` inside its own
+    ``TCPStore`` constructor (seen in CI). The fork server is a fresh,
+    single-threaded process: it imports torch, hexagram's engine, the live trainer and
+    every registered algorithm once (:func:`preloaded_modules`), and each child is forked
+    from it ready to run, without spawn's ~3 CPU-seconds of imports. The semantics are
+    spawn's: the target and its arguments are pickled, ``__main__`` is re-imported.
+
+    Example:
+        >>> clean_context().get_start_method() in ("forkserver", "spawn")
+        True
     """
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "hexagram", "hexagram.engine.ddp"])
+    ctx.set_forkserver_preload(preloaded_modules())
     return ctx
+
+
+def preloaded_modules() -> list[str]:
+    """What the fork server imports once: the engine, the live trainer and every registered
+    algorithm (the registry imports an algorithm's module lazily, on first use)."""
+    from hexagram.algorithms import registry
+
+    return ["torch", "torch.distributed", "hexagram", "hexagram.engine.ddp",
+            "hexagram.elastic.trainer",
+            *sorted({entry.module for entry in registry.entries().values()})]
 
 
 def free_port() -> int:
@@ -108,7 +127,7 @@ def run_local(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
         threads: torch/OpenMP threads per rank (1 keeps ranks from fighting over cores).
         allow_failures: return the traceback text of failed ranks instead of raising.
     """
-    ctx = _context()
+    ctx = clean_context()
     results = ctx.Queue()
     full_env = _environment(world_size, free_port(), threads, env)
     procs = [ctx.Process(target=_entry, args=(fn, r, full_env, args, results, threads),

@@ -24,7 +24,6 @@ import contextlib
 import functools
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -39,10 +38,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.elastic.quorum import QuorumError
-from hexagram.launch import free_port
+from hexagram.launch import clean_context, free_port
 from hexagram.testing.faults import FaultInjector, parse_faults
 
-__all__ = ["batch", "net", "preload", "replay", "run_live"]
+__all__ = ["batch", "net", "replay", "run_live"]
 
 
 def net(seed: int = 0) -> nn.Module:
@@ -188,8 +187,6 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
     Raises:
         RuntimeError: a replica failed (other than the injected kill) or overran ``timeout``.
     """
-    preload()  # import lazily loaded modules once, not in every forked replica
-    _warm_up()
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     cfg = {"steps": steps, "kill": kill, "restart": restart, "algorithm": algorithm,
@@ -199,7 +196,7 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
            "collective_timeout": collective_timeout, "kill_inside": kill_inside,
            "align": align, "pause": pause}
     killed = {f.rank for f in parse_faults(kill)}
-    ctx = mp.get_context("fork")
+    ctx = clean_context()  # never fork: this process hosts the store's server thread
     with tempfile.TemporaryDirectory() as out:
         procs = {r: ctx.Process(target=_replica, args=(r, world, port, cfg, False, out))
                  for r in range(world)}
@@ -261,27 +258,6 @@ def _supervise(procs: dict[int, Any], start: Callable[[int, int], Any],
                 failed.pop(r)
         time.sleep(0.05)
     return time.monotonic() < deadline
-
-
-def preload() -> None:
-    """Import what a replica needs before forking replicas: `import hexagram` loads nothing
-    heavy, so without this every forked replica (a restarted one too, which then arrives
-    after the survivors finished) imports the engine (torch._dynamo, ~2 s), the live
-    trainer and the algorithms itself."""
-    import hexagram.algorithms.registry
-    import hexagram.elastic.trainer
-    import hexagram.engine.ddp
-
-    for name in hexagram.algorithms.registry.names():
-        hexagram.algorithms.registry.entries()[name].load()
-
-
-def _warm_up() -> None:
-    module = net()
-    opt = _optimizer(module)
-    x, y = batch(0, 0)
-    nn.functional.mse_loss(module(x), y).backward()
-    opt.step()
 
 
 def replay(log: list[tuple[int, list[int]]]) -> torch.Tensor:

@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import statistics
 import tempfile
@@ -35,16 +34,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hexagram.elastic.live_bench import _supervise, preload
+from hexagram.elastic.live_bench import _supervise
 from hexagram.elastic.quorum import QuorumError
-from hexagram.launch import free_port
+from hexagram.launch import clean_context, free_port
 from hexagram.testing.faults import FaultInjector, parse_faults
 
 __all__ = ["accuracy", "agree", "global_batch", "model_for", "params_digest", "replicas",
            "run_soak", "summarize", "train_cli"]
 
 _SEED_STRIDE = 1_000_003  # data-order seeds of different runs never collide
-_DATA: Any = None  # loaded once in the parent, shared with the forked replicas
+_DATA: Any = None  # loaded once per process
 
 
 def _data(name: str) -> Any:
@@ -99,13 +98,15 @@ def accuracy(model: nn.Module, data: Any) -> float:
 
 
 def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], incarnation: int,
-             out: str) -> None:
+             out: str, data: Any) -> None:
+    """One replica's process. ``data`` comes from the parent (multiprocessing shares its
+    tensors' memory): a restarted replica is ready at once, not after ~1.5 s of importing
+    scikit-learn, so it rejoins a short run before the survivors finish it."""
     from hexagram.elastic import live
 
     os.environ.update(MASTER_ADDR=cfg.get("master_addr", "127.0.0.1"), MASTER_PORT=str(port),
                       RANK=str(replica), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    data = _data(cfg["dataset"])
     model = model_for(data, seed=cfg["seed"])
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     report: dict[str, Any] = {"restarted": incarnation > 0, "log": [], "times": []}
@@ -167,8 +168,7 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
         RuntimeError: a replica crashed (other than the injected kills) or the run passed
             ``deadline`` seconds.
     """
-    _data(dataset)  # load before forking
-    preload()
+    data = _data(dataset)
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     cfg = {"steps": steps, "kill": kill, "algorithm": algorithm, "config": config or {},
@@ -177,15 +177,15 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
            "heartbeat_timeout": heartbeat_timeout, "timeout": timeout,
            "join_timeout": join_timeout, "seed": seed, "residuals": residuals}
     kills = Counter(f.rank for f in parse_faults(kill))
-    ctx = mp.get_context("fork")
+    ctx = clean_context()  # never fork: this process hosts the store's server thread
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        procs = {r: ctx.Process(target=_replica, args=(r, world, port, cfg, 0, out))
+        procs = {r: ctx.Process(target=_replica, args=(r, world, port, cfg, 0, out, data))
                  for r in range(world)}
         for proc in procs.values():
             proc.start()
         in_time = _supervise(procs, lambda r, n: ctx.Process(
-            target=_replica, args=(r, world, port, cfg, n, out)), kills,
+            target=_replica, args=(r, world, port, cfg, n, out, data)), kills,
             restart_delay, time.monotonic() + deadline)
         for proc in procs.values():
             if proc.is_alive():
@@ -227,7 +227,6 @@ def plain_ddp(world: int = 4, steps: int = 300, dataset: str = "auto", batch: in
     fault-tolerant engine is measured against."""
     from hexagram.launch import run_local
 
-    _data(dataset)
     ranks = run_local(_plain_rank, world, (steps, dataset, batch, lr, seed), timeout=timeout)
     times = [t for r in ranks for t in r["times"][1:]]  # the first step builds buckets
     return {"steps": steps, "kills": 0, "median_step_ms": 1000 * statistics.median(times),
