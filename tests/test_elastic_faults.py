@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -16,6 +15,7 @@ import pytest
 from hexagram.elastic.live_bench import _supervise
 from hexagram.elastic.soak import injector_for
 from hexagram.errors import ConfigError
+from hexagram.launch import clean_context
 from hexagram.testing.faults import EXIT_CODE, Fault, FaultInjector, InjectedFault, parse_faults
 
 
@@ -69,14 +69,14 @@ def _fail(action: str) -> None:
 
 @pytest.mark.parametrize(("action", "code"), [("exit", EXIT_CODE), ("sigkill", -9)])
 def test_process_faults_are_real(action: str, code: int) -> None:
-    proc = mp.get_context("fork").Process(target=_fail, args=(action,))
+    proc = clean_context().Process(target=_fail, args=(action,))
     proc.start()
     proc.join(30)
     assert proc.exitcode == code
 
 
 def test_sigstop_freezes_the_process() -> None:
-    proc = mp.get_context("fork").Process(target=_fail, args=("sigstop",))
+    proc = clean_context().Process(target=_fail, args=("sigstop",))
     proc.start()
     try:
         deadline = time.monotonic() + 30
@@ -122,7 +122,7 @@ def _dies_until(incarnation: int, survives_from: int) -> None:
 def test_supervise_restarts_a_replica_as_often_as_it_is_killed() -> None:
     """A rank killed twice is started twice more (incarnations 1 and 2); a replica that
     finishes normally is never restarted."""
-    ctx = mp.get_context("fork")
+    ctx = clean_context()
     started: list[tuple[int, int]] = []
 
     def start(rank: int, incarnation: int) -> Any:
