@@ -29,7 +29,10 @@ def _peer_failure_worker(mode: str) -> str:
         if rt.rank == 1 and step == 3:
             if mode == "die":
                 os._exit(17)  # killed mid-training: its sockets close
-            time.sleep(600)  # alive but silent: only a timeout can tell
+            # alive but silent: only a timeout can tell. 30 s outlasts the peers' 8 s
+            # timeout (and the test's 23 s bound) yet ends the run well before its deadline
+            time.sleep(30)
+            return "silent"
         try:
             ddp(torch.randn(4, 8)).sum().backward()
         except hx.CommError as exc:
@@ -50,6 +53,8 @@ def test_peer_failure_raises_instead_of_hanging(mode: str) -> None:
         assert seconds < 8 + 15  # within the configured timeout (plus start-up slack)
         if mode == "hang":
             assert message.startswith("CommTimeoutError")
+    if mode == "hang":
+        assert results[1] == "silent"  # it stayed silent past the peers' timeout
 
 
 def _mismatch_worker() -> str:
