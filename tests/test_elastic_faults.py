@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,40 @@ def test_sigstop_freezes_the_process() -> None:
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+_HELD = threading.Lock()
+
+
+def _take_the_lock() -> None:
+    if not _HELD.acquire(timeout=5):
+        raise SystemExit(3)  # a copy of the parent's lock, held by a thread it has not
+
+
+def test_replicas_start_clean_of_the_parents_threads() -> None:
+    """What hung CI once: a replica forked while a thread of the parent (the TCPStore's
+    server, resolving a peer's name) held a lock inherits it held, with no thread to
+    release it, and waits forever. Replicas start from the fork server
+    (``clean_context``, as ``run_live`` and ``run_soak`` start them): a lock a parent
+    thread holds right then is free in the replica."""
+    release, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _HELD:
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert held.wait(10)
+    proc = clean_context().Process(target=_take_the_lock)
+    try:
+        proc.start()
+        proc.join(60)
+    finally:
+        release.set()
+        thread.join(10)
+    assert proc.exitcode == 0
 
 
 def test_train_kill_fails_the_run_naming_the_dead_rank(tmp_path: Path) -> None:
