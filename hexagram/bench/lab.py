@@ -40,7 +40,8 @@ from hexagram.config import check_int
 from hexagram.errors import ConfigError, HexagramError
 
 __all__ = ["LabConfig", "LabError", "LabUnavailableError", "NetworkLab", "RankResult",
-           "check_available", "cleanup_stale", "die_with_parent", "parse_rate"]
+           "check_available", "cleanup_stale", "die_with_parent", "parse_rate",
+           "unavailable_reason"]
 
 IFNAME = "eth0"
 SUBNET = "10.213.0"
@@ -124,6 +125,19 @@ def check_available() -> None:
     if missing:
         raise LabUnavailableError(f"the network lab needs {' and '.join(missing)} (iproute2: "
                                   f"`apt-get install iproute2`); {fix}")
+
+
+def unavailable_reason() -> str | None:
+    """Why the network lab cannot run here (:func:`check_available`'s message), or None.
+
+    Example:
+        >>> reason = unavailable_reason()   # e.g. for pytest.mark.skipif
+    """
+    try:
+        check_available()
+    except LabUnavailableError as exc:
+        return str(exc)
+    return None
 
 
 def _sh(*argv: str, check: bool = True) -> str:

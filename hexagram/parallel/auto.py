@@ -36,6 +36,7 @@ from hexagram.parallel.calibrate import (
     with_model_figures,
 )
 from hexagram.parallel.cluster import Cluster, Constraints
+from hexagram.parallel.host_links import on_hosts
 from hexagram.parallel.overheads import model_compute_scale
 from hexagram.parallel.planner import plan
 from hexagram.parallel.plans import Plan
@@ -56,8 +57,9 @@ def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None 
                     targets: Any = None) -> Cluster:
     """The running job as a :class:`Cluster` (collective: every rank calls it).
 
-    Hosts from the runtime (``world / local_world``); compute, one measured link for inside
-    and between hosts, and the framework overheads from
+    Hosts from the runtime (``world / local_world``); compute, the links inside and
+    between hosts (fitted apart on more than one host:
+    :func:`~hexagram.parallel.host_links.fit_host_links`), and the framework overheads from
     :func:`~hexagram.parallel.calibrate.measure_job` (median over ranks, so every rank gets
     the same figures). With ``model`` and ``example_inputs`` the compute fields are scaled
     by the model's measured / predicted step, the overheads are measured on layers of the
@@ -76,7 +78,8 @@ def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None 
     rt = hx.init()
     per_host = _ranks_per_host(rt)
     with_model = model is not None and example_inputs is not None
-    figures = _job_figures(rt, dtype, model if with_model else None, example_inputs, targets)
+    figures = _job_figures(rt, dtype, model if with_model else None, example_inputs, targets,
+                           per_host)
     if memory_gb is None:
         memory_gb = _device_memory_gb(rt)
     cluster = _cluster_of(figures, rt.world_size // per_host, per_host, dtype, memory_gb)
@@ -94,11 +97,12 @@ def _ranks_per_host(rt: Runtime) -> int:
 
 
 def _job_figures(rt: Runtime, dtype: torch.dtype, model: nn.Module | None,
-                 example_inputs: Any, targets: Any) -> dict[str, Any]:
+                 example_inputs: Any, targets: Any, per_host: int) -> dict[str, Any]:
     """The calibration figures of the running job (collective); ``model`` None: without
     the model's own step. One rank has no links and no parallel machinery to measure."""
     if rt.world_size > 1:
-        return measure_job(dtype, model=model, inputs=example_inputs, targets=targets)
+        return measure_job(dtype, model=model, inputs=example_inputs, targets=targets,
+                           per_host=per_host)
     figures = {**measure_compute(dtype, device=rt.device, stat="median"),
                "latency_us": 0.0, "gbps": 100.0}
     if model is not None:
@@ -116,11 +120,12 @@ def _device_memory_gb(rt: Runtime) -> float:
 
 def _cluster_of(figures: dict[str, Any], hosts: int, per_host: int, dtype: torch.dtype,
                 memory_gb: float) -> Cluster:
-    """The measured figures as a :class:`Cluster`: one link for inside and between hosts,
-    the framework overheads where measured (before the model's figures)."""
+    """The measured figures as a :class:`Cluster`: the links inside and between hosts
+    (one link for both where they were not fitted apart: one host, or one rank), the
+    framework overheads where measured (before the model's figures)."""
     keys = ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us")
     overheads: dict[str, Any] = {k: figures[k] for k in keys if k in figures}
-    return Cluster(hosts=hosts, devices_per_host=per_host,
+    one_link = Cluster(hosts=1, devices_per_host=hosts * per_host,
                    intra_host_gbps=figures["gbps"], inter_host_gbps=figures["gbps"],
                    intra_latency_us=figures["latency_us"],
                    inter_latency_us=figures["latency_us"],
@@ -130,6 +135,10 @@ def _cluster_of(figures: dict[str, Any], hosts: int, per_host: int, dtype: torch
                    dtype_bytes=torch.empty((), dtype=dtype).element_size(),
                    device_memory_gb=memory_gb,
                    **overheads)
+    if hosts == 1:
+        return one_link
+    return on_hosts(one_link, figures, per_host).replace(hosts=hosts,
+                                                         devices_per_host=per_host)
 
 
 def auto(model: nn.Module, example_inputs: Any, constraints: Constraints | None = None,

@@ -211,7 +211,7 @@ def measure_links(world_size: int = 2, timeout: float = 120.0) -> dict[str, floa
 
 def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
                 model: torch.nn.Module | None = None, inputs: object = None,
-                targets: object = None) -> dict[str, float]:
+                targets: object = None, per_host: int = 0) -> dict[str, float]:
     """In a running job, every rank at once: compute (median, so ranks sharing cores see
     each other), links, and the framework overheads of :mod:`hexagram.parallel.overheads`
     fitted against the cost model's own formulas. With ``model`` and ``inputs`` (the
@@ -220,7 +220,12 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
     (:func:`~hexagram.parallel.overheads.model_compute_scale`: ``compute_scale`` and
     ``cores``), and so is its exact data-parallel gradient sync
     (:func:`~hexagram.parallel.dpsync.measure_dp_sync`: ``dp_sync_ms``,
-    ``dp_sync_scale``). Values are the median over ranks, the same on every rank.
+    ``dp_sync_scale``). With ``per_host`` ranks per host and more than one host, the
+    links inside and between hosts are fitted apart too
+    (:func:`~hexagram.parallel.host_links.fit_host_links`: ``intra_*``, ``inter_*``), and
+    the model's sync is priced on them; the framework overheads stay residuals against
+    the all-rank fit (``latency_us``, ``gbps``), which their workloads ran on. Values are
+    the median over ranks, the same on every rank.
 
     Example:
         >>> figures = measure_job(torch.float64, model=model, inputs=x)   # doctest: +SKIP
@@ -231,6 +236,7 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
 
     from hexagram.comm.device import group_device
     from hexagram.parallel.dpsync import measure_dp_sync
+    from hexagram.parallel.host_links import fit_host_links, on_hosts
     from hexagram.parallel.overheads import (
         framework_overheads,
         model_compute_scale,
@@ -246,11 +252,13 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
     mine = {**comp, **links, "zero_rs_as_allreduce": float("gloo" in str(
         dist.get_backend()).lower())}
     mine.update(framework_overheads(calibrated(mine, world, dtype), dtype, repeat, shape))
+    if 0 < per_host < world:
+        mine.update(fit_host_links(per_host, repeat=max(5, repeat // 2)))
     every: list[dict[str, float]] = [{} for _ in range(world)]
     dist.all_gather_object(every, mine)
     out = {k: statistics.median(r[k] for r in every) for k in mine}
     if model is not None:
-        cluster = calibrated(out, world, dtype)
+        cluster = on_hosts(calibrated(out, world, dtype), out, per_host)
         out.update(model_compute_scale(model, inputs, targets, cluster))
         out.update(measure_dp_sync(model, cluster, group_device(None)))
     return out
