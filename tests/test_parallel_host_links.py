@@ -1,11 +1,11 @@
 """The links inside and between hosts, fitted apart (:mod:`hexagram.parallel.host_links`).
 
-On loopback (4 ranks laid out as 2 hosts of 2) every rank gets the same fit and a bad
-layout is refused; on the network lab (2 namespaces x 2 ranks, 100 Mbit/s between them,
-root only) the network is fitted at its shaped rate and the host's own link far above it
-(one all-rank fit, what ``measure_cluster`` priced both links with before, gives about the
-network's rate for both). ``measure_cluster`` lays the fits out as hosts
-(``auto._cluster_of``).
+On loopback (4 ranks laid out as 2 hosts of 2) ``measure_cluster`` gives every rank the
+same two links and a bad layout is refused; on the network lab (2 namespaces x 2 ranks,
+100 Mbit/s between them, root only) the network is fitted at its shaped rate and the
+host's own link far above it (one all-rank fit, what ``measure_cluster`` priced both links
+with before, gives about the network's rate for both). ``measure_cluster`` lays the fits
+out as hosts (``auto._cluster_of``).
 """
 
 from __future__ import annotations
@@ -22,32 +22,36 @@ import torch
 from hexagram.bench.lab import unavailable_reason
 from hexagram.launch import run_local
 from hexagram.parallel.cluster import Cluster
-from hexagram.parallel.host_links import KEYS, on_hosts
+from hexagram.parallel.host_links import on_hosts
 
 
-def _fit_worker() -> dict[str, Any]:
+def _measure_worker() -> dict[str, Any]:
     import hexagram as hx
     from hexagram.errors import HexagramError
+    from hexagram.parallel.auto import measure_cluster
     from hexagram.parallel.host_links import fit_host_links
 
-    rt = hx.init(timeout=60)
+    hx.init(timeout=60)
     try:
         fit_host_links(3)
         refused = ""
     except HexagramError as exc:
         refused = str(exc)
-    return {"refused": refused, "links": fit_host_links(rt.local_world_size)}
+    return {"refused": refused, "cluster": measure_cluster(torch.float64)}
 
 
-@pytest.mark.timeout(120)
-def test_every_rank_gets_the_same_two_links() -> None:
-    results = run_local(_fit_worker, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout=100)
+@pytest.mark.timeout(150)
+def test_measure_cluster_on_two_hosts_gives_every_rank_the_same_two_links() -> None:
+    """4 ranks as 2 hosts of 2 (LOCAL_WORLD_SIZE): the links are fitted apart, DTensor is
+    measured inside a host (a 2-D device mesh's host dimension), every rank agrees."""
+    results = run_local(_measure_worker, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout=130)
     assert "4 ranks do not split into hosts of 3" in results[0]["refused"]
-    links = results[0]["links"]
-    assert sorted(links) == sorted(KEYS)
-    assert all(r["links"] == links for r in results)  # one figure per link, on every rank
-    assert links["intra_latency_us"] > 0 and links["inter_latency_us"] > 0
-    assert links["intra_gbps"] > 0 and links["inter_gbps"] > 0
+    c = results[0]["cluster"]
+    assert all(r["cluster"] == c for r in results)  # one figure per link, on every rank
+    assert (c.hosts, c.devices_per_host) == (2, 2)
+    assert c.intra_latency_us > 0 and c.inter_latency_us > 0
+    assert c.intra_host_gbps > 0 and c.inter_host_gbps > 0
+    assert c.tp_overhead_us >= 0 and c.zero_overhead_us >= 0
 
 
 def test_on_hosts_lays_out_the_cluster_with_both_links() -> None:

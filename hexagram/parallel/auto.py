@@ -171,9 +171,17 @@ def auto(model: nn.Module, example_inputs: Any, constraints: Constraints | None 
     c = cluster
     pm.report = (f"{chosen}\n  {'measured' if measured else 'given'} cluster: "
                  f"{c.device_tflops * 1e3:.1f} GFLOP/s, {c.memory_gbps:.1f} GB/s, "
-                 f"{c.op_overhead_us:.1f} us/op, links {c.intra_latency_us:.0f} us + "
-                 f"{c.intra_host_gbps:.2f} Gbit/s; overheads DTensor "
+                 f"{c.op_overhead_us:.1f} us/op, {_links(c)}; overheads DTensor "
                  f"{c.tp_overhead_us:.0f} us/linear, FSDP2 {c.zero_overhead_us:.0f} us/unit, "
                  f"pipelining {c.microbatch_overhead_us:.0f} us/micro-batch, step "
                  f"{c.step_overhead_us:.0f} us")
     return pm
+
+
+def _links(c: Cluster) -> str:
+    """The report's links: one on one host, inside and between hosts otherwise."""
+    inside = f"{c.intra_latency_us:.0f} us + {c.intra_host_gbps:.2f} Gbit/s"
+    if c.hosts == 1:
+        return f"links {inside}"
+    return (f"links {inside} inside a host, {c.inter_latency_us:.0f} us + "
+            f"{c.inter_host_gbps:.3f} Gbit/s between hosts")

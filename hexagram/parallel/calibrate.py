@@ -223,9 +223,8 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
     ``dp_sync_scale``). With ``per_host`` ranks per host and more than one host, the
     links inside and between hosts are fitted apart too
     (:func:`~hexagram.parallel.host_links.fit_host_links`: ``intra_*``, ``inter_*``), and
-    the model's sync is priced on them; the framework overheads stay residuals against
-    the all-rank fit (``latency_us``, ``gbps``), which their workloads ran on. Values are
-    the median over ranks, the same on every rank.
+    the framework overheads and the model's sync are priced on them (DTensor's measured
+    inside a host). Values are the median over ranks, the same on every rank.
 
     Example:
         >>> figures = measure_job(torch.float64, model=model, inputs=x)   # doctest: +SKIP
@@ -251,9 +250,10 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
     # ZeRO's gradient reduce-scatter runs as an allreduce on gloo (parallel/zero.py)
     mine = {**comp, **links, "zero_rs_as_allreduce": float("gloo" in str(
         dist.get_backend()).lower())}
-    mine.update(framework_overheads(calibrated(mine, world, dtype), dtype, repeat, shape))
     if 0 < per_host < world:
         mine.update(fit_host_links(per_host, repeat=max(5, repeat // 2)))
+    mine.update(framework_overheads(on_hosts(calibrated(mine, world, dtype), mine, per_host),
+                                    dtype, repeat, shape))
     every: list[dict[str, float]] = [{} for _ in range(world)]
     dist.all_gather_object(every, mine)
     out = {k: statistics.median(r[k] for r in every) for k in mine}

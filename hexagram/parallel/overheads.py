@@ -104,11 +104,16 @@ def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
 
     from hexagram.parallel.calibrate import interleaved
 
-    n = dist.get_world_size()
+    # over the ranks of one host, every host at once: the planner keeps tensor parallelism
+    # inside a host (Alpa's submeshes), and across a slow network the collectives' time
+    # would hide DTensor's own cost (the residual came out 0 on the lab's 2 x 2)
+    world, hosts = dist.get_world_size(), cluster.hosts
+    n = world // hosts
+    ranks = init_device_mesh(device.type, (world,)) if hosts == 1 else init_device_mesh(
+        device.type, (hosts, n), mesh_dim_names=("host", "local"))["local"]
     width, hidden, rows = shape = _layers(shape, n)
     x = torch.randn(rows, width, dtype=dtype, device=device)
-    sharded = parallelize_module(_mlp(width, hidden, dtype, device),
-                                 init_device_mesh(device.type, (n,)),
+    sharded = parallelize_module(_mlp(width, hidden, dtype, device), ranks,
                                  {"0": ColwiseParallel(), "2": RowwiseParallel()})
     runs = interleaved([_step(_mlp(width, hidden, dtype, device), x), _step(sharded, x)],
                        repeat)
@@ -198,7 +203,8 @@ def framework_overheads(cluster: Cluster, dtype: torch.dtype = torch.float64,
                         repeat: int = 15, shape: LayerShape | None = None
                         ) -> dict[str, float]:
     """This rank's view of the overheads (microseconds, clipped at 0); collective: every
-    rank of the job calls it. ``cluster``: the job's calibrated compute and links;
+    rank of the job calls it. ``cluster``: the job's calibrated compute and links (on more
+    than one host, its ranks laid out as hosts: DTensor is then measured inside a host);
     ``shape``: the model's layer (:func:`model_linear_shape`) that DTensor and FSDP2 are
     measured on (None, or a width that does not split over the ranks: a tiny one)."""
     from hexagram.parallel.calibrate import _default_device
