@@ -71,9 +71,11 @@ def test_measure_cluster_builds_hosts_from_the_two_fits() -> None:
 
     figures = {"latency_us": 900.0, "gbps": 0.1, "device_tflops": 0.05, "memory_gbps": 5.0,
                "op_overhead_us": 10.0, "intra_latency_us": 40.0, "intra_gbps": 5.0,
-               "inter_latency_us": 700.0, "inter_gbps": 0.09}
+               "inter_latency_us": 700.0, "inter_gbps": 0.09, "zero_rs_as_allreduce": 1.0}
     c = _cluster_of(figures, 2, 2, torch.float64, 4.0)
     assert (c.hosts, c.devices_per_host, c.dtype_bytes) == (2, 2, 8)
+    assert c.device_memory_gb == 4.0
+    assert c.zero_grad_collective == "allreduce"  # as the calibration prices it on gloo
     assert c.link(False) == pytest.approx((40e-6, 5.0e9 / 8))
     assert c.link(True) == pytest.approx((700e-6, 0.09e9 / 8))
     single = _cluster_of(figures, 1, 4, torch.float64, 4.0)  # one host: the all-rank fit

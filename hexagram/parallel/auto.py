@@ -120,25 +120,13 @@ def _device_memory_gb(rt: Runtime) -> float:
 
 def _cluster_of(figures: dict[str, Any], hosts: int, per_host: int, dtype: torch.dtype,
                 memory_gb: float) -> Cluster:
-    """The measured figures as a :class:`Cluster`: the links inside and between hosts
-    (one link for both where they were not fitted apart: one host, or one rank), the
-    framework overheads where measured (before the model's figures)."""
-    keys = ("tp_overhead_us", "zero_overhead_us", "microbatch_overhead_us", "step_overhead_us")
-    overheads: dict[str, Any] = {k: figures[k] for k in keys if k in figures}
-    one_link = Cluster(hosts=1, devices_per_host=hosts * per_host,
-                   intra_host_gbps=figures["gbps"], inter_host_gbps=figures["gbps"],
-                   intra_latency_us=figures["latency_us"],
-                   inter_latency_us=figures["latency_us"],
-                   device_tflops=figures["device_tflops"],
-                   memory_gbps=figures["memory_gbps"],
-                   op_overhead_us=figures["op_overhead_us"],
-                   dtype_bytes=torch.empty((), dtype=dtype).element_size(),
-                   device_memory_gb=memory_gb,
-                   **overheads)
-    if hosts == 1:
-        return one_link
-    return on_hosts(one_link, figures, per_host).replace(hosts=hosts,
-                                                         devices_per_host=per_host)
+    """The measured figures as a :class:`Cluster` (before the model's figures), built as
+    the calibration builds it (:func:`~hexagram.parallel.calibrate.calibrated`: the
+    framework overheads where measured, ZeRO's gradient reduction as the allreduce it runs
+    as on gloo), laid out as hosts with the links inside and between them where they were
+    fitted apart (:func:`~hexagram.parallel.host_links.on_hosts`)."""
+    one_host = calibrated(figures, hosts * per_host, dtype).replace(device_memory_gb=memory_gb)
+    return on_hosts(one_host, figures, per_host).replace(hosts=hosts, devices_per_host=per_host)
 
 
 def auto(model: nn.Module, example_inputs: Any, constraints: Constraints | None = None,
