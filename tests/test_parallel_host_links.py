@@ -2,7 +2,7 @@
 
 On loopback (4 ranks laid out as 2 hosts of 2) ``measure_cluster`` gives every rank the
 same two links and a bad layout is refused; on the network lab (2 namespaces x 2 ranks,
-100 Mbit/s between them, root only) the network is fitted at its shaped rate and the
+200 Mbit/s between them, root only) the network is fitted at its shaped rate and the
 host's own link far above it (one all-rank fit, what ``measure_cluster`` priced both links
 with before, gives about the network's rate for both). ``measure_cluster`` lays the fits
 out as hosts (``auto._cluster_of``).
@@ -104,12 +104,12 @@ def test_the_shaped_network_and_the_host_are_priced_apart(tmp_path: Path) -> Non
 
     script = tmp_path / "rank.py"
     script.write_text(_LAB_RANK)
-    with NetworkLab(LabConfig(hosts=2, ranks_per_host=2, bandwidth="100mbit",
+    with NetworkLab(LabConfig(hosts=2, ranks_per_host=2, bandwidth="200mbit",
                               prefix="hxt")) as lab:
         results = lab.run([sys.executable, str(script)], timeout=240)
         failed = lab.ranks_failed_message(results)
     assert not failed, failed
     (line,) = [x for x in results[0].output.splitlines() if x.startswith("RESULT ")]
     got = json.loads(line[len("RESULT "):])
-    assert 0.06 < got["inter_gbps"] < 0.13, got  # the 100 Mbit/s shaping, as measured
+    assert 0.12 < got["inter_gbps"] < 0.26, got  # the 200 Mbit/s shaping, as measured
     assert got["intra_gbps"] > 10 * got["inter_gbps"], got  # the host's loopback
