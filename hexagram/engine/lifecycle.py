@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from hexagram.algorithms.base import Algorithm
 from hexagram.comm.communicator import Communicator
 
 __all__ = ["Resources", "attach", "weak_method"]
+
+_SETTLE_S = 0.1  # seconds a released wrapper leaves the GIL free at interpreter exit
 
 
 @dataclass
@@ -79,6 +82,23 @@ class Resources:
             name = getattr(self.algorithm, "name", "?")
             print(f"hexagram: releasing algorithm {name!r} at exit failed: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        if self.comm is not None:  # garbage collection or exit: finalisation may be next
+            _let_collective_workers_finish()
+
+
+def _let_collective_workers_finish() -> None:
+    """Release the GIL for a moment after the last collectives of a wrapper at exit.
+
+    A gloo worker thread drops its last reference to a finished collective just after
+    ``wait()`` returns; if the tensors' Python objects are gone by then, that destructor
+    takes the GIL. Once the interpreter is finalising, a C++ thread that takes the GIL is
+    ended by ``pthread_exit`` inside that ``noexcept`` destructor: SIGABRT, ``terminate
+    called without an active exception`` (seen in 2 of 5 full test runs, caught in a core
+    dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` -> ``decref_pyobject``
+    -> ``take_gil`` -> ``pthread_exit``). Sleeping here, before finalisation, lets those
+    threads finish with the GIL free. Only the quiet path pauses (garbage collection,
+    exit); ``close()`` does not."""
+    time.sleep(_SETTLE_S)
 
 
 def attach(owner: object, resources: Resources) -> weakref.finalize:
