@@ -11,17 +11,13 @@ import pytest
 from hexagram.bench import cli as bench_cli
 from hexagram.bench import train as train_cli
 from hexagram.bench.advise import recommend
-from hexagram.bench.lab import LabUnavailableError, check_available
+from hexagram.bench.lab import unavailable_reason
 from hexagram.bench.peers import ring_bytes
 from hexagram.bench.report import markdown_table, ready_bound, summarize
 
 
 def _lab_available() -> bool:
-    try:
-        check_available()
-    except LabUnavailableError:
-        return False
-    return True
+    return unavailable_reason() is None
 
 
 def _args(module: object, argv: list[str]) -> argparse.Namespace:

@@ -21,9 +21,9 @@ from hexagram.bench.lab import (
     LabConfig,
     LabUnavailableError,
     NetworkLab,
-    check_available,
     cleanup_stale,
     parse_rate,
+    unavailable_reason,
 )
 from hexagram.errors import ConfigError
 
@@ -31,11 +31,7 @@ PREFIX = "hxt"
 
 
 def _lab_reason() -> str | None:
-    try:
-        check_available()
-    except LabUnavailableError as exc:
-        return str(exc)
-    return None
+    return unavailable_reason()
 
 
 needs_lab = pytest.mark.skipif(_lab_reason() is not None,

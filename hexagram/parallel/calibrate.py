@@ -250,7 +250,7 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
     # ZeRO's gradient reduce-scatter runs as an allreduce on gloo (parallel/zero.py)
     mine = {**comp, **links, "zero_rs_as_allreduce": float("gloo" in str(
         dist.get_backend()).lower())}
-    if 0 < per_host < world:
+    if 1 < per_host < world:  # one rank per host: the all-rank fit is the network's
         mine.update(fit_host_links(per_host, repeat=max(5, repeat // 2)))
     mine.update(framework_overheads(on_hosts(calibrated(mine, world, dtype), mine, per_host),
                                     dtype, repeat, shape))

@@ -12,7 +12,8 @@ Alpa likewise profiles the model's own stages), since their cost grows with the 
 they copy and a tiny layer under-prices it:
 
 - ``tp_overhead_us``: a linear of the model's shape and its transpose, column-wise and
-  row-wise on a DTensor mesh of all ranks (``parallelize_module``), against the same two
+  row-wise on a DTensor mesh (``parallelize_module``) of all ranks, or of each host's
+  ranks (every host at once) when ``cluster`` has more than one host, against the same two
   linears unsharded (whose compute, in the cost model's proportion, is the sharded one's
   compute); per linear.
 - ``zero_overhead_us``: the same two linears, each an FSDP2 ``fully_shard`` unit over all
