@@ -36,7 +36,7 @@ def rank_main(spec: dict[str, Any], out: Path) -> None:
     """One rank: train with auto for ``spec["steps"]`` steps, recording when each step
     started (wall clock, shared by the lab's namespaces) and what auto ran."""
     import hexagram as hx
-    from hexagram.bench.workload import ModelSpec, build_workload
+    from hexagram.models.workload import ModelSpec, build_workload
 
     torch.set_num_threads(1)
     hx.init(timeout=120)

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hexagram.bench.report import summarize_outcome
-from hexagram.bench.workload import ModelSpec, build_workload
 from hexagram.buckets import build_buckets
+from hexagram.models.workload import ModelSpec, build_workload
 
 __all__ = ["SIZES", "by_layout", "layouts", "markdown", "rotate", "run_rounds", "summarize_rounds",
            "where_ranks_import"]

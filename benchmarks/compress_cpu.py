@@ -12,7 +12,7 @@ thread (``torch.set_num_threads(1)``, as the lab's ranks run), the CPU time
   reduction (mean, or the sign for signSGD's majority vote).
 
 The gradients are real: 4 backward passes of the MLP (784-h-h-h-10 from
-:func:`hexagram.bench.workload.build_workload`, batch 32) stand for 4 ranks. The
+:func:`hexagram.models.workload.build_workload`, batch 32) stand for 4 ranks. The
 compressors are the algorithms' own (``hx.algorithms.get(name).compressor`` with their
 defaults; ``dgc`` and ``gtopk`` measure their top-k sparsifier with plain error feedback;
 gTop-k's rounds live in ``hexagram/comm/gtopk.py``: the row ``gtopk rounds (4 ranks)``
@@ -53,7 +53,7 @@ def _gradients(ranks: int) -> list[list[Any]]:
     """``ranks`` lists of the MLP's gradients (one backward of batch 32 each)."""
     import torch
 
-    from hexagram.bench.workload import ModelSpec, build_workload
+    from hexagram.models.workload import ModelSpec, build_workload
 
     work = build_workload(ModelSpec(name="mlp", params=6_300_000))
     grads = []

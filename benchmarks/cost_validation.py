@@ -1,7 +1,7 @@
 """Validate the step-time model in the network lab, and run ``auto`` next to fixed choices.
 
 For each bandwidth (a fresh lab of ``--hosts`` emulated hosts) the probe job runs first
-(``hexagram.cost.task``: network fits, all ranks at once); then, per workload, every
+(``hexagram.bench.task``: network fits, all ranks at once); then, per workload, every
 compressor is timed on the workload's own tensor shapes (CPU seconds, as ``auto`` times
 them), every synchronous gradient algorithm runs the lab's step benchmark (the worker
 records each rank's local compute: when every gradient is ready, backward, update) and
@@ -22,7 +22,7 @@ of a saved run with the current model: ``OUT/validation-repredicted.{md,json}``;
 ``--compute common`` from one compute profile per workload, as auto predicts
 (``OUT/validation-repredicted-common.{md,json}``). ``--compare A.json B.json --out OUT``
 (no lab): test-retest of two runs of the same cells, per setting and workload
-(:mod:`hexagram.cost.retest`: measured-vs-measured Spearman, median difference, the
+(:mod:`harness.retest`: measured-vs-measured Spearman, median difference, the
 model's Spearman in each and, as an extra view, with ties within that spread):
 ``OUT/compare.{md,json}``.
 """
@@ -40,21 +40,21 @@ from typing import Any
 import bucket_rounds  # benchmarks/bucket_rounds.py, beside this script
 import torch
 from cost_validation_report import markdown  # beside this script
+from harness.retest import compare
+from harness.retest import markdown as compare_markdown
 
 from hexagram.algorithms import registry
 from hexagram.bench.harness import LoopbackLab, machine_info, run_series
 from hexagram.bench.lab import LabConfig, NetworkLab
 from hexagram.bench.report import summarize_outcome
-from hexagram.bench.workload import ModelSpec, build_workload
+from hexagram.bench.task import load_probe, run_in_lab
 from hexagram.cost.measure import local_costs, static_profile
 from hexagram.cost.model import predict
 from hexagram.cost.own_work import job_compute, optimizer_extra_s
 from hexagram.cost.probe import NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile, TreeCost
-from hexagram.cost.retest import compare
-from hexagram.cost.retest import markdown as compare_markdown
 from hexagram.cost.schedule import TensorSpec
-from hexagram.cost.task import load_probe, run_in_lab
+from hexagram.models.workload import ModelSpec, build_workload
 
 #: the bench's settings for the short window: PowerSGD compresses from step 0
 CONFIG = {"powersgd": {"start_iter": 0}}

@@ -18,9 +18,9 @@ import statistics
 from typing import Any
 
 import bucket_rounds  # benchmarks/bucket_rounds.py, beside this script
+from harness.retest import spearman
 
-from hexagram.cost import choose
-from hexagram.cost.retest import spearman
+from hexagram.auto import choose
 
 __all__ = ["markdown", "summary"]
 

@@ -2,7 +2,7 @@
 returning rank heals with algorithm state in under 1 s on the lab").
 
 The soak of ``benchmarks/elastic_soak.py`` (the same replicas, faults, data and report,
-:func:`hexagram.elastic.soak.summarize`), but every replica runs in its own network
+:func:`hexagram.bench.soak.summarize`), but every replica runs in its own network
 namespace behind a shaped link, the c10d store in a process of host 0 (it outlives every
 replica), and a killed replica is started again as a fresh process in its namespace
 (``ip netns exec``: no fork, so it imports torch and loads the data again, as a real
@@ -29,12 +29,12 @@ from typing import Any
 import torch
 
 from hexagram.bench.lab import LabConfig, NetworkLab
-from hexagram.elastic.live_bench import _supervise
-from hexagram.elastic.soak import summarize
+from hexagram.bench.live import _supervise
+from hexagram.bench.soak import summarize
 from hexagram.testing.faults import parse_faults
 
 PORT = 29611
-REPLICA = ("import sys, json; from hexagram.elastic.soak import _replica; "
+REPLICA = ("import sys, json; from hexagram.bench.soak import _replica; "
            "_replica(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), "
            "json.loads(sys.argv[4]), int(sys.argv[5]), sys.argv[6])")
 STORE = ("import sys, time, torch.distributed as d; "

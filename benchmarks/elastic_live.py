@@ -1,6 +1,6 @@
 """Live mode: per-step overhead without failures, stall per failure, healing time.
 
-3 ranks on gloo (one host), the float64 MLP of ``hexagram.elastic.live_bench``:
+3 ranks on gloo (one host), the float64 MLP of ``hexagram.bench.live``:
 
 - overhead: median step time of ``hx.elastic.live`` (quorum vote per step) against the
   plain ``hx.DistributedDataParallel`` loop, same model, data and algorithm;
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hexagram.elastic.live_bench import _optimizer, batch, net, run_live
+from hexagram.bench.live import _optimizer, batch, net, run_live
 from hexagram.launch import run_local
 
 

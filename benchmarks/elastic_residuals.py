@@ -8,7 +8,7 @@ g_bar``): a random walk that never enters the update, as long as every rank stay
 replica ``k`` of ``n`` dies, the survivors' mean residual becomes ``e_bar - d_k / (n-1)``:
 that shift is then applied to the model as if it were gradient.
 
-This script trains the soak's model (:mod:`hexagram.elastic.soak`: 4 ranks, Fashion-MNIST,
+This script trains the soak's model (:mod:`hexagram.bench.soak`: 4 ranks, Fashion-MNIST,
 the same batches, SGD lr 0.05 momentum 0.9) with PowerSGD and no failures, on
 ``torch.distributed`` through :func:`hexagram.launch.run_local`, and reports at the soak's
 kill steps the norms of ``e_bar``, of every ``d_i / (n-1)`` (the shift a death there would
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hexagram.elastic import soak
+from hexagram.bench import soak
 from hexagram.elastic.state import residual_tensors
 
 

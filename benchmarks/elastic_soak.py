@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hexagram.elastic import soak
-from hexagram.elastic.live_bench import _supervise
+from hexagram.bench import soak
+from hexagram.bench.live import _supervise
 from hexagram.elastic.residuals import check_policy
 from hexagram.testing.faults import parse_faults
 
@@ -98,7 +98,7 @@ def _torchft_replica(replica: int, world: int, lighthouse: str, cfg: dict[str, A
 def run_torchft(world: int, steps: int, kill: str, dataset: str, batch: int, lr: float,
                 heartbeat_ms: int, deadline: float, min_size: int,
                 seed: int = 0) -> dict[str, Any]:
-    """The torchft soak: :func:`hexagram.elastic.soak.run_soak`'s protocol on torchft."""
+    """The torchft soak: :func:`hexagram.bench.soak.run_soak`'s protocol on torchft."""
     from torchft.coordination import LighthouseServer
 
     os.environ.setdefault("RUST_LOG", "error")  # torchft logs every quorum at info

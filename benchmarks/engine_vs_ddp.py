@@ -37,7 +37,7 @@ def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
     b.load_state_dict(a.state_dict())
     opt_a = torch.optim.SGD(a.parameters(), lr=0.01)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.01)
-    from hexagram.cost.choose import parse_label
+    from hexagram.auto.choose import parse_label
 
     name, config = parse_label(algorithm)  # e.g. "allreduce:delay=1:predict=false"
     algo = hx.algorithms.get(name, **config, **({"verbose": False} if name == "auto" else {}))

@@ -29,7 +29,7 @@ def _trace(args: argparse.Namespace) -> list[list[tuple[str, float, float]]]:
 
     import hexagram as hx
     from hexagram.bench.peers import make_optimizer
-    from hexagram.bench.workload import ModelSpec, build_workload
+    from hexagram.models.workload import ModelSpec, build_workload
 
     hx.init()
     work = build_workload(ModelSpec(name="mlp", params=args.params), seed=0)

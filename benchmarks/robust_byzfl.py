@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hexagram.bench.robust import training_shard
 from hexagram.data import load
 from hexagram.models import hidden_for_params, mlp
 from hexagram.robust import aggregators as hx_agg
-from hexagram.robust.harness import training_shard
 from hexagram.testing.attacks import byzantine_ranks, corrupt
 
 AGGREGATORS = ("average", "trimmed_mean", "median", "krum", "multikrum", "geomed",

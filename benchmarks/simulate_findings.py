@@ -17,6 +17,7 @@ import argparse
 import time
 from collections.abc import Sequence
 
+from hexagram.bench.simulate_cli import format_rows, plot_rows
 from hexagram.cost.devices import EFFICIENCY, device
 from hexagram.cost.profile import ComputeProfile
 from hexagram.cost.simulate import (
@@ -27,7 +28,6 @@ from hexagram.cost.simulate import (
     reference_tensors,
     simulate,
 )
-from hexagram.cost.simulate_cli import format_rows, plot_rows
 
 GPT_LABELS = ["allreduce", "allreduce:hierarchical=true", "fp16", "powersgd", "qsgd", "topk",
               "gtopk", "local_sgd", "diloco"]

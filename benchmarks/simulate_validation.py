@@ -31,8 +31,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from harness.simulate_lab import LabRecord, compare
+
 from hexagram import algorithms
-from hexagram.cost.simulate_lab import LabRecord, compare
 
 HEADER = re.compile(r"^#### (\d+) hosts x (\d+) rank\(s\), (\w+) links, (\w+) \((\d+) "
                     r"parameters\), batch (\d+)/rank")

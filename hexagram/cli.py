@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("hexagram.bench.train", "time-to-accuracy on real data for each algorithm"),
     "plan": ("hexagram.parallel.cli", "plan automatic model parallelism for a model and cluster"),
     "advise": ("hexagram.bench.advise", "recommend an algorithm for a measured network"),
-    "simulate": ("hexagram.cost.simulate_cli", "predict every algorithm's step time on a "
+    "simulate": ("hexagram.bench.simulate_cli", "predict every algorithm's step time on a "
                  "cluster you do not have (device, link presets, 8 to 4096 devices)"),
 }
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import pkgutil
 import queue
 import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from hexagram.errors import HexagramError
@@ -64,12 +66,13 @@ def clean_context() -> Any:
 
 def preloaded_modules() -> list[str]:
     """What the fork server imports once: the engine, the live trainer and every registered
-    algorithm (the registry imports an algorithm's module lazily, on first use)."""
-    from hexagram.algorithms import registry
-
+    algorithm (the registry imports an algorithm's module lazily, on first use). Named from
+    the files, not the registry: the launcher stands below the algorithms."""
+    package = Path(__file__).resolve().parent
+    algorithms = [f"hexagram.algorithms.{m.name}" for m in pkgutil.iter_modules(
+        [str(package / "algorithms")])] + ["hexagram.auto.algorithm"]
     return ["torch", "torch.distributed", "hexagram", "hexagram.engine.ddp",
-            "hexagram.elastic.trainer",
-            *sorted({entry.module for entry in registry.entries().values()})]
+            "hexagram.elastic.trainer", *sorted(algorithms)]
 
 
 def free_port() -> int:
@@ -96,11 +99,11 @@ def _entry(fn: Callable[..., Any], rank: int, env: dict[str, str], args: Sequenc
     except BaseException:  # reported to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        import hexagram
+        from hexagram import runtime
 
-        if hexagram.is_initialized():
+        if runtime.is_initialized():
             try:
-                hexagram.shutdown()
+                runtime.shutdown()
             except Exception:  # peers may be gone already
                 pass
 

@@ -9,7 +9,7 @@ Restarts: under ``torchrun --max-restarts N`` every attempt sets up its process 
 its own store prefix (``TORCHELASTIC_RESTART_COUNT``), so restarted workers never read the
 addresses of the attempt that died, and the set-up has a deadline (``init_timeout``): a rank
 that never arrives makes the others raise :class:`InitTimeoutError` naming it, never hang.
-See ``hexagram.elastic.rendezvous`` and docs/elastic.md.
+See ``hexagram.rendezvous`` and docs/elastic.md.
 
 Example:
     >>> import hexagram as hx
@@ -28,13 +28,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hexagram.elastic.rendezvous import (
+from hexagram.errors import ConfigError, NotInitializedError
+from hexagram.rendezvous import (
     InitTimeoutError,
     attempt_store,
     call_with_deadline,
     wait_for_all,
 )
-from hexagram.errors import ConfigError, NotInitializedError
 
 __all__ = ["DEFAULT_TIMEOUT", "InitTimeoutError", "Runtime", "adopt_group", "get_runtime",
            "init", "is_initialized", "shutdown"]

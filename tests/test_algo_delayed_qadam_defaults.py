@@ -34,7 +34,7 @@ def _digits_28() -> tuple[torch.Tensor, torch.Tensor]:
 def _worker() -> dict[str, object]:
     import hexagram as hx
     from hexagram.bench.peers import make_optimizer
-    from hexagram.bench.workload import ModelSpec, build_workload
+    from hexagram.models.workload import ModelSpec, build_workload
 
     hx.init()
     work = build_workload(ModelSpec(name="mlp", params=300_000), seed=0)

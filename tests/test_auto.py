@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import hexagram as hx
-from hexagram.cost import choose
+from hexagram.auto import choose
 from hexagram.errors import ConfigError
 from hexagram.launch import run_local
 

@@ -1,6 +1,6 @@
 """Algorithms that need another learning rate say so by a factor; auto never picks them.
 
-The factor is machine-readable (:func:`hexagram.cost.choose.lr_note`), never parsed from a
+The factor is machine-readable (:func:`hexagram.auto.choose.lr_note`), never parsed from a
 warning; DGC's wrap-time behaviour is in tests/test_dgc_takeover.py.
 """
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import hexagram as hx
-from hexagram.algorithms.auto import AutoAlgorithm, AutoConfig
-from hexagram.cost import choose
+from hexagram.auto import choose
+from hexagram.auto.algorithm import AutoAlgorithm, AutoConfig
 from hexagram.cost.model import Prediction
 from hexagram.errors import ConfigError
 from hexagram.launch import run_local

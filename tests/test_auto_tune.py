@@ -1,4 +1,4 @@
-"""How ``auto`` times its trials (:mod:`hexagram.algorithms.auto_tune`): which bucket
+"""How ``auto`` times its trials (:mod:`hexagram.auto.tune`): which bucket
 sizes are distinct configurations, the order of the timed steps and the scores. All
 deterministic: step times are given, nothing is timed."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import hexagram as hx
-from hexagram.algorithms import auto_tune
-from hexagram.algorithms.auto_config import AutoConfig
+from hexagram.auto import tune as auto_tune
+from hexagram.auto.config import AutoConfig
 from hexagram.cost.model import MB, Prediction
 from hexagram.cost.profile import ComputeProfile
 from hexagram.cost.schedule import TensorSpec

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hexagram.bench.workload import ModelSpec, build_workload
 from hexagram.data.text import VOCAB, load_text
 from hexagram.errors import ConfigError
 from hexagram.models import GPT, GPTConfig, cnn, gpt_params
+from hexagram.models.workload import ModelSpec, build_workload
 
 
 def test_gpt_is_causal_and_counts_its_parameters() -> None:

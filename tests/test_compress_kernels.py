@@ -8,7 +8,7 @@ import torch
 from hexagram.compress.feedback import ErrorFeedback, subtract_pairs
 from hexagram.compress.packing import pack_codes
 from hexagram.compress.quantize import truncate_to
-from hexagram.compress.signs import _signs_numpy, encode_signs
+from hexagram.compress.sign_bits import _signs_numpy, encode_signs
 from hexagram.compress.sparsify import TopKCompressor, TopKConfig
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from hexagram.bench.task import load_probe, save_probe
 from hexagram.cli import main
 from hexagram.cost.probe import COLLECTIVES, Fit, NetworkProfile
 from hexagram.cost.profile import CompressorCost
-from hexagram.cost.task import load_probe, save_probe
 
 FACTORY = '''
 import torch

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hexagram.cost.choose import trials
+from hexagram.auto.choose import trials
 from hexagram.cost.model import MB, Prediction
 
 

@@ -14,8 +14,8 @@ import torch
 
 import hexagram.compress as hc
 from hexagram.algorithms import registry
+from hexagram.auto.choose import make
 from hexagram.compress.base import Aggregation, Compressor, Payload
-from hexagram.cost.choose import make
 from hexagram.cost.payload_size import RULES, meta_payload, payload_layout, payload_nbytes
 from hexagram.cost.schedule import (
     TensorSpec,

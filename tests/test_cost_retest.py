@@ -1,10 +1,9 @@
-"""Test-retest of two lab runs (hexagram.cost.retest), by hand."""
+"""Test-retest of two lab runs (harness.retest), by hand."""
 
 from __future__ import annotations
 
 import pytest
-
-from hexagram.cost.retest import compare, markdown, spearman, tie_groups, tied_spearman
+from harness.retest import compare, markdown, spearman, tie_groups, tied_spearman
 
 
 def report(setting: str, cells: dict[str, tuple[float, float]]) -> dict[str, object]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import hexagram as hx
-from hexagram.cost import choose
+from hexagram.auto import choose
 from hexagram.launch import run_local
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from hexagram.elastic.live_bench import _supervise
-from hexagram.elastic.soak import injector_for
+from hexagram.bench.live import _supervise
+from hexagram.bench.soak import injector_for
 from hexagram.errors import ConfigError
 from hexagram.launch import clean_context
 from hexagram.testing.faults import EXIT_CODE, Fault, FaultInjector, InjectedFault, parse_faults

@@ -2,7 +2,7 @@
 
 Each run hosts a c10d TCPStore, starts 3 replica processes, SIGKILLs replica 2 at a step
 with hexagram.testing.faults, starts it again, and checks what every replica reports
-(hexagram.elastic.live_bench). Every run has a timeout; no wall-clock assertion.
+(hexagram.bench.live). Every run has a timeout; no wall-clock assertion.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hexagram.elastic.live_bench import replay, run_live
+from hexagram.bench.live import replay, run_live
 
 KILL_AT = 5
 

@@ -138,7 +138,7 @@ def _train(algorithm: Any, steps: int = 4, momentum: float = 0.0) -> list[torch.
 
 def _ddp_part(rt: Any) -> dict[str, Any]:
     import hexagram as hx
-    from hexagram.robust.harness import SentAttacked
+    from hexagram.bench.robust import SentAttacked
     from hexagram.testing.attacks import AttackConfig, AttackedAlgorithm
 
     out: dict[str, Any] = {"allreduce": _train("allreduce")}

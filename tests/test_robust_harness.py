@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hexagram.bench import train
-from hexagram.robust.harness import dirichlet_indices, spec_fields, training_shard
+from hexagram.bench.robust import dirichlet_indices, spec_fields, training_shard
 from hexagram.testing.attacks import byzantine_ranks, corrupt, flip_labels
 
 

@@ -82,7 +82,7 @@ def test_setup_raises_within_init_timeout_naming_missing_rank() -> None:
 def test_call_with_deadline_raises_instead_of_hanging() -> None:
     from datetime import timedelta
 
-    from hexagram.elastic.rendezvous import call_with_deadline
+    from hexagram.rendezvous import call_with_deadline
     from hexagram.runtime import InitTimeoutError
 
     start = time.monotonic()

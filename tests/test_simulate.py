@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from hexagram.auto.choose import make
 from hexagram.cli import main
-from hexagram.cost.choose import make
 from hexagram.cost.devices import DEVICES, LINKS, Device, device, link
 from hexagram.cost.model import MB, predict_any
 from hexagram.cost.probe import NetworkProfile
@@ -235,7 +235,7 @@ def test_gtopk_decodes_counted_once_per_round_in_the_model() -> None:
 
 
 def test_help_example_runs(capsys) -> None:
-    from hexagram.cost.simulate_cli import EXAMPLE, EXAMPLE_ARGS
+    from hexagram.bench.simulate_cli import EXAMPLE, EXAMPLE_ARGS
 
     with pytest.raises(SystemExit):
         main(["simulate", "--help"])

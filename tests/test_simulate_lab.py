@@ -7,9 +7,9 @@ import statistics
 from pathlib import Path
 
 import pytest
+from harness.simulate_lab import LabRecord, compare, lab_compute, predict_record
 
 from hexagram.cost.simulate import params_tensors, reference_tensors
-from hexagram.cost.simulate_lab import LabRecord, compare, lab_compute, predict_record
 
 FIXTURE = Path(__file__).parent / "data" / "simulate_lab_recorded.json"
 # the wire-bound, the low-rank and a sparse algorithm: enough to cover every schedule kind

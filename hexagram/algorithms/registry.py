@@ -155,7 +155,7 @@ _ENTRIES: tuple[Entry, ...] = (
           "AsyncModelAverageAlgorithm", "background thread averages weights every N ms"),
     Entry("qadam", "hexagram.algorithms.qadam", "QAdamConfig", "QAdamAlgorithm",
           "Adam warm-up, then compressed momentum with frozen variance and error feedback"),
-    Entry("auto", "hexagram.algorithms.auto", "AutoConfig", "AutoAlgorithm",
+    Entry("auto", "hexagram.auto.algorithm", "AutoConfig", "AutoAlgorithm",
           "measures compute, compressors and network, predicts every candidate, runs the best"),
     Entry("robust", "hexagram.algorithms.robust", "RobustConfig", "RobustAlgorithm",
           "Byzantine-robust: trimmed mean, median, (multi-)Krum, geomed, centered clip"),

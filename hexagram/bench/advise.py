@@ -1,7 +1,7 @@
 """``hexagram advise``: predict every algorithm's step time for a network and a model.
 
 Without running every algorithm: the network comes from a probe file (``--probe``, written
-by ``python -m hexagram.cost.task`` or ``--save-probe``) or is probed now on the lab's
+by ``python -m hexagram.bench.task`` or ``--save-probe``) or is probed now on the lab's
 emulated hosts (``--hosts``, ``--bandwidth``; ``--loopback`` without root); the model's step
 is profiled here (``--model`` a reference model, or ``--module pkg.mod:factory``); the
 step-time model (:mod:`hexagram.cost`) prints the predicted table and the recommendation.
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--from``/``--probe``/``--module`` and friends, plus ``hexagram bench``'s options."""
     a = parser.add_argument
     a("--from", dest="source", help="a `hexagram bench --json` report")
-    a("--probe", help="a probe file (python -m hexagram.cost.task, or --save-probe)")
+    a("--probe", help="a probe file (python -m hexagram.bench.task, or --save-probe)")
     a("--save-probe", help="write the probe made now to this file")
     a("--module", help="profile the model of pkg.mod:factory (returns a Workload-like object "
       "with model, batch(n, generator), loss(out, y); or a (model, batch_fn, loss_fn) tuple)")
@@ -93,7 +93,7 @@ def load_factory(spec: str) -> tuple[torch.nn.Module, Any, Any]:
 def _workload(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
     if args.module:
         return load_factory(args.module)
-    from hexagram.bench.workload import ModelSpec, build_workload
+    from hexagram.models.workload import ModelSpec, build_workload
 
     work = build_workload(ModelSpec(name=args.model, params=args.params, layers=args.layers,
                                     width=args.width, block=args.block))
@@ -104,7 +104,7 @@ def _workload(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
 def _probe_now(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from hexagram.bench.harness import LoopbackLab
     from hexagram.bench.lab import LabConfig, NetworkLab
-    from hexagram.cost.task import run_in_lab, save_probe
+    from hexagram.bench.task import run_in_lab, save_probe
 
     bandwidth = args.bandwidth.split(",")[0]
     cfg = LabConfig(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
@@ -118,9 +118,9 @@ def _probe_now(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 
 def _predict(args: argparse.Namespace, network: Any, costs: dict[str, Any]) -> int:
-    from hexagram.cost import choose
+    from hexagram.auto import choose
+    from hexagram.bench.task import measure_costs
     from hexagram.cost.profile import profile_module
-    from hexagram.cost.task import measure_costs
 
     model, batch, loss = _workload(args)
     compute = profile_module(model, batch, loss)
@@ -147,9 +147,9 @@ def _predict(args: argparse.Namespace, network: Any, costs: dict[str, Any]) -> i
 def _from_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """Fastest measured per bandwidth, and predicted against measured."""
     from hexagram.algorithms import registry
+    from hexagram.bench.task import load_probe, measure_costs
     from hexagram.cost.model import predict_any
     from hexagram.cost.profile import profile_module
-    from hexagram.cost.task import load_probe, measure_costs
 
     settings = report.get("settings", {})
     for key in ("model", "params", "layers", "width", "block", "batch"):
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the prediction (or a report's recommendation); 2 when the lab is unavailable."""
     if not args.source:
         try:
-            from hexagram.cost.task import load_probe
+            from hexagram.bench.task import load_probe
 
             network, costs = load_probe(args.probe) if args.probe else _probe_now(args)
         except LabUnavailableError as exc:

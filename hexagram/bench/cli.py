@@ -27,7 +27,7 @@ from hexagram.bench.report import (
     summarize_outcome,
     write_outputs,
 )
-from hexagram.bench.workload import MODELS
+from hexagram.models.workload import MODELS
 
 __all__ = ["add_arguments", "algorithm_list", "parse_settings", "run", "run_bench",
            "split_label"]

@@ -17,11 +17,11 @@ import json
 import sys
 from typing import Any
 
+from hexagram.bench import robust as robust_harness
 from hexagram.bench.cli import algorithm_list, parse_settings, split_label
 from hexagram.bench.harness import LoopbackLab, check_algorithms, machine_info, run_task
 from hexagram.bench.lab import LabConfig, LabUnavailableError, NetworkLab
 from hexagram.bench.report import write_outputs
-from hexagram.robust import harness as robust_harness
 from hexagram.testing.faults import parse_faults
 
 __all__ = ["add_arguments", "markdown_table", "plot_curves", "run", "run_train"]
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--live", action="store_true",
       help="live mode (hexagram.elastic.live) on loopback: the survivors keep training "
       "when --kill fails a replica, which restarts and heals; reports steps lost, stall, "
-      "healing and final accuracy (hexagram.elastic.soak)")
+      "healing and final accuracy (hexagram.bench.soak)")
     a("--steps", type=int, default=300, help="training steps with --live")
     a("--json")
     a("--plot")
@@ -182,7 +182,7 @@ def plot_curves(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``hexagram train``; 1 if an algorithm failed, 2 if the lab is unavailable."""
     if args.live:
-        from hexagram.elastic.soak import train_cli
+        from hexagram.bench.soak import train_cli
 
         return train_cli(args)
     try:

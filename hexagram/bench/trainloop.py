@@ -43,7 +43,7 @@ def _image_task(spec: dict[str, Any]) -> tuple[nn.Module, Batches, Callable[[nn.
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = shard(data.x_train, data.y_train, rank, world)
     if spec.get("byzantine") or spec.get("partition", "iid") != "iid":  # robustness runs
-        from hexagram.robust.harness import training_shard
+        from hexagram.bench.robust import training_shard
 
         x, y = training_shard(spec, data.x_train, data.y_train, data.classes, rank, world)
     batch = spec["batch"]
@@ -140,8 +140,8 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     loss_fn = _lm_loss if text else F.cross_entropy
     opt = make_optimizer(spec["algorithm"], model.parameters(), spec["lr"], adaptive=text,
                          warmup=spec.get("optimizer_warmup", 50))
-    if spec.get("byzantine"):  # the last ranks attack (hexagram.robust.harness)
-        from hexagram.robust.harness import attacked_wrap
+    if spec.get("byzantine"):  # the last ranks attack (hexagram.bench.robust)
+        from hexagram.bench.robust import attacked_wrap
 
         wrapped = attacked_wrap(spec, model, opt, dist.get_world_size())
     else:

@@ -112,7 +112,7 @@ def _step(wrapped: Any, work: Any, opt: torch.optim.Optimizer, x: Any, y: Any) -
 def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
     """Step-time figures of this rank (see module docstring)."""
     from hexagram.bench.peers import make_optimizer, wrap
-    from hexagram.bench.workload import ModelSpec, build_workload
+    from hexagram.models.workload import ModelSpec, build_workload
 
     work = build_workload(ModelSpec(**spec["model"]), seed=spec.get("seed", 0))
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())

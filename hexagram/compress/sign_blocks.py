@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from hexagram.compress.chunks import decode_affine, work_dtype
+from hexagram.compress.sign_bits import encode_signs  # the same bits as without blocks
 
 __all__ = ["decode_blocked", "encode_blocked", "header_shape"]
 
@@ -71,8 +72,6 @@ def encode_blocked(flat: Tensor, block: int, kind: str, who: str) -> tuple[Tenso
     Raises :class:`~hexagram.compress.base.NonFiniteGradientError` on NaN/Inf (through the
     shared sign encoder) and ValueError when a header value overflows its dtype.
     """
-    from hexagram.compress.signs import encode_signs  # the same bits as without blocks
-
     bits, _ = encode_signs(flat, who, stats=False)
     abs_sum, total, pos, count = _block_sums(flat, block)
     if kind == "efsign":

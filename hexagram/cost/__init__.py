@@ -8,7 +8,7 @@
   and compressor CPU cost, measured on the job;
 - :mod:`hexagram.cost.model`: predicted step time with its parts, per algorithm.
 
-``algorithm="auto"`` (:mod:`hexagram.algorithms.auto`) and ``hexagram advise`` read it.
+``algorithm="auto"`` (:mod:`hexagram.auto.algorithm`) and ``hexagram advise`` read it.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm
-from hexagram.cost.choose import applicable, make, parse_label
+from hexagram.algorithms.labels import applicable, make, parse_label
 from hexagram.cost.collectives import (
     BACKENDS,
     Topology,
@@ -212,7 +212,7 @@ def reference_tensors(name: str, params: int = 6_300_000, layers: int = 3, width
                       block: int = 64) -> tuple[list[TensorSpec], int]:
     """A registered reference model built on the meta device (nothing allocated): its
     tensors and the tokens per sample (GPT: ``block``, others 1)."""
-    from hexagram.bench.workload import ModelSpec, build_workload
+    from hexagram.models.workload import ModelSpec, build_workload
 
     spec = ModelSpec(name=name, params=params, layers=layers, width=width, block=block)
     with torch.device("meta"), _SkipRandomFills():

@@ -1,6 +1,6 @@
 """Elastic training: restart under torchrun, exact checkpoints, and live mode.
 
-- :mod:`hexagram.elastic.rendezvous`: a store prefix per torchrun restart attempt and a
+- :mod:`hexagram.rendezvous`: a store prefix per torchrun restart attempt and a
   deadline on process-group set-up (used by :func:`hexagram.init`).
 - :mod:`hexagram.elastic.checkpoint`: :func:`save_checkpoint` / :func:`load_checkpoint` on
   ``torch.distributed.checkpoint`` with every rank's algorithm state.

@@ -332,7 +332,8 @@ class LiveTrainer:
 
     def _setup(self, epoch: Epoch, own: dict[str, Any] | None) -> None:
         """The epoch's process group and wrapper; heal members that are behind."""
-        import hexagram as hx
+        from hexagram.algorithms import registry
+        from hexagram.engine.ddp import DistributedDataParallel
         from hexagram.runtime import adopt_group
 
         self.quorum.assemble(epoch, self.timeout)  # a member lost here: the next epoch
@@ -350,8 +351,8 @@ class LiveTrainer:
             if self.step < newest and box[0] is not None:  # healed from the source:
                 own = without_residuals(box[0])  # its residuals are its own debt
         name, config = self.algorithm
-        self.model = hx.DistributedDataParallel(
-            self.module, self.optimizers, hx.algorithms.get(name, **config),
+        self.model = DistributedDataParallel(
+            self.module, self.optimizers, registry.get(name, **config),
             **self._wrapper_kwargs)
         if own is not None:
             apply_rank_state(own, self.model, self.optimizers, restore_rng=False)

@@ -40,10 +40,11 @@ def wrap(module: nn.Module, algorithm: Any, config: dict[str, Any],
          optimizers: Any = ()) -> nn.Module:
     """``hexagram.DistributedDataParallel(module, optimizers, algorithm, **options)``, where
     ``config`` mixes wrapper options and algorithm fields (e.g. ``rank=2`` for PowerSGD)."""
-    import hexagram as hx
+    from hexagram import runtime
+    from hexagram.algorithms import registry
+    from hexagram.engine.ddp import DistributedDataParallel
 
-    hx.init()  # idempotent; reuses the framework's process group
+    runtime.init()  # idempotent; reuses the framework's process group
     wrapper_kw, algo_kw = wrapper_and_algorithm_config(config)
-    algo = hx.algorithms.get(algorithm, **algo_kw)
-    return hx.DistributedDataParallel(module, optimizers=optimizers, algorithm=algo,
-                                      **wrapper_kw)
+    algo = registry.get(algorithm, **algo_kw)
+    return DistributedDataParallel(module, optimizers=optimizers, algorithm=algo, **wrapper_kw)

@@ -73,7 +73,7 @@ def measure_cluster(dtype: torch.dtype = torch.float32, memory_gb: float | None 
         >>> cluster.tp_overhead_us >= 0                           # doctest: +SKIP
         True
     """
-    import hexagram as hx
+    from hexagram import runtime as hx  # init() only: the runtime, not the package root
 
     rt = hx.init()
     per_host = _ranks_per_host(rt)
@@ -139,7 +139,7 @@ def auto(model: nn.Module, example_inputs: Any, constraints: Constraints | None 
         HexagramError: ``cluster`` is for another number of devices than the job runs
             (the message names both); NoPlanFitsError, UntraceableModelError from planning.
     """
-    import hexagram as hx
+    from hexagram import runtime as hx  # init() only: the runtime, not the package root
 
     rt = hx.init()
     measured = cluster is None

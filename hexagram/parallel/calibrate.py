@@ -196,7 +196,7 @@ def fit_links(sizes: tuple[int, ...] = LINK_SIZES, repeat: int = 5, group: objec
 
 def link_worker(sizes: tuple[int, ...] = LINK_SIZES, repeat: int = 5) -> dict[str, float]:
     """Run on every rank: :func:`fit_links` over all ranks."""
-    import hexagram as hx
+    from hexagram import runtime as hx  # init() only: the runtime, not the package root
 
     hx.init()
     return fit_links(sizes, repeat)
@@ -266,7 +266,7 @@ def measure_job(dtype: torch.dtype = torch.float64, repeat: int = 15,
 
 def job_worker(dtype: torch.dtype = torch.float64, repeat: int = 15) -> dict[str, float]:
     """Run on every rank: :func:`measure_job`."""
-    import hexagram as hx
+    from hexagram import runtime as hx  # init() only: the runtime, not the package root
 
     hx.init()
     return measure_job(dtype, repeat)

@@ -96,7 +96,7 @@ def build_graph(args: argparse.Namespace) -> ModelGraph:
 def calibrate_worker(spec: Any) -> dict[str, float]:
     """Every rank of ``--execute``'s calibration job: the framework calibration
     (``measure_job``) and the model's own step against the roofline (``compute_scale``)."""
-    import hexagram as hx
+    from hexagram import runtime as hx  # init() only: the runtime, not the package root
     from hexagram.parallel.calibrate import measure_job
     from hexagram.parallel.verify import build
 

@@ -177,7 +177,7 @@ def _measure(spec: MemorySpec, p: Plan, device: torch.device) -> dict[str, Any]:
 def memory_worker(spec: MemorySpec, plans: list[Plan]) -> list[dict[str, Any]]:
     """On every rank, for each plan (from :func:`memory_plan`): apply it to a fresh model,
     one warm-up step with Adam, then one measured step; one row of bytes per plan."""
-    import hexagram as hx
+    from hexagram import runtime as hx  # init() only: the runtime, not the package root
 
     rt = hx.init()
     return [{"rank": rt.rank, **_measure(spec, p, rt.device)} for p in plans]

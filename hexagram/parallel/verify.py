@@ -106,7 +106,7 @@ def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def parity_worker(spec: ParitySpec) -> dict[str, Any]:
     """Train ``spec.steps`` steps planned and (optionally) unsharded; return the gaps."""
-    import hexagram as hx
+    from hexagram import runtime as hx  # init() only: the runtime, not the package root
     from hexagram.parallel.apply import default_loss, parallelize
 
     hx.init()

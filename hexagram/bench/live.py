@@ -9,7 +9,7 @@ per failure, healing time, step times). :func:`replay` recomputes the committed 
 one process (allreduce: the mean gradient of the members' batches), so a test can check
 that no committed step was lost and no failed step was half-applied.
 
-Run ``python -m hexagram.elastic.live_bench --steps 60 --kill 2@20`` for a measurement.
+Run ``python -m hexagram.bench.live --steps 60 --kill 2@20`` for a measurement.
 
 Example:
     >>> results = run_live(world=3, steps=30, kill="2@10")     # doctest: +SKIP

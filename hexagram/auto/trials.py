@@ -1,8 +1,8 @@
-"""Which configurations ``auto`` (:mod:`hexagram.algorithms.auto`) times, agreed on every rank.
+"""Which configurations ``auto`` (:mod:`hexagram.auto.algorithm`) times, agreed on every rank.
 
 The collective half of the trial selection; the pure rules (which predictions are close
 enough to time, in which order, how the timed steps score) are in
-:mod:`hexagram.algorithms.auto_tune`.
+:mod:`hexagram.auto.tune`.
 
 - :func:`shortlist`: every candidate predicted at every bucket size, and the trials to time;
 - :func:`agree`: rank 0's trials broadcast to every rank (their probes differ a little);
@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hexagram.algorithms import auto_tune
-from hexagram.algorithms.auto_config import AutoConfig
 from hexagram.algorithms.base import Algorithm
+from hexagram.auto import choose
+from hexagram.auto import tune as auto_tune
+from hexagram.auto.config import AutoConfig
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
-from hexagram.cost import choose
 from hexagram.cost.model import Prediction
 from hexagram.cost.probe import NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile

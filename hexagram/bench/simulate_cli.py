@@ -85,8 +85,8 @@ def _compute(args: argparse.Namespace) -> ComputeProfile:
     if args.params is not None:
         raise ConfigError("--device local measures a registered --model; --params has no "
                           "runnable model: use --device a100 or h100")
-    from hexagram.bench.workload import ModelSpec, build_workload
     from hexagram.cost.profile import profile_module
+    from hexagram.models.workload import ModelSpec, build_workload
 
     work = build_workload(ModelSpec(name=args.model, params=args.model_params,
                                     layers=args.layers or 3, width=args.width,
@@ -96,7 +96,7 @@ def _compute(args: argparse.Namespace) -> ComputeProfile:
 
 def _local_costs(labels: Sequence[str]) -> dict[str, CompressorCost]:
     """Each lossy label's compressor timed on this machine's CPU (``--device local``)."""
-    from hexagram.cost.choose import make
+    from hexagram.auto.choose import make
     from hexagram.cost.profile import measure_compressor
     from hexagram.cost.schedule import _compressor
     from hexagram.cost.simulate import skip_reason

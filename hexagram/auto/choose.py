@@ -18,14 +18,13 @@ Example:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
 
 import torch
 
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm
+from hexagram.algorithms.labels import applicable, make, parse_label
 from hexagram.algorithms.recipe import LrNote
 from hexagram.cost.model import MB, Prediction, predict_any
 from hexagram.cost.probe import NetworkProfile
@@ -54,28 +53,6 @@ BUCKET_MB = (1.0, 4.0, 25.0, 100.0)
 #: 4 ranks on 2 cores) PowerSGD at the 1 MB buckets the model preferred by 2 % ran
 #: 1.88 s/step, at the default 25 MB 1.47 s
 BUCKET_MARGIN = 0.03
-
-
-def parse_label(label: str) -> tuple[str, dict[str, Any]]:
-    """``"allreduce:hierarchical=true"`` -> ``("allreduce", {"hierarchical": True})``."""
-    name, *pairs = label.split(":")
-    config: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"candidate {label!r}: expected NAME[:FIELD=VALUE...], e.g. "
-                              "'fp16:wire=bf16'")
-        try:
-            config[key] = json.loads(value)
-        except json.JSONDecodeError:
-            config[key] = value
-    return name.strip(), config
-
-
-def make(label: str) -> Algorithm:
-    """A fresh algorithm instance for a candidate label."""
-    name, config = parse_label(label)
-    return registry.get(name, **config)
 
 
 def warming_up(algorithm: Algorithm) -> bool:
@@ -160,13 +137,6 @@ def lr_flags(candidates: Sequence[tuple[str, Algorithm]],
         if note is not None and note.factor != 1.0:
             out[label] = f"needs lr x{note.factor:g}"
     return out
-
-
-def applicable(label: str, network: NetworkProfile) -> bool:
-    """Hierarchical allreduce only differs from the flat one with several ranks on each
-    of several hosts."""
-    hier = parse_label(label)[1].get("hierarchical", False)
-    return not hier or 1 < network.hosts < network.world
 
 
 def predict_all(candidates: Sequence[tuple[str, Algorithm]], compute: ComputeProfile,

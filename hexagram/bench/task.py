@@ -1,4 +1,4 @@
-"""The probe as a job of its own: ``python -m hexagram.cost.task OUT_DIR [BUDGET_S]``.
+"""The probe as a job of its own: ``python -m hexagram.bench.task OUT_DIR [BUDGET_S]``.
 
 Every rank (launched by torchrun, the network lab or :class:`LoopbackLab`) runs the network
 probe and times each candidate compressor at once, so the costs include the contention of
@@ -7,7 +7,7 @@ all ranks sharing the machine; rank 0 writes ``OUT_DIR/probe.json``
 ``hexagram advise --probe`` and ``benchmarks/cost_validation.py`` read.
 
 Example:
-    $ torchrun --nproc-per-node 4 -m hexagram.cost.task /tmp/probe
+    $ torchrun --nproc-per-node 4 -m hexagram.bench.task /tmp/probe
     $ hexagram advise --probe /tmp/probe/probe.json --model mlp
 """
 
@@ -33,7 +33,7 @@ __all__ = ["candidate_labels", "load_probe", "main", "measure_costs", "run_in_la
 def candidate_labels() -> list[str]:
     """auto's default candidates plus every other registered gradient algorithm."""
     from hexagram.algorithms import registry
-    from hexagram.cost import choose
+    from hexagram.auto import choose
 
     known = [n for n in registry.names() if n != "auto" and registry.get(n).kind == "grad"]
     labels = [c for c in choose.DEFAULT if choose.parse_label(c)[0] in known]
@@ -42,7 +42,7 @@ def candidate_labels() -> list[str]:
 
 def measure_costs(labels: Sequence[str], device: str = "cpu") -> dict[str, CompressorCost]:
     """Each label's compressor timed (labels without a compressor are left out)."""
-    from hexagram.cost import choose
+    from hexagram.auto import choose
     from hexagram.cost.profile import measure_compressor
     from hexagram.cost.schedule import _compressor
 
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_in_lab(lab: Any, out: str | Path, budget_s: float = 3.0, timeout: float = 300.0
                ) -> tuple[NetworkProfile, dict[str, CompressorCost]]:
     """Run the probe job on every rank of ``lab`` (NetworkLab or LoopbackLab)."""
-    results = lab.run([sys.executable, "-m", "hexagram.cost.task", str(out), str(budget_s)],
+    results = lab.run([sys.executable, "-m", "hexagram.bench.task", str(out), str(budget_s)],
                       timeout=timeout)
     path = Path(out) / "probe.json"
     if not path.exists():

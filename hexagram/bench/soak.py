@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hexagram.elastic.live_bench import _supervise
+from hexagram.bench.live import _supervise
 from hexagram.elastic.quorum import QuorumError
 from hexagram.launch import clean_context, free_port
 from hexagram.testing.faults import FaultInjector, parse_faults

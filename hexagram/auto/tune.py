@@ -38,7 +38,7 @@ import statistics
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any
 
-from hexagram.cost import choose
+from hexagram.auto import choose
 from hexagram.cost.model import MB, Prediction, bucket_layout
 from hexagram.cost.profile import ComputeProfile
 
@@ -48,7 +48,7 @@ __all__ = ["distinct", "layout_of", "named", "pick", "pick_bucket", "scores", "s
 
 def trials(preds: Sequence[Prediction], excluded: Collection[str], exact: Collection[str],
            compute: ComputeProfile, config: Any) -> list[tuple[str, int]]:
-    """:func:`hexagram.cost.choose.trials` with ``config``'s ``tie`` and ``tune_buckets``;
+    """:func:`hexagram.auto.choose.trials` with ``config``'s ``tie`` and ``tune_buckets``;
     for a clear winner, its bucket sizes in the model's order, one per distinct bucket
     layout over ``compute``'s gradients (:func:`distinct`)."""
     found = choose.trials(preds, excluded, config.tie, config.tune_buckets, exact)
@@ -178,10 +178,10 @@ def pick(trials: Sequence[tuple[str, int]], score: Sequence[float],
     """The trial to keep: among bucket sizes of one algorithm :func:`pick_bucket` with
     the larger of ``config.bucket_tie`` and ``noise`` (the trials' :func:`spread`: a
     smaller bucket must be faster by more than the trials resolve); among algorithms
-    :func:`hexagram.cost.choose.pick_measured` with ``config.prefer_exact`` (an
-    :class:`~hexagram.algorithms.auto_config.AutoConfig`).
+    :func:`hexagram.auto.choose.pick_measured` with ``config.prefer_exact`` (an
+    :class:`~hexagram.auto.config.AutoConfig`).
 
-    >>> from hexagram.algorithms.auto_config import AutoConfig
+    >>> from hexagram.auto.config import AutoConfig
     >>> pick([("a", MB), ("a", 4 * MB)], [0.20, 0.205], {"a": True}, AutoConfig())
     1
     """

@@ -7,7 +7,7 @@ attempt, which resumes with ``hexagram.load_checkpoint``. The final parameters a
 bit for bit with an uninterrupted run (same script, no kill).
 
 Example:
-    $ python -m hexagram.elastic.restart_bench --rdzv static,c10d --runs 3 \\
+    $ python benchmarks/elastic_restart.py --rdzv static,c10d --runs 3 \\
         --algorithm powersgd --json restart.json
 """
 
@@ -71,7 +71,7 @@ def run_once(rdzv: str, algorithm: str, workdir: Path, kill_step: int, steps: in
            "--nnodes", "1:2" if rdzv == "c10d" else "1", "--max-restarts", "1",
            "--rdzv-backend", rdzv, "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            "--rdzv-conf", "last_call_timeout=1", "--monitor-interval", "0.2",
-           "-m", "hexagram.elastic.restart_bench", "--worker", "--algorithm", algorithm,
+           str(Path(__file__).resolve()), "--worker", "--algorithm", algorithm,
            "--dir", str(workdir / "ckpt"), "--out", str(out), "--steps", str(steps),
            "--every", str(every), "--kill-step", str(kill_step)]
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""Config of ``algorithm="auto"`` (:mod:`hexagram.algorithms.auto`): which candidates, how
+"""Config of ``algorithm="auto"`` (:mod:`hexagram.auto.algorithm`): which candidates, how
 the first steps are spent (profiling, timing trials) and when to decide again.
 
 Example:
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hexagram.auto import choose
 from hexagram.config import check_float, check_int
-from hexagram.cost import choose
 
 __all__ = ["AutoConfig"]
 
@@ -22,21 +22,21 @@ class AutoConfig:
 
     Attributes:
         candidates: algorithm labels (``"fp16:wire=bf16"``); None => the synchronous
-            gradient algorithms (:data:`hexagram.cost.choose.DEFAULT`).
+            gradient algorithms (:data:`hexagram.auto.choose.DEFAULT`).
         allow_delay: also consider local SGD, DiLoCo, decentralized and async (they change
             the optimization: one-step-stale or periodic averaging).
         lossy: False keeps only exact-sum algorithms (allreduce, flat or hierarchical).
         bucket_mb: bucket sizes the model compares; more => a finer search.
         tune_buckets: configurations timed in the first steps: the best predicted bucket
             sizes with distinct bucket layouts, or the candidates predicted within ``tie``.
-        tune_steps: steps spent timing them (:mod:`hexagram.algorithms.auto_tune`: bucket
+        tune_steps: steps spent timing them (:mod:`hexagram.auto.tune`: bucket
             sizes take turns a step at a time, median; algorithms one block each); more =>
             a steadier pick, later; at least ``tune_buckets``.
         tie: candidates predicted within this fraction of the best are timed rather than
             trusted to the model (its error on a CPU-bound machine is 10-20 %); 0 => never.
         bucket_tie: after timing bucket sizes of one algorithm, those within this fraction
             of the fastest count as equal and the largest is kept (fewer buckets, fewer
-            per-bucket costs; :func:`hexagram.algorithms.auto_tune.pick_bucket`); 0 => the
+            per-bucket costs; :func:`hexagram.auto.tune.pick_bucket`); 0 => the
             fastest measured.
         prefer_exact: after timing, an exact-sum candidate within this fraction of the
             fastest (lossy) one is kept instead: such a gain is inside the timing noise.

@@ -11,7 +11,7 @@ Timeline (on every rank at the same step, so collectives match):
 - the best ``tune_buckets`` predicted bucket sizes that give distinct bucket layouts take
   turns, one step at a time, for ``tune_steps`` steps (after any warm-up of the chosen
   algorithm, e.g. PowerSGD's ``start_iter``); the largest size whose median is within
-  ``bucket_tie`` of the lowest is kept (:mod:`hexagram.algorithms.auto_tune`; near-tied
+  ``bucket_tie`` of the lowest is kept (:mod:`hexagram.auto.tune`; near-tied
   algorithms get one block each);
 - watch: after ``drift_steps`` steps off the tuned step time by more than ``drift``, the
   network is probed again and the choice redone; a switch is logged.
@@ -22,7 +22,7 @@ synchronizes the replicas first. ``state_dict`` holds the decision (kept on resu
 ``redecide=True``): a resume is bitwise exact from the decision on, but a checkpoint saved
 while auto is still :attr:`~AutoAlgorithm.exploring` (profiling, timing trials) resumes by
 exploring again, and timed choices cannot be repeated bitwise. A candidate that needs
-another learning rate than the user's optimizer (:func:`hexagram.cost.choose.lr_flags`) is
+another learning rate than the user's optimizer (:func:`hexagram.auto.choose.lr_flags`) is
 never chosen (listed as excluded).
 
 Example:
@@ -46,13 +46,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hexagram.algorithms import auto_trials, auto_tune
-from hexagram.algorithms.auto_config import AutoConfig
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.auto import choose
+from hexagram.auto import trials as auto_trials
+from hexagram.auto import tune as auto_tune
+from hexagram.auto.config import AutoConfig
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.compress.feedback import ErrorFeedback
-from hexagram.cost import choose, measure
+from hexagram.cost import measure
 from hexagram.cost.model import MB, Prediction
 from hexagram.cost.probe import NetworkProfile, probe
 from hexagram.cost.profile import CompressorCost, ComputeProfile
@@ -147,7 +149,7 @@ class AutoAlgorithm(Algorithm):
     # -- deciding ------------------------------------------------------------------------
     def _decide(self, compute: ComputeProfile, provisional: bool = False) -> Prediction:
         """Predict every candidate; rank 0's trials (:func:`choose.trials`) are broadcast
-        and the first one is the pick (:mod:`~hexagram.algorithms.auto_trials`)."""
+        and the first one is the pick (:mod:`~hexagram.auto.trials`)."""
         assert self.network is not None and self._control is not None
         preds, trials = auto_trials.shortlist(self.candidates, compute, self.network,
                                               self.costs, self.flags, self.config, provisional)
@@ -296,7 +298,7 @@ class AutoAlgorithm(Algorithm):
     def _tune_step(self) -> None:
         """One trial step done: its time, less auto's own and the rebuild's, is kept; the
         next visit of :attr:`_plan` starts, or every rank scores the trials on the slowest
-        rank's times and keeps the best (:mod:`~hexagram.algorithms.auto_tune`)."""
+        rank's times and keeps the best (:mod:`~hexagram.auto.tune`)."""
         assert self._recorder is not None and self._control is not None
         self._tuned.append(max(0.0, self._recorder.rows[-1].step_s - self._own[0]))
         done = list(itertools.accumulate(length for _, length in self._plan))
