@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from hexagram.bench.lab import LabConfig, NetworkLab
-from hexagram.bench.live import _supervise
 from hexagram.bench.soak import summarize
+from hexagram.launch import supervise
 from hexagram.testing.faults import parse_faults
 
 PORT = 29611
@@ -43,7 +43,7 @@ STORE = ("import sys, time, torch.distributed as d; "
 
 
 class NetnsProcess:
-    """A replica process in a lab host, with the interface ``_supervise`` expects of a
+    """A replica process in a lab host, with the interface ``supervise`` expects of a
     ``multiprocessing.Process`` (``start``, ``is_alive``, ``exitcode``, ``kill``, ``join``,
     ``pid``)."""
 
@@ -92,7 +92,7 @@ def run_lab_soak(lab: NetworkLab, cfg: dict[str, Any], world: int, out: Path,
     for p in procs.values():
         p.start()
     kills = Counter(f.rank for f in parse_faults(cfg["kill"]))
-    in_time = _supervise(procs, start, kills, 1.0, time.monotonic() + deadline)
+    in_time = supervise(procs, start, kills, 1.0, time.monotonic() + deadline)
     for p in procs.values():
         p.kill()
         p.join(10)

@@ -45,8 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hexagram.bench import soak
-from hexagram.bench.live import _supervise
 from hexagram.elastic.residuals import check_policy
+from hexagram.launch import supervise
 from hexagram.testing.faults import parse_faults
 
 
@@ -120,7 +120,7 @@ def run_torchft(world: int, steps: int, kill: str, dataset: str, batch: int, lr:
         procs = {r: start(r, 0) for r in range(world)}
         for proc in procs.values():
             proc.start()
-        in_time = _supervise(procs, start, Counter(f.rank for f in parse_faults(kill)), 1.0,
+        in_time = supervise(procs, start, Counter(f.rank for f in parse_faults(kill)), 1.0,
                              time.monotonic() + deadline)
         for proc in procs.values():
             if proc.is_alive():

@@ -1,7 +1,15 @@
-"""Run a function on N local ranks (processes) with torch.distributed's variables set.
+"""The one way Hexagram starts processes: ranks of a job, replicas that may be restarted.
 
-Used by the demo, the tests and the benchmarks. Every run has a deadline: ranks still alive
-then are killed and :class:`LaunchError` says which ones, so nothing hangs.
+- :func:`run_local`: a function on N local ranks with torch.distributed's variables set
+  (the demo, the tests, the benchmarks);
+- :func:`start_ranks` / :func:`wait_ranks`: a command once per rank, each with its own
+  environment and log, optionally inside a wrapper such as ``ip netns exec HOST`` (the
+  loopback and namespace labs of ``hexagram bench``);
+- :func:`supervise`: replicas that are restarted when they die or freeze (live elastic
+  mode's soak and fault tests);
+- :func:`clean_context`: processes that start clean of the parent's threads.
+
+Every run has a deadline: ranks still alive then are killed and reported, so nothing hangs.
 
 Example:
     >>> def work(scale: float) -> float:
@@ -14,12 +22,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import pkgutil
 import queue
+import signal
 import socket
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +40,8 @@ from typing import Any
 
 from hexagram.errors import HexagramError
 
-__all__ = ["LaunchError", "clean_context", "free_port", "preloaded_modules", "run_local"]
+__all__ = ["LaunchError", "clean_context", "die_with_parent", "free_port", "frozen",
+           "preloaded_modules", "run_local", "start_ranks", "supervise", "wait_ranks"]
 
 
 class LaunchError(HexagramError):
@@ -160,3 +173,98 @@ def run_local(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
         detail = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
         raise LaunchError(f"{len(errors)} of {world_size} ranks failed:\n{detail}", errors)
     return [out[r][1] if r in out else errors[r] for r in range(world_size)]
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for rank processes: the kernel SIGKILLs the child when its parent
+    dies (``PR_SET_PDEATHSIG``), so ranks never outlive a killed harness."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def start_ranks(argv: Sequence[str], envs: Sequence[Mapping[str, str]], logdir: Path,
+                prefix: Callable[[int], Sequence[str]] | None = None,
+                ) -> list[subprocess.Popen[bytes]]:
+    """Start ``argv`` once per rank with ``envs[rank]`` (the whole environment), output in
+    ``logdir / f"rank{rank}.log"``; ``prefix(rank)`` (e.g. ``["ip", "netns", "exec", ns]``)
+    runs it inside a host. Each rank leads its own session and dies with this process.
+
+    Example:
+        >>> import sys, tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     procs = start_ranks([sys.executable, "-c", "pass"], [{}, {}], Path(d))
+        ...     wait_ranks(procs, timeout=30)
+        [0, 0]
+    """
+    procs = []
+    for rank, env in enumerate(envs):
+        with open(logdir / f"rank{rank}.log", "wb") as log:  # the child keeps its copy
+            procs.append(subprocess.Popen([*(prefix(rank) if prefix else ()), *argv],
+                                          env=dict(env), stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          preexec_fn=die_with_parent))
+    return procs
+
+
+def wait_ranks(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 600.0,
+               grace: float = 15.0) -> list[int | None]:
+    """Wait until every rank exits; kill them all at ``timeout`` seconds, or ``grace``
+    seconds after the first failure (its peers would otherwise wait for it). Returns each
+    rank's exit code, ``None`` for one killed here or by a signal."""
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.05)
+    finally:  # also on Ctrl-C
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode if p.returncode is not None and p.returncode >= 0 else None
+            for p in procs]
+
+
+def frozen(proc: Any) -> bool:
+    """True when ``proc`` is stopped (SIGSTOP: alive, silent, its sockets open)."""
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def supervise(procs: dict[int, Any], start: Callable[[int, int], Any],
+               restart: Mapping[int, int] | set[int], restart_delay: float,
+               deadline: float) -> bool:
+    """Wait for the replicas until ``deadline``; start a replica of ``restart`` again
+    ``restart_delay`` s after it died or froze (a frozen one is SIGKILLed first), at most
+    ``restart[r]`` times (a set: once each); ``start(rank, incarnation)`` builds the new
+    process, ``incarnation`` counting from 1. A frozen replica that is not restarted stays
+    frozen until every other replica has ended. Returns False when the deadline came
+    first.
+
+    Works on any process object with ``pid``, ``exitcode``, ``is_alive()``, ``kill()``,
+    ``join()`` and ``start()`` (multiprocessing's, or a wrapper around a command).
+    """
+    left = dict.fromkeys(restart, 1) if isinstance(restart, set) else dict(restart)
+    incarnation: dict[int, int] = {}
+    failed: dict[int, float] = {}
+    def down(r: int) -> bool:  # killed or frozen with a restart left (0: it finished)
+        return left.get(r, 0) > 0 and (procs[r].exitcode not in (None, 0) or frozen(procs[r]))
+
+    while (any(p.is_alive() and not frozen(p) for p in procs.values())
+           or any(down(r) for r in procs)) and time.monotonic() < deadline:
+        for r in filter(down, list(procs)):
+            failed.setdefault(r, time.monotonic())
+            if time.monotonic() > failed[r] + restart_delay:
+                procs[r].kill()
+                procs[r].join()
+                incarnation[r] = incarnation.get(r, 0) + 1
+                procs[r] = start(r, incarnation[r])
+                procs[r].start()
+                left[r] -= 1
+                failed.pop(r)
+        time.sleep(0.05)
+    return time.monotonic() < deadline

@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 
-from hexagram.bench.live import _supervise
 from hexagram.bench.soak import injector_for
 from hexagram.errors import ConfigError
-from hexagram.launch import clean_context
+from hexagram.launch import clean_context, supervise
 from hexagram.testing.faults import EXIT_CODE, Fault, FaultInjector, InjectedFault, parse_faults
 
 
@@ -167,7 +166,7 @@ def test_supervise_restarts_a_replica_as_often_as_it_is_killed() -> None:
     procs = {r: start(r, 0) for r in (0, 1)}
     for proc in procs.values():
         proc.start()
-    assert _supervise(procs, start, {0: 2, 1: 2}, 0.0, time.monotonic() + 60)
+    assert supervise(procs, start, {0: 2, 1: 2}, 0.0, time.monotonic() + 60)
     for proc in procs.values():
         proc.join(10)
     assert started == [(0, 0), (1, 0), (0, 1), (0, 2)]

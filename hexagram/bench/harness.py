@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -23,9 +22,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hexagram.bench.lab import LabConfig, NetworkLab, RankResult, die_with_parent
+from hexagram.bench.lab import LabConfig, NetworkLab, RankResult
 from hexagram.bench.peers import PEERS
-from hexagram.launch import free_port
+from hexagram.launch import free_port, start_ranks, wait_ranks
 
 __all__ = ["LoopbackLab", "Outcome", "check_algorithms", "machine_info", "run_task"]
 
@@ -80,28 +79,13 @@ class LoopbackLab:
                 "LOCAL_WORLD_SIZE": str(per_host), "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": str(threads)}
         base.pop("HEXAGRAM_LAB_IFNAME", None)
-        procs = []
-        for r in range(world):
-            rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(r % per_host),
-                        "GROUP_RANK": str(r // per_host), "HEXAGRAM_HOST": f"host{r // per_host}"}
-            with open(self.workdir / f"rank{r}.log", "wb") as log:
-                procs.append(subprocess.Popen(list(argv), env=rank_env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True,
-                                              preexec_fn=die_with_parent))
-        try:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-                if any(p.poll() not in (None, 0) for p in procs):
-                    deadline = min(deadline, time.monotonic() + grace)
-                time.sleep(0.05)
-        finally:  # also on Ctrl-C
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        return [RankResult(r, r // per_host, p.returncode if p.returncode >= 0 else None,
+        envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(r % per_host),
+                 "GROUP_RANK": str(r // per_host), "HEXAGRAM_HOST": f"host{r // per_host}"}
+                for r in range(world)]
+        codes = wait_ranks(start_ranks(argv, envs, self.workdir), timeout, grace)
+        return [RankResult(r, r // per_host, code,
                            (self.workdir / f"rank{r}.log").read_text(errors="replace")[-3000:])
-                for r, p in enumerate(procs)]
+                for r, code in enumerate(codes)]
 
 
 def check_algorithms(names: Sequence[str]) -> dict[str, str]:

@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
 import re
@@ -38,9 +37,10 @@ from types import FrameType
 
 from hexagram.config import check_int
 from hexagram.errors import ConfigError, HexagramError
+from hexagram.launch import start_ranks, wait_ranks
 
 __all__ = ["LabConfig", "LabError", "LabUnavailableError", "NetworkLab", "RankResult",
-           "check_available", "cleanup_stale", "die_with_parent", "parse_rate",
+           "check_available", "cleanup_stale", "parse_rate",
            "unavailable_reason"]
 
 IFNAME = "eth0"
@@ -187,13 +187,6 @@ def cleanup_stale(prefix: str = "hxl", everything: bool = False) -> list[str]:
         if match and stale(match.group(1)):  # rank logs of a killed owner
             shutil.rmtree(folder, ignore_errors=True)
     return removed
-
-
-def die_with_parent() -> None:
-    """``preexec_fn`` for rank processes: the kernel SIGKILLs the child when its parent
-    dies (``PR_SET_PDEATHSIG``), so ranks never outlive a killed harness."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class NetworkLab:
@@ -354,16 +347,12 @@ class NetworkLab:
         if not self.started:
             raise LabError("the lab is not started; use `with NetworkLab(...) as lab:`")
         self.kill_ranks()
-        procs = []
-        for rank in range(self.config.world_size):
-            full_env = {**os.environ, **(env or {}), **self.rank_env(rank, threads)}
-            log = open(self.workdir / f"rank{rank}.log", "wb")  # the child keeps its copy
-            ns = self.host_ns[rank // self.config.ranks_per_host]
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=full_env,
-                                          stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True,
-                                          preexec_fn=die_with_parent))
-            log.close()
+        envs = [{**os.environ, **(env or {}), **self.rank_env(rank, threads)}
+                for rank in range(self.config.world_size)]
+        per_host = self.config.ranks_per_host
+        procs = start_ranks(argv, envs, self.workdir,
+                            prefix=lambda rank: ["ip", "netns", "exec",
+                                                 self.host_ns[rank // per_host]])
         self._procs = procs
         return procs
 
@@ -371,16 +360,10 @@ class NetworkLab:
             timeout: float = 600.0, threads: int = 1, grace: float = 15.0) -> list[RankResult]:
         """Run ``argv`` on every rank until all exit; kill them at ``timeout`` seconds, or
         ``grace`` seconds after the first failure (its peers would otherwise wait for it)."""
-        procs = self.spawn(argv, env, threads)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                deadline = min(deadline, time.monotonic() + grace)
-            time.sleep(0.05)
+        codes = wait_ranks(self.spawn(argv, env, threads), timeout, grace)
         self.kill_ranks()
-        return [RankResult(r, r // self.config.ranks_per_host,
-                           p.returncode if p.returncode is not None and p.returncode >= 0
-                           else None, self._tail(r)) for r, p in enumerate(procs)]
+        return [RankResult(r, r // self.config.ranks_per_host, code, self._tail(r))
+                for r, code in enumerate(codes)]
 
     def _tail(self, rank: int, chars: int = 3000) -> str:
         path = self.workdir / f"rank{rank}.log"

@@ -29,7 +29,6 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.elastic.quorum import QuorumError
-from hexagram.launch import clean_context, free_port
+from hexagram.launch import clean_context, free_port, supervise
 from hexagram.testing.faults import FaultInjector, parse_faults
 
 __all__ = ["batch", "net", "replay", "run_live"]
@@ -202,7 +201,7 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
                  for r in range(world)}
         for proc in procs.values():
             proc.start()
-        in_time = _supervise(procs, lambda r, _: ctx.Process(target=_replica,
+        in_time = supervise(procs, lambda r, _: ctx.Process(target=_replica,
                                                              args=(r, world, port, cfg,
                                                                    True, out)),
                              killed if restart else set(), restart_delay,
@@ -220,44 +219,6 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
             "restarted": f.name.endswith("_1.pt")} for f in Path(out).glob("*.pt")}
 
 
-def _frozen(proc: Any) -> bool:
-    """True when ``proc`` is stopped (SIGSTOP: alive, silent, its sockets open)."""
-    try:
-        stat = Path(f"/proc/{proc.pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
-
-
-def _supervise(procs: dict[int, Any], start: Callable[[int, int], Any],
-               restart: Mapping[int, int] | set[int], restart_delay: float,
-               deadline: float) -> bool:
-    """Wait for the replicas until ``deadline``; start a replica of ``restart`` again
-    ``restart_delay`` s after it died or froze (a frozen one is SIGKILLed first), at most
-    ``restart[r]`` times (a set: once each); ``start(rank, incarnation)`` builds the new
-    process, ``incarnation`` counting from 1. A frozen replica that is not restarted stays
-    frozen until every other replica has ended. Returns False when the deadline came
-    first."""
-    left = dict.fromkeys(restart, 1) if isinstance(restart, set) else dict(restart)
-    incarnation: dict[int, int] = {}
-    failed: dict[int, float] = {}
-    def down(r: int) -> bool:  # killed or frozen with a restart left (0: it finished)
-        return left.get(r, 0) > 0 and (procs[r].exitcode not in (None, 0) or _frozen(procs[r]))
-
-    while (any(p.is_alive() and not _frozen(p) for p in procs.values())
-           or any(down(r) for r in procs)) and time.monotonic() < deadline:
-        for r in filter(down, list(procs)):
-            failed.setdefault(r, time.monotonic())
-            if time.monotonic() > failed[r] + restart_delay:
-                procs[r].kill()
-                procs[r].join()
-                incarnation[r] = incarnation.get(r, 0) + 1
-                procs[r] = start(r, incarnation[r])
-                procs[r].start()
-                left[r] -= 1
-                failed.pop(r)
-        time.sleep(0.05)
-    return time.monotonic() < deadline
 
 
 def replay(log: list[tuple[int, list[int]]]) -> torch.Tensor:

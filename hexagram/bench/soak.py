@@ -34,9 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hexagram.bench.live import _supervise
 from hexagram.elastic.quorum import QuorumError
-from hexagram.launch import clean_context, free_port
+from hexagram.launch import clean_context, free_port, supervise
 from hexagram.testing.faults import FaultInjector, parse_faults
 
 __all__ = ["accuracy", "agree", "global_batch", "model_for", "params_digest", "replicas",
@@ -184,7 +183,7 @@ def run_soak(world: int = 4, steps: int = 300, kill: str = "1@100,2@200",
                  for r in range(world)}
         for proc in procs.values():
             proc.start()
-        in_time = _supervise(procs, lambda r, n: ctx.Process(
+        in_time = supervise(procs, lambda r, n: ctx.Process(
             target=_replica, args=(r, world, port, cfg, n, out, data)), kills,
             restart_delay, time.monotonic() + deadline)
         for proc in procs.values():
