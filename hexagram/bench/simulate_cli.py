@@ -97,14 +97,14 @@ def _compute(args: argparse.Namespace) -> ComputeProfile:
 def _local_costs(labels: Sequence[str]) -> dict[str, CompressorCost]:
     """Each lossy label's compressor timed on this machine's CPU (``--device local``)."""
     from hexagram.auto.choose import make
+    from hexagram.cost.facts import compressor_of
     from hexagram.cost.profile import measure_compressor
-    from hexagram.cost.schedule import _compressor
     from hexagram.cost.simulate import skip_reason
 
     out = {}
     for label in labels:
         if skip_reason(label) is None:
-            comp = _compressor(make(label))
+            comp = compressor_of(make(label))
             if comp is not None:
                 out[label] = measure_compressor(comp)
     return out

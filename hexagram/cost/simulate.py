@@ -258,11 +258,12 @@ def device_compressor_cost(dev: Device, algorithm: Algorithm | None = None,
     rank decodes (P for an allgather, one per tree round for gTop-k) is the model's
     :func:`hexagram.cost.model.gathered_decodes`."""
     from hexagram.compress.base import Aggregation
-    from hexagram.cost.schedule import _compressor, analytic_payloads, payload_of
+    from hexagram.cost.facts import compressor_of
+    from hexagram.cost.schedule import analytic_payloads, payload_of
 
     per, launch = 4 * passes / dev.hbm_bps, 10e-6
     dec = 2 * 4 / dev.hbm_bps
-    comp = None if algorithm is None else _compressor(algorithm)
+    comp = None if algorithm is None else compressor_of(algorithm)
     if comp is not None and comp.aggregation is Aggregation.GATHER:
         with analytic_payloads():
             dec *= payload_of(comp, (1 << 16,)).nbytes / (4 << 16)
