@@ -14,7 +14,9 @@ import torch
 
 import hexagram.compress as hc
 from hexagram.algorithms import registry
+from hexagram.algorithms.labels import simulable
 from hexagram.auto.choose import make
+from hexagram.auto.simulate import simulate
 from hexagram.compress.base import Aggregation, Compressor, Payload
 from hexagram.cost.payload_size import (
     declares_layout,
@@ -29,7 +31,7 @@ from hexagram.cost.schedule import (
     sizing_times,
     step_schedule,
 )
-from hexagram.cost.simulate import Cluster, _simulate, params_compute, simulate
+from hexagram.cost.simulate import Cluster, _simulate, params_compute
 
 SHAPES = [(1,), (7,), (1000,), (33, 17), (5, 3, 7), (40_001,), (2, 1)]
 #: compressor name -> configurations (besides the defaults)
@@ -169,4 +171,4 @@ def test_simulate_rows_equal_compressed_sizing() -> None:
               "randomk", "qadam", "low_precision_decentralized"]
     args = (labels, [8, 32], compute, Cluster(devices_per_host=8, inter="10gbe"), None,
             25.0, None)
-    assert simulate(*args) == _simulate(*args)  # _simulate outside the block compresses
+    assert simulate(*args) == _simulate(*args, simulable)  # outside the block: compressed

@@ -31,14 +31,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "hexagram.buckets", "hexagram.errors", "hexagram.models", "hexagram.data"),
 )
 
-#: (importer, imported) pairs allowed to run back up, each with why. The cost model reads
-#: algorithms through its own interface (hexagram.cost.facts); simulate still makes them
-#: from labels.
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("hexagram.cost.simulate", "hexagram.algorithms.registry"): "names the registered ones",
-    ("hexagram.cost.simulate", "hexagram.algorithms.base"): "prices Algorithm objects",
-    ("hexagram.cost.simulate", "hexagram.algorithms.labels"): "makes algorithms from labels",
-}
+#: (importer, imported) pairs allowed to run back up, each with why. None today: the cost
+#: model reads algorithms through its own interface (hexagram.cost.facts) and is handed
+#: them (simulate's labels are made by hexagram.auto.simulate).
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def layer(module: str) -> int:
