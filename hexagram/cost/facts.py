@@ -47,6 +47,17 @@ it, are registry declarations (``hexagram.algorithms.registry.Entry``'s ``auto``
 ``planner``), since they concern the name, not one instance. ``tests/test_cost_facts.py``
 proves every registered algorithm priced (a schedule or an amortized step at several sizes).
 
+Porting from the side tables this replaces: a rule in ``cost/payload_size.RULES`` becomes
+the compressor's ``wire_layout`` (same formula, ``n = math.prod(shape)``); an entry of
+``cost/schedule.CUSTOM`` becomes the algorithm's ``wire_messages`` (the same body with
+``self`` for ``algorithm``; it is called after the warm-up and ``world <= 1`` checks); of
+``cost/own_work.OWN_WORK`` its ``own_work`` and ``own_work_cost``; a name tested in
+``cost/model`` (``"gtopk"``, ``"qadam"``, ``"decentralized"``, ``"async"``) its
+``own_work``, ``granularity``, ``gathered_decodes`` or ``exchange_overlap``; a label in
+``auto/choose.DEFAULT``/``DELAYED`` its entry's ``auto=Candidacy((label, ...),
+delayed=...)``; a name in ``parallel/relax_cost.PRICED`` ``planner=True`` on its entry, and
+its ``_PASSES`` figure the compressor's ``memory_passes``.
+
 Example:
     >>> import hexagram as hx
     >>> a: Priced = hx.algorithms.get("topk")
