@@ -9,7 +9,7 @@ import torch
 import hexagram.compress as hc
 from hexagram.algorithms import registry
 from hexagram.algorithms.labels import make, parse_label
-from hexagram.cost.facts import compressor_of
+from hexagram.cost.facts import Priced, compressor_of
 from hexagram.cost.model import predict_any
 from hexagram.cost.payload_size import declares_layout, payload_nbytes
 from hexagram.cost.probe import COLLECTIVES, Fit, NetworkProfile
@@ -69,3 +69,30 @@ def test_planner_priced_algorithms_declare_their_passes() -> None:
         comp = compressor_of(registry.get(name))
         assert comp is None or comp.memory_passes is not None, name
         assert wire_bytes(name, (64, 32), 4)[0] > 0, name
+
+
+class _Plain:
+    """An object that is no Algorithm but has the interface's members: the cost model prices
+    it (the interface is all it reads), here as a plain exact-sum allreduce."""
+
+    name, kind, config = "plain", "grad", None
+    own_work = exchange_overlap = ""
+    granularity = "layer"
+
+    def priced_as(self) -> _Plain:
+        return self
+
+    def wire_messages(self, bucket: object, world: int, rank: int) -> None:
+        return None
+
+    def own_work_cost(self, sizes: object, device: object = "cpu") -> None:
+        return None
+
+    def gathered_decodes(self, world: int) -> int:
+        return world
+
+
+def test_the_cost_model_prices_any_object_with_the_interface() -> None:
+    plain: Priced = _Plain()
+    want = step_schedule(registry.get("allreduce"), LAYOUT, 8, hosts=2)
+    assert step_schedule(plain, LAYOUT, 8, hosts=2) == want
