@@ -65,6 +65,7 @@ def test_auto_candidacy_names_its_own_entry_and_makes() -> None:
 
 def test_planner_priced_algorithms_declare_their_passes() -> None:
     assert PRICED == registry.planner_priced() and "allreduce" in PRICED
+    assert set(registry.planner_options()) == set(PRICED)
     for name in PRICED:
         comp = compressor_of(registry.get(name))
         assert comp is None or comp.memory_passes is not None, name

@@ -7,8 +7,8 @@ only applies a compressor is a :class:`~hexagram.algorithms.recipe.Recipe` inste
 compressor, its options and defaults, feedback, granularity): ``Entry.declared(Recipe(...))``.
 An entry also says whether ``algorithm="auto"`` considers the algorithm by default and at
 which configs (``auto=Candidacy(...)``) and whether the planner prices it for a stage's
-data-parallel sync (``planner=True``); what the cost model reads off the algorithm itself is
-in :mod:`hexagram.cost.facts`.
+data-parallel sync and at which config (``planner=Planned(...)``); what the cost model reads
+off the algorithm itself is in :mod:`hexagram.cost.facts`.
 
 Wrappers compose with any gradient algorithm through ``get``: ``get("powersgd",
 hierarchical=True)`` reduces inside each host first and runs PowerSGD between host leaders
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -36,8 +36,8 @@ from hexagram.algorithms.recipe import LrNote, Option, Recipe, classes
 from hexagram.algorithms.wrappers import WRAPPER_OPTIONS, wrap
 from hexagram.config import build_config, check_choice, check_float, check_int
 
-__all__ = ["Candidacy", "Entry", "auto_candidates", "entries", "get", "names",
-           "planner_priced"]
+__all__ = ["Candidacy", "Entry", "Planned", "auto_candidates", "entries", "get", "names",
+           "planner_options", "planner_priced"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,15 @@ class Candidacy:
 
     labels: tuple[str, ...]
     delayed: bool = False
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The planner prices the algorithm for a stage's data-parallel sync
+    (:func:`hexagram.parallel.relax_cost.sync_cost`) at ``options``, the config it also
+    emits (``StagePlan.dp_options``; ``{}``: the registry defaults)."""
+
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -63,11 +72,11 @@ class Entry:
     summary: str
     recipe: Recipe | None = None
     auto: Candidacy | None = None
-    planner: bool = False
+    planner: Planned | None = None
 
     @classmethod
     def declared(cls, recipe: Recipe, auto: Candidacy | None = None,
-                 planner: bool = False) -> Entry:
+                 planner: Planned | None = None) -> Entry:
         """The entry of a declarative compressed-gradient algorithm."""
         return cls(recipe.name, "hexagram.algorithms.recipe", "", "", recipe.summary, recipe,
                    auto, planner)
@@ -110,18 +119,25 @@ def _pure_vote_lr(config: Any) -> LrNote | None:
 #: would run at allreduce's speed after the decision, 30 s at 100 Mbit/s for the 6.3M MLP,
 #: while digits accuracy is the same without them: 91.1 % vs 91.3 %, allreduce 91.5 %
 _POWERSGD_AUTO = Candidacy(("powersgd:start_iter=0",))
+#: the planner's PowerSGD trains like allreduce as a drop-in, not the registry default: rank
+#: 2 is the paper's speed setting; on the lab's small GPT with AdamW (pp=2 x dp=2, 200
+#: steps) rank 4 ended 2.4 % (train) / 3.7 % (validation) above allreduce, rank 8 0.7 % in
+#: both (docs/benchmarks/planner.md, section 6). ``start_iter`` 10 keeps the paper's
+#: full-precision warm-up (auto drops it: there the first steps are timing trials, here a
+#: plan trains from step 0)
+_POWERSGD_PLANNED = Planned({"rank": 8, "start_iter": 10})
 
 _ENTRIES: tuple[Entry, ...] = (
     Entry("allreduce", "hexagram.algorithms.allreduce", "AllreduceConfig", "AllreduceAlgorithm",
           "full-precision gradient allreduce (optionally hierarchical), like PyTorch DDP",
-          auto=Candidacy(("allreduce", "allreduce:hierarchical=true")), planner=True),
+          auto=Candidacy(("allreduce", "allreduce:hierarchical=true")), planner=Planned()),
     Entry("fp16", "hexagram.algorithms.fp16", "Fp16Config", "Fp16Algorithm",
           "16-bit (fp16 or bf16) gradient allreduce: half the bytes of allreduce",
-          auto=Candidacy(("fp16", "fp16:wire=bf16")), planner=True),
+          auto=Candidacy(("fp16", "fp16:wire=bf16")), planner=Planned()),
     Entry("powersgd", "hexagram.algorithms.powersgd", "PowerSGDAlgorithmConfig",
           "PowerSGDAlgorithm",
           "rank-r PowerSGD: power iteration, warm start, error feedback (Vogels et al. 2019)",
-          auto=_POWERSGD_AUTO, planner=True),
+          auto=_POWERSGD_AUTO, planner=_POWERSGD_PLANNED),
     Entry.declared(Recipe(
         "bytegrad", "minmax8", "8-bit min-max gradients by scatter-gather (BAGUA's ByteGrad)",
         {"chunk_size": Option(1024, "elements sharing one (min, step) pair; smaller => finer "
@@ -165,7 +181,7 @@ _ENTRIES: tuple[Entry, ...] = (
                            "momentum 0.9 on digits, where 0.01 ended 2.0 points below "
                            "allreduce)", _DENSITY),
          "approximate": _APPROXIMATE},
-        error_feedback=True), auto=Candidacy(("topk",)), planner=True),
+        error_feedback=True), auto=Candidacy(("topk",)), planner=Planned()),
     Entry("gtopk", "hexagram.algorithms.gtopk", "GTopKConfig", "GTopKAlgorithm",
           "global top-k by gTopKAllReduce on a tree, error feedback (Shi et al. 2019)",
           auto=Candidacy(("gtopk",))),
@@ -223,7 +239,16 @@ def auto_candidates(delayed: bool = False) -> tuple[str, ...]:
 
 def planner_priced() -> tuple[str, ...]:
     """Names of the algorithms the planner prices for a stage's data-parallel sync."""
-    return tuple(e.name for e in _ENTRIES if e.planner)
+    return tuple(e.name for e in _ENTRIES if e.planner is not None)
+
+
+def planner_options() -> dict[str, dict[str, Any]]:
+    """The config the planner prices and emits, per algorithm it prices (copies).
+
+    >>> planner_options()["powersgd"], planner_options()["fp16"]
+    ({'rank': 8, 'start_iter': 10}, {})
+    """
+    return {e.name: dict(e.planner.options) for e in _ENTRIES if e.planner is not None}
 
 
 def get(name: str | Algorithm, **config: Any) -> Algorithm:

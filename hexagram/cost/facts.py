@@ -42,8 +42,8 @@ these :class:`~hexagram.algorithms.base.Algorithm` members (all optional):
 - weight algorithms: ``kind = "weight"``, config ``period``/``interval``, and
   ``exchange_overlap`` (``"forward"``: hidden behind the forward pass; ``"background"``).
 
-Whether ``auto`` may pick an algorithm, and at which config, and whether the planner prices
-it, are registry declarations (``hexagram.algorithms.registry.Entry``'s ``auto`` and
+Whether ``auto`` may pick an algorithm, and whether the planner prices it, each at which
+config, are registry declarations (``hexagram.algorithms.registry.Entry``'s ``auto`` and
 ``planner``), since they concern the name, not one instance. ``tests/test_cost_facts.py``
 proves every registered algorithm priced (a schedule or an amortized step at several sizes).
 
@@ -55,8 +55,9 @@ the compressor's ``wire_layout`` (same formula, ``n = math.prod(shape)``); an en
 ``cost/model`` (``"gtopk"``, ``"qadam"``, ``"decentralized"``, ``"async"``) its
 ``own_work``, ``granularity``, ``gathered_decodes`` or ``exchange_overlap``; a label in
 ``auto/choose.DEFAULT``/``DELAYED`` its entry's ``auto=Candidacy((label, ...),
-delayed=...)``; a name in ``parallel/relax_cost.PRICED`` ``planner=True`` on its entry, and
-its ``_PASSES`` figure the compressor's ``memory_passes``.
+delayed=...)``; a name in ``parallel/relax_cost.PRICED`` (with its ``PLANNED_OPTIONS``)
+``planner=Planned(options)`` on its entry, and its ``_PASSES`` figure the compressor's
+``memory_passes``.
 
 Example:
     >>> import hexagram as hx

@@ -59,16 +59,12 @@ __all__ = ["PLANNED_OPTIONS", "PRICED", "check_priced", "frozen_options", "op_sh
            "planned_options", "sync_cost", "wire_bytes"]
 
 #: algorithms the planner can price (the executor runs any gradient algorithm): those whose
-#: registry entry says ``planner=True``
+#: registry entry declares ``planner=Planned(...)``
 PRICED = registry.planner_priced()
 #: the config the planner prices *and* emits (``StagePlan.dp_options``) per algorithm: one
-#: that trains like allreduce as a drop-in, not the registry default. PowerSGD's default
-#: rank 2 is the paper's speed setting; on the lab's small GPT with AdamW (pp=2 x dp=2,
-#: 200 steps) rank 4 ended 2.4 % (train) / 3.7 % (validation) above allreduce, rank 8 0.7 %
-#: in both (docs/benchmarks/planner.md, section 6). ``start_iter`` 10 keeps the paper's
-#: full-precision warm-up (``auto`` drops it: there the first steps are timing trials, here
-#: a plan trains from step 0). Others: their registry defaults.
-PLANNED_OPTIONS: dict[str, dict[str, Any]] = {"powersgd": {"rank": 8, "start_iter": 10}}
+#: that trains like allreduce as a drop-in, which each registry entry declares
+#: (``Entry.planner``; PowerSGD: rank 8 with its warm-up; others: their registry defaults)
+PLANNED_OPTIONS: dict[str, dict[str, Any]] = registry.planner_options()
 _DTYPE = {1: torch.float16, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
