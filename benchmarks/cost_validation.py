@@ -44,13 +44,14 @@ from harness.retest import compare
 from harness.retest import markdown as compare_markdown
 
 from hexagram.algorithms import registry
+from hexagram.algorithms.qadam import optimizer_extra_s
 from hexagram.bench.harness import LoopbackLab, machine_info, run_series
 from hexagram.bench.lab import LabConfig, NetworkLab
 from hexagram.bench.report import summarize_outcome
 from hexagram.bench.task import load_probe, run_in_lab
 from hexagram.cost.measure import local_costs, static_profile
 from hexagram.cost.model import predict
-from hexagram.cost.own_work import job_compute, optimizer_extra_s
+from hexagram.cost.own_work import job_compute
 from hexagram.cost.probe import NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile, TreeCost
 from hexagram.cost.schedule import TensorSpec

@@ -17,6 +17,7 @@ import argparse
 import time
 from collections.abc import Sequence
 
+from hexagram.auto.simulate import simulate
 from hexagram.bench.simulate_cli import format_rows, plot_rows
 from hexagram.cost.devices import EFFICIENCY, device
 from hexagram.cost.profile import ComputeProfile
@@ -26,7 +27,6 @@ from hexagram.cost.simulate import (
     device_compute,
     params_tensors,
     reference_tensors,
-    simulate,
 )
 
 GPT_LABELS = ["allreduce", "allreduce:hierarchical=true", "fp16", "powersgd", "qsgd", "topk",

@@ -130,7 +130,8 @@ def test_qadam_own_work_is_timed_on_the_job_shapes() -> None:
 
 
 def test_job_compute_adds_the_optimizer_difference_to_qadam_only() -> None:
-    from hexagram.cost.own_work import job_compute, optimizer_extra_s
+    from hexagram.algorithms.qadam import optimizer_extra_s
+    from hexagram.cost.own_work import job_compute
 
     c = ComputeProfile(0.0, 0.10, 0.01, [TensorSpec("w", (10,))], [0.1], cpu_s=0.08)
     q = job_compute("qadam", c, 0.02)

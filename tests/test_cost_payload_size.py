@@ -14,9 +14,16 @@ import torch
 
 import hexagram.compress as hc
 from hexagram.algorithms import registry
+from hexagram.algorithms.labels import simulable
 from hexagram.auto.choose import make
+from hexagram.auto.simulate import simulate
 from hexagram.compress.base import Aggregation, Compressor, Payload
-from hexagram.cost.payload_size import RULES, meta_payload, payload_layout, payload_nbytes
+from hexagram.cost.payload_size import (
+    declares_layout,
+    meta_payload,
+    payload_layout,
+    payload_nbytes,
+)
 from hexagram.cost.schedule import (
     TensorSpec,
     analytic_payloads,
@@ -24,7 +31,7 @@ from hexagram.cost.schedule import (
     sizing_times,
     step_schedule,
 )
-from hexagram.cost.simulate import Cluster, _simulate, params_compute, simulate
+from hexagram.cost.simulate import Cluster, _simulate, params_compute
 
 SHAPES = [(1,), (7,), (1000,), (33, 17), (5, 3, 7), (40_001,), (2, 1)]
 #: compressor name -> configurations (besides the defaults)
@@ -52,7 +59,7 @@ def _real_layout(comp: Compressor, shape: tuple[int, ...], dtype: torch.dtype
 
 def test_every_registered_compressor_has_a_rule_and_a_tested_config() -> None:
     for name in hc.names():
-        assert type(hc.get(name)) in RULES, f"{name}: no payload_size rule"
+        assert declares_layout(hc.get(name)), f"{name}: declares no wire_layout"
         assert name in CONFIGS, f"{name}: add its configurations to this test"
 
 
@@ -103,6 +110,22 @@ class _Doubling(Compressor):
         return payload.tensors[0][: payload.shape.numel()].view(payload.shape)
 
 
+class _OwnFormat(type(hc.get("fp16"))):  # type: ignore[misc]
+    """A subclass that changes the format without declaring it: not sized from the parent's."""
+
+    def compress(self, tensor: torch.Tensor, generator: torch.Generator | None = None
+                 ) -> Payload:
+        return Payload((tensor.repeat(2),), tensor.shape, tensor.dtype)
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return payload.tensors[0][: payload.shape.numel()].view(payload.shape)
+
+
+def test_a_subclass_changing_compress_is_not_sized_from_its_parent() -> None:
+    assert payload_layout(_OwnFormat(), (6,)) is None
+    assert payload_of(_OwnFormat(), (6,)).nbytes == 48
+
+
 def test_analytic_mode_is_scoped_and_falls_back() -> None:
     qsgd = hc.get("qsgd", levels=5, bucket_size=77)
     with analytic_payloads():
@@ -148,4 +171,4 @@ def test_simulate_rows_equal_compressed_sizing() -> None:
               "randomk", "qadam", "low_precision_decentralized"]
     args = (labels, [8, 32], compute, Cluster(devices_per_host=8, inter="10gbe"), None,
             25.0, None)
-    assert simulate(*args) == _simulate(*args)  # _simulate outside the block compresses
+    assert simulate(*args) == _simulate(*args, simulable)  # outside the block: compressed

@@ -31,21 +31,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "hexagram.buckets", "hexagram.errors", "hexagram.models", "hexagram.data"),
 )
 
-#: (importer, imported) pairs allowed to run back up, each with why. The cost model still
-#: reads the algorithm objects it prices directly; these go as it gets its own interface.
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("hexagram.cost.measure", "hexagram.algorithms.base"): "prices Algorithm objects",
-    ("hexagram.cost.model", "hexagram.algorithms.base"): "prices Algorithm objects",
-    ("hexagram.cost.own_work", "hexagram.algorithms.base"): "prices Algorithm objects",
-    ("hexagram.cost.own_work", "hexagram.algorithms.gtopk"): "gTop-k's own CPU work",
-    ("hexagram.cost.own_work", "hexagram.optim"): "QAdam's own CPU work",
-    ("hexagram.cost.schedule", "hexagram.algorithms.base"): "prices Algorithm objects",
-    ("hexagram.cost.schedule", "hexagram.algorithms.delay"): "unwraps a delayed algorithm",
-    ("hexagram.cost.schedule", "hexagram.robust.shard_reduce"): "robust messages",
-    ("hexagram.cost.simulate", "hexagram.algorithms.registry"): "names the registered ones",
-    ("hexagram.cost.simulate", "hexagram.algorithms.base"): "prices Algorithm objects",
-    ("hexagram.cost.simulate", "hexagram.algorithms.labels"): "makes algorithms from labels",
-}
+#: (importer, imported) pairs allowed to run back up, each with why. None today: the cost
+#: model reads algorithms through its own interface (hexagram.cost.facts) and is handed
+#: them (simulate's labels are made by hexagram.auto.simulate).
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def layer(module: str) -> int:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hexagram.auto.choose import make
+from hexagram.auto.simulate import simulate
 from hexagram.cli import main
 from hexagram.cost.devices import DEVICES, LINKS, Device, device, link
 from hexagram.cost.model import MB, predict_any
@@ -24,7 +25,6 @@ from hexagram.cost.simulate import (
     params_compute,
     params_tensors,
     reference_tensors,
-    simulate,
 )
 from hexagram.errors import ConfigError
 

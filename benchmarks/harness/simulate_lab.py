@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
+from hexagram.auto.simulate import simulate
 from hexagram.cost.profile import CompressorCost, ComputeProfile
 from hexagram.cost.schedule import TensorSpec
-from hexagram.cost.simulate import Cluster, Row, reference_tensors, simulate
+from hexagram.cost.simulate import Cluster, Row, reference_tensors
 
 __all__ = ["LOOPBACK", "LabRecord", "compare", "lab_compute", "predict_record", "same_config"]
 

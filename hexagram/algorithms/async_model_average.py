@@ -101,6 +101,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
 
     name = "async"
     kind = "weight"
+    exchange_overlap = "background"  # a thread averages while training runs
 
     def __init__(self, config: AsyncConfig | None = None) -> None:
         super().__init__(config or AsyncConfig())

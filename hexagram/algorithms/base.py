@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -38,6 +38,11 @@ from torch import nn
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.runtime import Runtime
+
+if TYPE_CHECKING:
+    from hexagram.cost.facts import Shapes
+    from hexagram.cost.profile import TreeCost
+    from hexagram.cost.schedule import Message, TensorSpec
 
 __all__ = ["Algorithm", "AlgorithmContext", "Forwarding", "TensorKind"]
 
@@ -74,6 +79,12 @@ class Algorithm:
 
     name: ClassVar[str] = ""
     kind: ClassVar[TensorKind] = "grad"
+    #: CPU of its own outside the compressor the cost model adds (:meth:`own_work_cost`):
+    #: ``"tree"`` replaces the decodes, ``"momentum"`` adds around encode and decode
+    own_work: ClassVar[str] = ""
+    #: what hides a weight algorithm's exchange: ``"forward"`` (the forward pass),
+    #: ``"background"`` (a thread), ``""`` (nothing: it is exposed)
+    exchange_overlap: ClassVar[str] = ""
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
@@ -152,6 +163,31 @@ class Algorithm:
 
     def close(self) -> None:
         """Stop background work (threads); called by the wrapper's ``close()``."""
+
+    # -- facts the cost model prices (hexagram.cost.facts.Priced) ----------------------
+    @property
+    def granularity(self) -> str:
+        """``"bucket"`` if each bucket is encoded whole, ``"layer"``: tensor by tensor."""
+        return str(getattr(self.config, "granularity", "layer"))
+
+    def priced_as(self) -> Algorithm:
+        """The algorithm whose messages this one sends (a delaying wrapper: its inner's)."""
+        return self
+
+    def wire_messages(self, bucket: Sequence[TensorSpec], world: int, rank: int
+                      ) -> list[Message] | None:
+        """One bucket's messages after any warm-up, where the protocol is the algorithm's
+        own; ``None`` (the default): derived from its compressor's aggregation."""
+        return None
+
+    def own_work_cost(self, sizes: Shapes, device: torch.device | str = "cpu"
+                      ) -> TreeCost | None:
+        """Its own CPU outside the compressor (:attr:`own_work`), timed at ``sizes``."""
+        return None
+
+    def gathered_decodes(self, world: int) -> int:
+        """Payloads decoded per segment of a gathered format: all ``world`` of them."""
+        return world
 
 
 class Forwarding(Algorithm):

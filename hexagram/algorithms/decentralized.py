@@ -77,6 +77,7 @@ class DecentralizedAlgorithm(RoundAlgorithm):
     """Weight exchange with peers every ``interval`` steps; see :class:`DecentralizedConfig`."""
 
     name = "decentralized"
+    exchange_overlap = "forward"  # the exchange starts before the forward pass
 
     def __init__(self, config: DecentralizedConfig | None = None) -> None:
         super().__init__(config or DecentralizedConfig())

@@ -139,6 +139,10 @@ class Delayed(Forwarding):
         self._fresh: dict[str, Tensor] = {}  # ... by parameter name, until the next step
         self._true: dict[str, Tensor] = {}  # true weights while the module holds predicted
 
+    def priced_as(self) -> Algorithm:
+        """The inner algorithm: one step later, it sends the same messages."""
+        return self.inner.priced_as()
+
     def reset(self, ctx: AlgorithmContext) -> None:
         Algorithm.reset(self, ctx)
         # the old layout's reductions finish and are kept by parameter name before the

@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +38,13 @@ from hexagram.algorithms.compressed import (
     Segment,
 )
 from hexagram.comm.communicator import Handle
-from hexagram.comm.gtopk import gtopk_allreduce_tracked
-from hexagram.compress.base import Payload
+from hexagram.comm.gtopk import butterfly, gtopk_allreduce_tracked, gtopk_bytes, sparse_pairs
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.config import check_float
+from hexagram.cost.facts import Shapes
+from hexagram.cost.own_work import gtopk_tree_cost
+from hexagram.cost.profile import TreeCost
+from hexagram.cost.schedule import Message, TensorSpec, payload_of, segment_shapes
 
 __all__ = ["GTopKAlgorithm", "GTopKConfig", "sparse_pairs"]
 
@@ -72,20 +77,11 @@ class GTopKConfig(CompressedConfig):
         check_float(self, "density", low=0.0, high=1.0, low_open=True)
 
 
-def sparse_pairs(payload: Payload) -> tuple[Tensor, Tensor]:
-    """(values (k,), indices (k,)) of a sparsifier's payload: its float and integer tensors."""
-    values = [t for t in payload.tensors if t.is_floating_point()]
-    indices = [t for t in payload.tensors if not t.is_floating_point()]
-    if len(values) != 1 or len(indices) != 1 or values[0].numel() != indices[0].numel():
-        raise TypeError("gtopk needs a sparsifier payload of one value and one index tensor "
-                        f"of equal length, got {[tuple(t.shape) for t in payload.tensors]}")
-    return values[0].reshape(-1), indices[0].reshape(-1).long()
-
-
 class GTopKAlgorithm(CompressedAlgorithm):
     """Global top-k by gTopKAllReduce with error feedback; see :class:`GTopKConfig`."""
 
     name = "gtopk"
+    own_work = "tree"  # sort, merge rounds, the result written: replaces the decodes
 
     def __init__(self, config: GTopKConfig | None = None) -> None:
         super().__init__(config or GTopKConfig())
@@ -122,3 +118,26 @@ class GTopKAlgorithm(CompressedAlgorithm):
         counted = torch.zeros_like(acc)
         counted[sent] = acc[sent]
         self.update(segment, acc, counted)
+
+    # -- facts the cost model prices ---------------------------------------------------
+    def wire_messages(self, bucket: Sequence[TensorSpec], world: int, rank: int
+                      ) -> list[Message]:
+        """Per segment, the pairs up and down the tree: recursive doubling (P a power of
+        two) takes ``log2 P`` exchanges; otherwise a binomial tree up and the result
+        broadcast down it, ``2 ceil(log2 P)`` sequential rounds."""
+        depth = max(1, math.ceil(math.log2(world)))
+        rounds = depth if butterfly(world) else 2 * depth
+        out = []
+        for s in segment_shapes(self, bucket):
+            values = payload_of(self.compressor, s).tensors[0]
+            up, down = gtopk_bytes(rank, world, values.numel(), values.element_size())
+            out.append(Message("pair", up + down, rounds=rounds))
+        return out
+
+    def own_work_cost(self, sizes: Shapes, device: torch.device | str = "cpu") -> TreeCost:
+        """The tree's own CPU (:func:`hexagram.cost.own_work.gtopk_tree_cost`)."""
+        return gtopk_tree_cost(self, sizes, device=device)
+
+    def gathered_decodes(self, world: int) -> int:
+        """One merge per round of the tree (``ceil(log2 P)``) and the result once."""
+        return min(world, math.ceil(math.log2(world)) + 1) if world > 1 else world

@@ -1,44 +1,23 @@
-"""Candidate labels: ``"NAME[:FIELD=VALUE...]"`` names an algorithm with its config.
-
-``auto``'s candidates, ``hexagram advise`` and ``hexagram simulate`` name algorithms this
-way; the values are JSON (``true``, ``4``, ``"bf16"``) or bare strings.
+"""Algorithms made from candidate labels (``"NAME[:FIELD=VALUE...]"``, parsed by
+:mod:`hexagram.cost.labels`).
 
 Example:
     >>> parse_label("fp16:wire=bf16")
     ('fp16', {'wire': 'bf16'})
     >>> make("powersgd:rank=2").config.rank
     2
+    >>> simulable("auto")
+    'auto delegates to the algorithm it measures best; simulate the candidates'
 """
 
 from __future__ import annotations
 
-import json
-from typing import TYPE_CHECKING, Any
-
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm
+from hexagram.cost.labels import applicable, parse_label
 from hexagram.errors import ConfigError
 
-if TYPE_CHECKING:
-    from hexagram.cost.probe import NetworkProfile
-
-__all__ = ["applicable", "make", "parse_label"]
-
-
-def parse_label(label: str) -> tuple[str, dict[str, Any]]:
-    """``"allreduce:hierarchical=true"`` -> ``("allreduce", {"hierarchical": True})``."""
-    name, *pairs = label.split(":")
-    config: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"candidate {label!r}: expected NAME[:FIELD=VALUE...], e.g. "
-                              "'fp16:wire=bf16'")
-        try:
-            config[key] = json.loads(value)
-        except json.JSONDecodeError:
-            config[key] = value
-    return name.strip(), config
+__all__ = ["applicable", "make", "parse_label", "simulable"]
 
 
 def make(label: str) -> Algorithm:
@@ -47,8 +26,17 @@ def make(label: str) -> Algorithm:
     return registry.get(name, **config)
 
 
-def applicable(label: str, network: NetworkProfile) -> bool:
-    """Hierarchical allreduce only differs from the flat one with several ranks on each
-    of several hosts."""
-    hier = parse_label(label)[1].get("hierarchical", False)
-    return not hier or 1 < network.hosts < network.world
+def simulable(label: str) -> Algorithm | str:
+    """The algorithm ``label`` names, or why it cannot be simulated (``auto`` picks among
+    others at run time): the ``make`` of :func:`hexagram.cost.simulate.simulate`.
+
+    Raises:
+        ConfigError: an unknown algorithm name (lists the registered ones).
+    """
+    name = parse_label(label)[0]
+    if name == "auto":
+        return "auto delegates to the algorithm it measures best; simulate the candidates"
+    if name not in registry.names():
+        raise ConfigError(f"unknown algorithm {name!r}; registered: "
+                          f"{', '.join(registry.names())}")
+    return make(label)

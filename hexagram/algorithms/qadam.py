@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,12 +51,22 @@ from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
 from hexagram.comm.reduce import reduce
-from hexagram.compress.base import Compressor, Payload
+from hexagram.compress.base import Aggregation, Compressor, Payload
 from hexagram.compress.feedback import ErrorFeedback
+from hexagram.cost.facts import Shapes
+from hexagram.cost.own_work import optimizer_step_s, qadam_own_cost
+from hexagram.cost.profile import TreeCost
+from hexagram.cost.schedule import (
+    Message,
+    TensorSpec,
+    allreduce_messages,
+    payload_of,
+    ring_sent,
+)
 from hexagram.errors import ConfigError
 from hexagram.optim.qadam import QAdamOptimizer
 
-__all__ = ["QAdamAlgorithm", "QAdamConfig"]
+__all__ = ["QAdamAlgorithm", "QAdamConfig", "optimizer_extra_s"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,11 +84,32 @@ class QAdamConfig:
         check_compressor_spec(self, "compressor", allow_none=False)
 
 
+def optimizer_extra_s(shapes: Sequence[tuple[int, ...]], reps: int = 3) -> float:
+    """CPU seconds a step of QAdam's optimizer (Adam, variance frozen) takes beyond an
+    SGD-with-momentum step on ``shapes``, one intra-op thread: the lab's workers profile
+    every cell's compute with SGD, the qadam cell runs :class:`QAdamOptimizer`
+    (:func:`hexagram.cost.own_work.job_compute` adds the difference).
+
+    >>> optimizer_extra_s([(64, 64)]) >= 0.0
+    True
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        adam = optimizer_step_s(lambda ps: QAdamOptimizer(ps, lr=1e-3, warmup_steps=1),
+                                shapes, reps)
+        sgd = optimizer_step_s(lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+                               shapes, reps)
+    finally:
+        torch.set_num_threads(threads)
+    return max(0.0, adam - sgd)
+
 class QAdamAlgorithm(Algorithm):
     """Gradient allreduce during warm-up, then compressed momentum; see the module doc."""
 
     name = "qadam"
     kind = "grad"
+    own_work = "momentum"  # the momentum arithmetic before the encode and after the exchange
 
     def __init__(self, config: QAdamConfig | None = None) -> None:
         super().__init__(config or QAdamConfig())
@@ -146,3 +178,27 @@ class QAdamAlgorithm(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.feedback.load_state_dict(state["feedback"])
+
+    # -- facts the cost model prices ---------------------------------------------------
+    @property
+    def granularity(self) -> str:
+        return "bucket"  # each bucket's momentum is compressed whole
+
+    def wire_messages(self, bucket: Sequence[TensorSpec], world: int, rank: int
+                      ) -> list[Message]:
+        """Allreduce while the optimizer warms up (set up and not frozen yet; not set up:
+        the steady state), then the whole bucket's payload: allreduced where it sums
+        element-wise, else allgathered (its encoder keeps the residual exact)."""
+        opt = getattr(self, "optimizer", None)
+        if opt is not None and not opt.frozen:
+            return allreduce_messages(self, bucket, world, rank)
+        payload = payload_of(self.compressor, (sum(t.numel for t in bucket),))
+        if self.compressor.aggregation is Aggregation.SUM and \
+                self.compressor.payload_sums_elementwise:
+            return [Message("allreduce", ring_sent(t.numel() * t.element_size(), world))
+                    for t in payload.tensors]
+        return [Message("allgather", (world - 1) * payload.nbytes)]
+
+    def own_work_cost(self, sizes: Shapes, device: torch.device | str = "cpu") -> TreeCost:
+        """The momentum arithmetic (:func:`hexagram.cost.own_work.qadam_own_cost`)."""
+        return qadam_own_cost(self, sizes, device=device)

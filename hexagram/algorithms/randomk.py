@@ -38,19 +38,21 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from hexagram import compress
 from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, segments
-from hexagram.algorithms.gtopk import sparse_pairs
 from hexagram.algorithms.momentum_correction import MomentumCorrection, entry_part
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
+from hexagram.comm.gtopk import sparse_pairs
 from hexagram.comm.reduce import reduce_many
 from hexagram.compress.base import Payload
 from hexagram.config import check_float
+from hexagram.cost.schedule import Message, TensorSpec, payload_of, ring_sent, segment_shapes
 
 __all__ = ["RandomKAlgorithm", "RandomKAlgorithmConfig"]
 
@@ -124,3 +126,12 @@ class RandomKAlgorithm(MomentumCorrection, CompressorAlgorithm):
         for p, v in zip(payloads, views):
             self.compressor.decompress_into(p, v)
         return flat
+
+    def wire_messages(self, bucket: Sequence[TensorSpec], world: int, rank: int
+                      ) -> list[Message]:
+        """Only the values cross the wire, one allreduce per segment: the positions are
+        the same on every rank."""
+        values = [payload_of(self.compressor, s).tensors[0]
+                  for s in segment_shapes(self, bucket)]
+        return [Message("allreduce", ring_sent(v.numel() * v.element_size(), world))
+                for v in values]

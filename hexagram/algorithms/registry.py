@@ -5,6 +5,10 @@ are imported on first use so a broken optional algorithm cannot break ``import h
 Add an algorithm by adding one line to ``_ENTRIES``. A compressed-gradient algorithm that
 only applies a compressor is a :class:`~hexagram.algorithms.recipe.Recipe` instead (the
 compressor, its options and defaults, feedback, granularity): ``Entry.declared(Recipe(...))``.
+An entry also says whether ``algorithm="auto"`` considers the algorithm by default and at
+which configs (``auto=Candidacy(...)``) and whether the planner prices it for a stage's
+data-parallel sync and at which config (``planner=Planned(...)``); what the cost model reads
+off the algorithm itself is in :mod:`hexagram.cost.facts`.
 
 Wrappers compose with any gradient algorithm through ``get``: ``get("powersgd",
 hierarchical=True)`` reduces inside each host first and runs PowerSGD between host leaders
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -32,12 +36,34 @@ from hexagram.algorithms.recipe import LrNote, Option, Recipe, classes
 from hexagram.algorithms.wrappers import WRAPPER_OPTIONS, wrap
 from hexagram.config import build_config, check_choice, check_float, check_int
 
-__all__ = ["Entry", "entries", "get", "names"]
+__all__ = ["Candidacy", "Entry", "Planned", "auto_candidates", "entries", "get", "names",
+           "planner_options", "planner_priced"]
+
+
+@dataclass(frozen=True)
+class Candidacy:
+    """``algorithm="auto"``'s default candidates among one algorithm's configs: ``labels``
+    (``NAME[:FIELD=VALUE...]``, :mod:`hexagram.cost.labels`); ``delayed`` ones (weight
+    algorithms: they delay or decentralize the update) only with ``allow_delay=True``."""
+
+    labels: tuple[str, ...]
+    delayed: bool = False
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The planner prices the algorithm for a stage's data-parallel sync
+    (:func:`hexagram.parallel.relax_cost.sync_cost`) at ``options``, the config it also
+    emits (``StagePlan.dp_options``; ``{}``: the registry defaults)."""
+
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
 class Entry:
-    """Where an algorithm lives and a one-line summary for tables and ``--help``."""
+    """Where an algorithm lives, a one-line summary for tables and ``--help``, whether
+    ``auto`` considers it by default (``auto``) and whether the planner prices it
+    (``planner``: :func:`hexagram.parallel.relax_cost.sync_cost`)."""
 
     name: str
     module: str
@@ -45,11 +71,15 @@ class Entry:
     algorithm: str
     summary: str
     recipe: Recipe | None = None
+    auto: Candidacy | None = None
+    planner: Planned | None = None
 
     @classmethod
-    def declared(cls, recipe: Recipe) -> Entry:
+    def declared(cls, recipe: Recipe, auto: Candidacy | None = None,
+                 planner: Planned | None = None) -> Entry:
         """The entry of a declarative compressed-gradient algorithm."""
-        return cls(recipe.name, "hexagram.algorithms.recipe", "", "", recipe.summary, recipe)
+        return cls(recipe.name, "hexagram.algorithms.recipe", "", "", recipe.summary, recipe,
+                   auto, planner)
 
     def load(self) -> tuple[type, type[Algorithm]]:
         """(config class, algorithm class)."""
@@ -85,39 +115,56 @@ def _pure_vote_lr(config: Any) -> LrNote | None:
                   "keep scaled=True (the default), a drop-in for the user's lr")
 
 
+#: auto's PowerSGD compresses from its first step: its default 10 allreduce warm-up steps
+#: would run at allreduce's speed after the decision, 30 s at 100 Mbit/s for the 6.3M MLP,
+#: while digits accuracy is the same without them: 91.1 % vs 91.3 %, allreduce 91.5 %
+_POWERSGD_AUTO = Candidacy(("powersgd:start_iter=0",))
+#: the planner's PowerSGD trains like allreduce as a drop-in, not the registry default: rank
+#: 2 is the paper's speed setting; on the lab's small GPT with AdamW (pp=2 x dp=2, 200
+#: steps) rank 4 ended 2.4 % (train) / 3.7 % (validation) above allreduce, rank 8 0.7 % in
+#: both (docs/benchmarks/planner.md, section 6). ``start_iter`` 10 keeps the paper's
+#: full-precision warm-up (auto drops it: there the first steps are timing trials, here a
+#: plan trains from step 0)
+_POWERSGD_PLANNED = Planned({"rank": 8, "start_iter": 10})
+
 _ENTRIES: tuple[Entry, ...] = (
     Entry("allreduce", "hexagram.algorithms.allreduce", "AllreduceConfig", "AllreduceAlgorithm",
-          "full-precision gradient allreduce (optionally hierarchical), like PyTorch DDP"),
+          "full-precision gradient allreduce (optionally hierarchical), like PyTorch DDP",
+          auto=Candidacy(("allreduce", "allreduce:hierarchical=true")), planner=Planned()),
     Entry("fp16", "hexagram.algorithms.fp16", "Fp16Config", "Fp16Algorithm",
-          "16-bit (fp16 or bf16) gradient allreduce: half the bytes of allreduce"),
+          "16-bit (fp16 or bf16) gradient allreduce: half the bytes of allreduce",
+          auto=Candidacy(("fp16", "fp16:wire=bf16")), planner=Planned()),
     Entry("powersgd", "hexagram.algorithms.powersgd", "PowerSGDAlgorithmConfig",
           "PowerSGDAlgorithm",
-          "rank-r PowerSGD: power iteration, warm start, error feedback (Vogels et al. 2019)"),
+          "rank-r PowerSGD: power iteration, warm start, error feedback (Vogels et al. 2019)",
+          auto=_POWERSGD_AUTO, planner=_POWERSGD_PLANNED),
     Entry.declared(Recipe(
         "bytegrad", "minmax8", "8-bit min-max gradients by scatter-gather (BAGUA's ByteGrad)",
         {"chunk_size": Option(1024, "elements sharing one (min, step) pair; smaller => finer "
                               "scales, more header bytes (8 per chunk)",
                               partial(check_int, low=1, high=1 << 24))},
-        granularity="bucket")),
+        granularity="bucket"), auto=Candidacy(("bytegrad",))),
     Entry.declared(Recipe(
         "qsgd", "qsgd", "QSGD stochastic quantization, unbiased (Alistarh et al. 2017)",
         {"levels": Option(7, "s, levels per sign; more => lower variance, more bits per "
                           "element (ceil(log2(2s + 1)))", partial(check_int, low=1, high=127)),
          "bucket_size": Option(512, "elements sharing one norm; smaller => lower variance, "
                                "more header bytes", partial(check_int, low=1, high=1 << 24))},
-        seeded=True)),
+        seeded=True), auto=Candidacy(("qsgd",))),
     Entry.declared(Recipe(
         "terngrad", "terngrad",
         "ternary gradients {-s, 0, s}, unbiased, layer-wise scale (Wen et al. 2017)",
         {"clip": Option(2.5, "clip |g| to clip * std(g) before ternarizing (the paper's 2.5): "
                         "smaller scale and variance, a little bias; 0 => no clipping",
                         partial(check_float, low=0.0))},
-        seeded=True)),
+        seeded=True), auto=Candidacy(("terngrad",))),
     Entry.declared(Recipe("onebit", "onebit", "1-bit SGD with error feedback (Seide et al. 2014)",
-                          {"block": _SIGN_BLOCK}, error_feedback=True)),
+                          {"block": _SIGN_BLOCK}, error_feedback=True),
+                   auto=Candidacy(("onebit",))),
     Entry.declared(Recipe(
         "efsign", "efsign", "scaled signs with error feedback, EF-signSGD (Karimireddy et al. "
-        "2019)", {"block": _SIGN_BLOCK}, error_feedback=True)),
+        "2019)", {"block": _SIGN_BLOCK}, error_feedback=True),
+        auto=Candidacy(("efsign",))),
     Entry.declared(Recipe(
         "signsgd", "sign", "signs by allgather, element-wise majority vote scaled by the "
         "ranks' mean rms(g) (Bernstein et al. 2018)",
@@ -134,25 +181,32 @@ _ENTRIES: tuple[Entry, ...] = (
                            "momentum 0.9 on digits, where 0.01 ended 2.0 points below "
                            "allreduce)", _DENSITY),
          "approximate": _APPROXIMATE},
-        error_feedback=True)),
+        error_feedback=True), auto=Candidacy(("topk",)), planner=Planned()),
     Entry("gtopk", "hexagram.algorithms.gtopk", "GTopKConfig", "GTopKAlgorithm",
-          "global top-k by gTopKAllReduce on a tree, error feedback (Shi et al. 2019)"),
+          "global top-k by gTopKAllReduce on a tree, error feedback (Shi et al. 2019)",
+          auto=Candidacy(("gtopk",))),
     Entry("dgc", "hexagram.algorithms.dgc", "DGCConfig", "DGCAlgorithm",
-          "Deep Gradient Compression: top-k, momentum correction, clipping, warm-up"),
+          "Deep Gradient Compression: top-k, momentum correction, clipping, warm-up",
+          auto=Candidacy(("dgc",))),
     Entry("randomk", "hexagram.algorithms.randomk", "RandomKAlgorithmConfig", "RandomKAlgorithm",
           "random-k with positions shared by all ranks, error feedback"),
     Entry("decentralized", "hexagram.algorithms.decentralized", "DecentralizedConfig",
           "DecentralizedAlgorithm", "full-precision weight exchange with peers (all, ring, "
-          "shift_one, random) every `interval` steps, overlapped with the forward pass"),
+          "shift_one, random) every `interval` steps, overlapped with the forward pass",
+          auto=Candidacy(("decentralized",), delayed=True)),
     Entry("low_precision_decentralized", "hexagram.algorithms.low_precision_decentralized",
           "LowPrecisionDecentralizedConfig", "LowPrecisionDecentralizedAlgorithm",
-          "compressed (8-bit by default) weight differences with ring neighbours (CHOCO)"),
+          "compressed (8-bit by default) weight differences with ring neighbours (CHOCO)",
+          auto=Candidacy(("low_precision_decentralized",), delayed=True)),
     Entry("local_sgd", "hexagram.algorithms.local_sgd", "LocalSGDConfig", "LocalSGDAlgorithm",
-          "average weights every H steps, optional warm-up and compression (post-local SGD)"),
+          "average weights every H steps, optional warm-up and compression (post-local SGD)",
+          auto=Candidacy(("local_sgd",), delayed=True)),
     Entry("diloco", "hexagram.algorithms.diloco", "DiLoCoConfig", "DiLoCoAlgorithm",
-          "inner optimizer for H steps, outer Nesterov on averaged pseudo-gradients; streaming"),
+          "inner optimizer for H steps, outer Nesterov on averaged pseudo-gradients; streaming",
+          auto=Candidacy(("diloco",), delayed=True)),
     Entry("async", "hexagram.algorithms.async_model_average", "AsyncConfig",
-          "AsyncModelAverageAlgorithm", "background thread averages weights every N ms"),
+          "AsyncModelAverageAlgorithm", "background thread averages weights every N ms",
+          auto=Candidacy(("async",), delayed=True)),
     Entry("qadam", "hexagram.algorithms.qadam", "QAdamConfig", "QAdamAlgorithm",
           "Adam warm-up, then compressed momentum with frozen variance and error feedback"),
     Entry("auto", "hexagram.auto.algorithm", "AutoConfig", "AutoAlgorithm",
@@ -170,6 +224,31 @@ def entries() -> dict[str, Entry]:
 def names() -> list[str]:
     """Registered algorithm names."""
     return [e.name for e in _ENTRIES]
+
+
+def auto_candidates(delayed: bool = False) -> tuple[str, ...]:
+    """The labels ``algorithm="auto"`` considers by default, in registration order: the
+    synchronous ones, or (``delayed``) those that delay or decentralize the update.
+
+    >>> auto_candidates()[:2], auto_candidates(delayed=True)[0]
+    (('allreduce', 'allreduce:hierarchical=true'), 'decentralized')
+    """
+    return tuple(label for e in _ENTRIES if e.auto is not None and e.auto.delayed == delayed
+                 for label in e.auto.labels)
+
+
+def planner_priced() -> tuple[str, ...]:
+    """Names of the algorithms the planner prices for a stage's data-parallel sync."""
+    return tuple(e.name for e in _ENTRIES if e.planner is not None)
+
+
+def planner_options() -> dict[str, dict[str, Any]]:
+    """The config the planner prices and emits, per algorithm it prices (copies).
+
+    >>> planner_options()["powersgd"], planner_options()["fp16"]
+    ({'rank': 8, 'start_iter': 10}, {})
+    """
+    return {e.name: dict(e.planner.options) for e in _ENTRIES if e.planner is not None}
 
 
 def get(name: str | Algorithm, **config: Any) -> Algorithm:

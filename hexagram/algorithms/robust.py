@@ -26,6 +26,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +41,10 @@ from hexagram.comm.communicator import Handle
 from hexagram.comm.shards import ShardInfo, shard_map
 from hexagram.compress.base import Compressor
 from hexagram.config import check_float
+from hexagram.cost.schedule import Message, TensorSpec, payload_of, ring_sent
 from hexagram.errors import ConfigError
 from hexagram.robust.momentum import WorkerMomentum
-from hexagram.robust.shard_reduce import AGGREGATORS, ReduceSpec, reduce_rows
+from hexagram.robust.shard_reduce import AGGREGATORS, DISTANCE_BASED, ReduceSpec, reduce_rows
 
 __all__ = ["AGGREGATORS", "RobustAlgorithm", "RobustConfig"]
 
@@ -153,6 +156,24 @@ class RobustAlgorithm(Algorithm):
         self.worker.restore()
         super().close()
 
+    def wire_messages(self, bucket: Sequence[TensorSpec], world: int, rank: int
+                      ) -> list[Message]:
+        """Shard-wise (:func:`hexagram.comm.shards.shard_map`): the bucket cut into P shards
+        of ``m = ceil(n / P)`` elements (payloads with a compressor), all-to-all; then
+        (distance-based aggregators, pre-aggregation) one allreduce of the float64 Gram
+        matrix and row flags (``k^2 + k`` numbers, ``k = P``, plus the center's row for
+        centered clipping); then an allgather of this rank's reduced shard."""
+        spec = self.config
+        m = math.ceil(sum(t.numel for t in bucket) / world)
+        comp = self.compressor
+        shard = m * bucket[0].itemsize if comp is None else payload_of(comp, (m,)).nbytes
+        out = [Message("alltoall", (world - 1) * world * shard // world)]
+        if spec.aggregator in DISTANCE_BASED or spec.pre is not None:
+            k = world + (1 if spec.aggregator == "centered_clip" else 0)
+            out.append(Message("allreduce", ring_sent((k * k + k) * 8, world)))
+        out.append(Message("allgather", (world - 1) * shard))
+        return out
+
     def _remember(self, index: int, out: Tensor) -> Tensor:
         self.centers[index] = out.detach().clone()
         return out
@@ -177,3 +198,4 @@ def _slice(flat: Tensor, info: ShardInfo) -> Tensor:
     if part.numel() < info.length:
         part = torch.cat([part, part.new_zeros(info.length - part.numel())])
     return part
+

@@ -7,7 +7,9 @@ step-time model that prices them):
   trials, the reason and the table;
 - :mod:`hexagram.auto.config`: :class:`~hexagram.auto.config.AutoConfig`;
 - :mod:`hexagram.auto.algorithm`: the algorithm the registry returns for ``"auto"``;
-- :mod:`hexagram.auto.trials`, :mod:`hexagram.auto.tune`: timed trials and bucket tuning.
+- :mod:`hexagram.auto.trials`, :mod:`hexagram.auto.tune`: timed trials and bucket tuning;
+- :mod:`hexagram.auto.simulate`: ``simulate`` by label (the registry's algorithms priced by
+  :mod:`hexagram.cost.simulate`).
 
 Example:
     >>> import hexagram as hx

@@ -36,15 +36,11 @@ __all__ = ["BUCKET_MARGIN", "BUCKET_MB", "DEFAULT", "DELAYED", "applicable", "be
            "format_table", "lr_flags", "lr_note", "make", "parse_label", "pick_measured",
            "predict_all", "reason", "resolve", "trials", "warming_up"]
 
-#: the synchronous gradient algorithms auto considers by default (registry defaults, but
-#: PowerSGD compresses from its first step: its default 10 allreduce warm-up steps would run
-#: at allreduce's speed after the decision, 30 s at 100 Mbit/s for the 6.3M MLP, while
-#: digits accuracy is the same without them: 91.1 % vs 91.3 %, allreduce 91.5 %)
-DEFAULT = ("allreduce", "allreduce:hierarchical=true", "fp16", "fp16:wire=bf16", "bytegrad",
-           "qsgd", "terngrad", "onebit", "efsign", "topk", "gtopk", "dgc",
-           "powersgd:start_iter=0")
+#: the synchronous gradient algorithms auto considers by default, at the configs each
+#: registry entry declares (``Entry.auto``, :func:`hexagram.algorithms.registry.auto_candidates`)
+DEFAULT = registry.auto_candidates()
 #: added by ``allow_delay=True``
-DELAYED = ("local_sgd", "diloco", "decentralized", "low_precision_decentralized", "async")
+DELAYED = registry.auto_candidates(delayed=True)
 #: bucket capacities (MB) the model compares; the best few are then timed
 BUCKET_MB = (1.0, 4.0, 25.0, 100.0)
 #: bucket sizes predicted within this fraction of a candidate's fastest count as equal and

@@ -97,14 +97,14 @@ def _compute(args: argparse.Namespace) -> ComputeProfile:
 def _local_costs(labels: Sequence[str]) -> dict[str, CompressorCost]:
     """Each lossy label's compressor timed on this machine's CPU (``--device local``)."""
     from hexagram.auto.choose import make
+    from hexagram.auto.simulate import skip_reason
+    from hexagram.cost.facts import compressor_of
     from hexagram.cost.profile import measure_compressor
-    from hexagram.cost.schedule import _compressor
-    from hexagram.cost.simulate import skip_reason
 
     out = {}
     for label in labels:
         if skip_reason(label) is None:
-            comp = _compressor(make(label))
+            comp = compressor_of(make(label))
             if comp is not None:
                 out[label] = measure_compressor(comp)
     return out
@@ -159,7 +159,8 @@ def plot_rows(rows: Sequence[Row], path: str | Path, title: str = "") -> None:
 def run(args: argparse.Namespace) -> int:
     """Simulate, print the table (or JSON), write the plot; 2 on bad input."""
     from hexagram.algorithms import registry
-    from hexagram.cost.simulate import Cluster, simulate
+    from hexagram.auto.simulate import simulate
+    from hexagram.cost.simulate import Cluster
 
     try:
         labels = ([n for n in registry.names()] if args.algorithms == "all"

@@ -43,12 +43,12 @@ def candidate_labels() -> list[str]:
 def measure_costs(labels: Sequence[str], device: str = "cpu") -> dict[str, CompressorCost]:
     """Each label's compressor timed (labels without a compressor are left out)."""
     from hexagram.auto import choose
+    from hexagram.cost.facts import compressor_of
     from hexagram.cost.profile import measure_compressor
-    from hexagram.cost.schedule import _compressor
 
     out: dict[str, CompressorCost] = {}
     for label in labels:
-        comp = _compressor(choose.make(label))
+        comp = compressor_of(choose.make(label))
         if comp is not None:
             out[label] = measure_compressor(comp, device)
     return out

@@ -44,9 +44,20 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Handle
+from hexagram.compress.base import Payload
 
 __all__ = ["butterfly", "gtopk_allreduce", "gtopk_allreduce_tracked", "gtopk_bytes",
-           "merge_topk", "tree_children", "tree_parent"]
+           "merge_topk", "sparse_pairs", "tree_children", "tree_parent"]
+
+
+def sparse_pairs(payload: Payload) -> tuple[Tensor, Tensor]:
+    """(values (k,), indices (k,)) of a sparsifier's payload: its float and integer tensors."""
+    values = [t for t in payload.tensors if t.is_floating_point()]
+    indices = [t for t in payload.tensors if not t.is_floating_point()]
+    if len(values) != 1 or len(indices) != 1 or values[0].numel() != indices[0].numel():
+        raise TypeError("gtopk needs a sparsifier payload of one value and one index tensor "
+                        f"of equal length, got {[tuple(t.shape) for t in payload.tensors]}")
+    return values[0].reshape(-1), indices[0].reshape(-1).long()
 
 
 def butterfly(size: int) -> bool:

@@ -34,6 +34,7 @@ from hexagram.errors import NonFiniteGradientError
 __all__ = [
     "Aggregation",
     "Compressor",
+    "Layout",
     "Payload",
     "SeededCompressor",
     "all_finite",
@@ -108,6 +109,10 @@ class Payload:
         return replace(self, tensors=tuple(out))
 
 
+#: shape and dtype of each tensor of a payload, in the payload's order
+Layout = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
 class Compressor(ABC):
     """Base class of compressors: ``compress(tensor) -> Payload``, ``decompress(payload)``.
 
@@ -130,6 +135,10 @@ class Compressor(ABC):
     payload_sums_elementwise: bool = True
     #: the frozen config dataclass the compressor was built from
     config: Any = None
+    #: passes over a 4-byte gradient element its encode + decode make through memory (reads
+    #: and writes), which the planner prices at the device's memory rate; ``None``: not
+    #: declared (the planner does not price algorithms built on it)
+    memory_passes: float | None = None
 
     @abstractmethod
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
@@ -138,6 +147,19 @@ class Compressor(ABC):
     @abstractmethod
     def decompress(self, payload: Payload) -> Tensor:
         """Decode a :class:`Payload` back to a dense tensor of the original shape/dtype."""
+
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout | None:
+        """Shape and dtype of each tensor :meth:`compress` returns for a tensor of ``shape``
+        (at least one element) and floating ``dtype``, from the config alone (no data),
+        or ``None`` where the class does not declare its format (callers then compress).
+        Priced by :mod:`hexagram.cost.payload_size`; a class that declares it must match
+        its real payload (``tests/test_cost_payload_size.py`` checks every registered one).
+
+        >>> import hexagram.compress as hc
+        >>> hc.get("fp16").wire_layout((3, 2), torch.float32)
+        (((3, 2), torch.float16),)
+        """
+        return None
 
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor] | None:
         """``(bits, values, packed)`` for per-tensor formats whose element ``i`` decodes to

@@ -53,6 +53,7 @@ from torch import Tensor
 from hexagram.compress.base import (
     Aggregation,
     Compressor,
+    Layout,
     Payload,
     check_compressible,
     check_finite,
@@ -104,6 +105,14 @@ class PowerSGDCompressor(Compressor):
     def __init__(self, config: PowerSGDConfig | None = None) -> None:
         self.config = config or PowerSGDConfig()
         self._q: dict[Any, Tensor] = {}
+
+    memory_passes = 6.0  # beyond the three matrix products, whose FLOPs the planner adds
+
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+        """(rows, r) P; (cols, r) Q: the input's matrix view, r = min(rank, rows, cols)."""
+        rows, cols = matrix_shape(torch.Size(shape))
+        r = min(self.config.rank, rows, cols)
+        return (((rows, r), work_dtype(dtype)), ((cols, r), work_dtype(dtype)))
 
     def effective_rank(self, shape: torch.Size) -> int:
         """``min(rank, rows, cols)`` for a tensor of ``shape``."""

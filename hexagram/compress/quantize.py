@@ -42,6 +42,7 @@ from torch import Tensor
 from hexagram.compress.base import (
     Aggregation,
     Compressor,
+    Layout,
     Payload,
     SeededCompressor,
     check_compressible,
@@ -59,7 +60,7 @@ from hexagram.compress.chunks import (
     robust_norms,
     work_dtype,
 )
-from hexagram.compress.packing import block_size, encode_blocks
+from hexagram.compress.packing import block_size, encode_blocks, packed_nbytes
 from hexagram.config import check_float, check_int
 
 __all__ = [
@@ -135,6 +136,11 @@ class MinMax8Compressor(Compressor):
 
     def __init__(self, config: MinMax8Config | None = None) -> None:
         self.config = config or MinMax8Config()
+
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+        """(G, 2) header (min, step), G = ceil(n / chunk_size); (n,) uint8 codes."""
+        n = math.prod(shape)
+        return (((-(-n // self.config.chunk_size), 2), work_dtype(dtype)), ((n,), torch.uint8))
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
@@ -263,6 +269,12 @@ class QSGDCompressor(SeededCompressor):
         super().__init__(self.config.seed)
         self.bits = (2 * self.config.levels).bit_length()  # ceil(log2(2s + 1))
 
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+        """(G,) norms, G = ceil(n / bucket_size); the ``bits``-bit codes, packed."""
+        n = math.prod(shape)
+        return (((-(-n // self.config.bucket_size),), work_dtype(dtype)),
+                ((packed_nbytes(n, self.bits),), torch.uint8))
+
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
         flat, d, wd = _flat(tensor), self.config.bucket_size, work_dtype(tensor.dtype)
@@ -344,6 +356,10 @@ class TernGradCompressor(TableCodedCompressor, SeededCompressor):
         self.config = config or TernGradConfig()
         super().__init__(self.config.seed)
         self.unbiased = self.config.clip == 0
+
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+        """(1,) scale; 2-bit codes, packed."""
+        return (((1,), work_dtype(dtype)), ((packed_nbytes(math.prod(shape), 2),), torch.uint8))
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)

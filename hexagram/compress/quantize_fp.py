@@ -22,6 +22,7 @@ from torch import Tensor
 from hexagram.compress.base import (
     Aggregation,
     Compressor,
+    Layout,
     Payload,
     check_compressible,
     check_finite,
@@ -39,9 +40,14 @@ class _Cast(Compressor):
     aggregation = Aggregation.SUM
     unbiased = False  # rounding to nearest is deterministic, not unbiased
     wire_dtype: torch.dtype = torch.float16
+    memory_passes = 3.0  # read the gradient, write the cast, read it back on decode
 
     def __init__(self, config: CastConfig | None = None) -> None:
         self.config = config or CastConfig()
+
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+        """The input's shape in the wire dtype."""
+        return ((shape, self.wire_dtype),)
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)

@@ -43,12 +43,14 @@ from torch import Tensor
 
 from hexagram.compress.base import (
     Aggregation,
+    Layout,
     Payload,
     check_compressible,
 )
 from hexagram.compress.chunks import TableCodedCompressor, code_values, work_dtype
+from hexagram.compress.packing import packed_nbytes
 from hexagram.compress.sign_bits import encode_signs
-from hexagram.compress.sign_blocks import decode_blocked, encode_blocked
+from hexagram.compress.sign_blocks import decode_blocked, encode_blocked, header_shape
 from hexagram.config import check_choice, check_int
 
 __all__ = ["EFSignCompressor", "OneBitCompressor", "SignCompressor", "SignConfig",
@@ -129,6 +131,11 @@ class SignCompressor(TableCodedCompressor):
     def __init__(self, config: SignVoteConfig | None = None) -> None:
         self.config = config or SignVoteConfig()
 
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+        """((1,) rms if ``scaled``); one sign bit per element, packed."""
+        head: Layout = (((1,), work_dtype(dtype)),) if self.config.scaled else ()
+        return (*head, ((packed_nbytes(math.prod(shape), 1),), torch.uint8))
+
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
         flat = tensor.detach().reshape(-1)
@@ -173,8 +180,18 @@ class _ScaledSignCompressor(TableCodedCompressor):
     aggregation = Aggregation.GATHER
     unbiased = False
 
+    #: reconstruction values per tensor (or per block): efsign 1, onebit 2
+    header_values: int = 1
+
     def __init__(self, config: SignConfig | None = None) -> None:
         self.config = config or SignConfig()
+
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+        """The header (per tensor, or per block of ``block``); one sign bit per element."""
+        n = math.prod(shape)
+        head = header_shape(self.name, n, self.config.block) if self.config.block else \
+            (self.header_values,)
+        return ((head, work_dtype(dtype)), ((packed_nbytes(n, 1),), torch.uint8))
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
@@ -222,6 +239,7 @@ class OneBitCompressor(_ScaledSignCompressor):
     """1-bit SGD: each sign half decodes to its mean (reconstruction values)."""
 
     name = "onebit"
+    header_values = 2
 
     def _header_of(self, tensor: Tensor, stats: Tensor) -> Tensor:
         abs_sum, total, n_pos = (float(v) for v in stats)

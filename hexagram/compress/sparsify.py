@@ -40,6 +40,7 @@ from torch import Tensor
 from hexagram.compress.base import (
     Aggregation,
     Compressor,
+    Layout,
     Payload,
     SeededCompressor,
     check_compressible,
@@ -209,6 +210,11 @@ def _scatter(payload: Payload, values: Tensor, indices: Tensor, out: Tensor | No
     return out.index_add_(0, indices, values.to(payload.dtype))
 
 
+def _pairs_layout(k: int, n: int, dtype: torch.dtype) -> Layout:
+    """A sparsifier's (values, indices) payload of ``k`` of ``n`` elements."""
+    return (((k,), dtype), ((k,), _index_dtype(n)))
+
+
 class TopKCompressor(SeededCompressor):
     """Keeps the k entries of largest magnitude (see the module docstring)."""
 
@@ -216,9 +222,15 @@ class TopKCompressor(SeededCompressor):
     aggregation = Aggregation.GATHER
     unbiased = False
 
+    memory_passes = 5.0  # select, gather the pairs; decode zeroes and scatters
+
     def __init__(self, config: TopKConfig | None = None) -> None:
         self.config = config or TopKConfig()
         super().__init__(self.config.seed)
+
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+        """(k,) values in the input's dtype; (k,) indices (int32 below 2**31 elements)."""
+        return _pairs_layout(self.config.count(math.prod(shape)), math.prod(shape), dtype)
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
@@ -272,6 +284,10 @@ class RandomKCompressor(SeededCompressor):
         self.config = config or RandomKConfig()
         super().__init__(self.config.seed)
         self.unbiased = self.config.rescale
+
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+        """(k,) values in the input's dtype; (k,) indices (int32 below 2**31 elements)."""
+        return _pairs_layout(self.config.count(math.prod(shape)), math.prod(shape), dtype)
 
     @staticmethod
     def _strata(n: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -339,6 +355,12 @@ class ThresholdCompressor(Compressor):
     def capacity(self, n: int) -> int:
         """Slots in the payload of an ``n``-element tensor."""
         return min(n, max(1, math.ceil(self.config.max_density * n)))
+
+    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
+        """(1,) int32 count; (c,) values; (c,) indices, c = :meth:`capacity`."""
+        n = math.prod(shape)
+        cap = self.capacity(n)
+        return (((1,), torch.int32), ((cap,), dtype), ((cap,), _index_dtype(n)))
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)

@@ -1,7 +1,9 @@
 """Step-time model of every algorithm from measured compute, compressor and network profiles.
 
+- :mod:`hexagram.cost.facts`: the interface the model reads algorithms through (it imports
+  none), and how a new compressor or algorithm declares what it is priced by;
 - :mod:`hexagram.cost.schedule`: the messages and wire bytes of one step, read off the
-  algorithm's own objects (its compressor and config);
+  algorithm's own objects (its compressor, config and declared protocol);
 - :mod:`hexagram.cost.probe`: a short network probe with the real collectives, fitted per
   collective to latency + bytes / rate;
 - :mod:`hexagram.cost.profile`: compute (forward, backward, when each gradient is ready)
@@ -20,7 +22,7 @@ __all__ = ["Message", "TensorSpec", "layout_of", "step_schedule", "wire_bytes"]
 
 
 def __getattr__(name: str) -> Any:
-    # The schedule imports torch and the algorithms; the device and link presets and the
+    # The schedule imports torch and the compressors; the device and link presets and the
     # collective schedules (`hexagram simulate --help`) need neither.
     if name in __all__:
         from hexagram.cost import schedule

@@ -19,21 +19,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hexagram.algorithms.base import Algorithm
+from hexagram.cost.facts import Priced, compressor_of
 from hexagram.cost.model import MB, bucket_layout
-from hexagram.cost.own_work import OWN_WORK
 from hexagram.cost.profile import (
     CompressorCost,
     ComputeProfile,
     TreeCost,
     measure_compressor,
 )
-from hexagram.cost.schedule import (
-    TensorSpec,
-    _compressor,
-    layout_of,
-    step_schedule,
-)
+from hexagram.cost.schedule import TensorSpec, layout_of, step_schedule
 
 __all__ = ["agree_costs", "compressor_costs", "local_costs", "slowest", "static_profile"]
 
@@ -45,7 +39,7 @@ def static_profile(buckets: Sequence[Any], specs: Sequence[TensorSpec]) -> Compu
     return ComputeProfile(0.0, 0.0, 0.0, order, [0.0] * len(order))
 
 
-def compressor_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputeProfile,
+def compressor_costs(candidates: Sequence[tuple[str, Priced]], profile: ComputeProfile,
                      world: int, group: Any, device: torch.device | str = "cpu"
                      ) -> dict[str, CompressorCost]:
     """Each candidate's compressor timed on this model's own tensor shapes, the slowest
@@ -53,7 +47,7 @@ def compressor_costs(candidates: Sequence[tuple[str, Algorithm]], profile: Compu
     return agree_costs(local_costs(candidates, profile, world, device), group)
 
 
-def local_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputeProfile,
+def local_costs(candidates: Sequence[tuple[str, Priced]], profile: ComputeProfile,
                 world: int, device: torch.device | str = "cpu") -> dict[str, CompressorCost]:
     """Each candidate's compressor timed on this process, on ``device``, at two of the
     model's own tensor shapes (a middle one and the largest: per-element costs grow once a
@@ -62,26 +56,26 @@ def local_costs(candidates: Sequence[tuple[str, Algorithm]], profile: ComputePro
     feedback where the algorithm has it (its encode then also decodes locally). Sizing every
     candidate's payloads on the way warms each compressor up (first calls are slow).
     Algorithms with CPU of their own outside the compressor (gTop-k's tree, QAdam's
-    momentum arithmetic: :data:`hexagram.cost.own_work.OWN_WORK`) get it timed at the
-    same shapes."""
+    momentum arithmetic: their ``own_work_cost``, :mod:`hexagram.cost.facts`) get it timed
+    at the same shapes."""
     out: dict[str, CompressorCost] = {}
     layout = [specs for specs, _ in bucket_layout(profile, 25 * MB, MB)]
     sizes = _timing_shapes([t.shape for t in profile.tensors])
     for label, algorithm in candidates:
-        comp = _compressor(algorithm)
+        comp = compressor_of(algorithm)
         if comp is None:
             continue
         if algorithm.kind == "grad":
             step_schedule(algorithm, layout, world)
         feedback = _has_feedback(algorithm)
         out[label] = measure_compressor(comp, device, sizes=sizes, feedback=feedback)
-        if algorithm.name in OWN_WORK:
+        if algorithm.own_work:
             out[label] = dataclasses.replace(out[label],
-                                             tree=OWN_WORK[algorithm.name](algorithm, sizes))
+                                             tree=algorithm.own_work_cost(sizes))
     return out
 
 
-def _has_feedback(algorithm: Algorithm) -> bool:
+def _has_feedback(algorithm: Priced) -> bool:
     """True if ``algorithm`` encodes through error feedback: an
     :class:`~hexagram.compress.feedback.ErrorFeedback` as ``error_feedback`` (the compressed
     algorithms) or ``feedback`` (QAdam's, on its momentum: corrected, compressed, decoded

@@ -49,14 +49,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hexagram.algorithms.base import Algorithm
 from hexagram.compress.base import Aggregation
+from hexagram.cost.facts import Priced, compressor_of
 from hexagram.cost.probe import NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile
 from hexagram.cost.schedule import (
     Message,
     TensorSpec,
-    _compressor,
     bucket_schedule,
     payload_of,
 )
@@ -113,7 +112,7 @@ def bucket_layout(profile: ComputeProfile, bucket_bytes: int, first_bucket_bytes
     return out
 
 
-def _cpu(algorithm: Algorithm, specs: Sequence[TensorSpec], world: int,
+def _cpu(algorithm: Priced, specs: Sequence[TensorSpec], world: int,
          cost: CompressorCost | None, msgs: Sequence[Message] = ()) -> tuple[float, float]:
     """(encode, decode) seconds of one bucket whose messages are ``msgs``: ``encode`` on
     the training thread, every segment compressed once; ``decode`` on the communication
@@ -127,12 +126,11 @@ def _cpu(algorithm: Algorithm, specs: Sequence[TensorSpec], world: int,
     elements each (every call pays the intercept). QAdam compresses whole buckets; its
     momentum arithmetic (``cost.tree``, :func:`hexagram.cost.own_work.qadam_own_cost`)
     adds ``once(n)`` to the encode and ``per_round(n)`` to the decode."""
-    comp = _compressor(algorithm)
+    comp = compressor_of(algorithm)
     if comp is None or cost is None or world <= 1:
         return 0.0, 0.0
     sizes = [s.numel for s in specs]
-    if getattr(algorithm.config, "granularity", "layer") == "bucket" or \
-            algorithm.name == "qadam":
+    if algorithm.granularity == "bucket":
         sizes = [sum(sizes)]
     if comp.aggregation is Aggregation.SCATTER_GATHER and any(m.op == "alltoall"
                                                               for m in msgs):
@@ -140,20 +138,20 @@ def _cpu(algorithm: Algorithm, specs: Sequence[TensorSpec], world: int,
         enc = sum(world * cost.encode(c) for c in chunks)
         return enc, sum(2 * world * cost.decode(c) + cost.encode(c) for c in chunks)
     enc = sum(cost.encode(n) for n in sizes)
-    if algorithm.name == "gtopk" and cost.tree is not None:
+    if algorithm.own_work == "tree" and cost.tree is not None:
         rounds = max(1, math.ceil(math.log2(world)))
         dec = sum(cost.tree.seconds(n, rounds) for n in sizes)
     elif comp.aggregation in (Aggregation.GATHER, Aggregation.SCATTER_GATHER):
         dec = sum(gathered_decodes(algorithm, world) * cost.decode(n) for n in sizes)
     else:
         dec = sum(cost.decode(n) for n in sizes)
-    if algorithm.name == "qadam" and cost.tree is not None:  # its momentum arithmetic
+    if algorithm.own_work == "momentum" and cost.tree is not None:  # e.g. QAdam's
         enc += sum(cost.tree.once[0] + cost.tree.once[1] * n for n in sizes)
         dec += sum(cost.tree.per_round[0] + cost.tree.per_round[1] * n for n in sizes)
     return enc, dec
 
 
-def gathered_decodes(algorithm: Algorithm, world: int) -> int:
+def gathered_decodes(algorithm: Priced, world: int) -> int:
     """Payloads a rank decodes per segment of a gathered format: all ``world`` of an
     allgather; gTop-k merges one per round of its tree (``ceil(log2 P)``, recursive
     doubling or binomial tree, :mod:`hexagram.comm.gtopk`) and decodes the result once.
@@ -163,12 +161,10 @@ def gathered_decodes(algorithm: Algorithm, world: int) -> int:
     >>> gathered_decodes(g, 4096), gathered_decodes(t, 64)
     (13, 64)
     """
-    if algorithm.name == "gtopk" and world > 1:
-        return min(world, math.ceil(math.log2(world)) + 1)
-    return world
+    return algorithm.gathered_decodes(world)
 
 
-def predict(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfile,
+def predict(algorithm: Priced, compute: ComputeProfile, network: NetworkProfile,
             cost: CompressorCost | None = None, *, bucket_bytes: int = 25 * MB,
             first_bucket_bytes: int = MB, label: str | None = None, step: int = 10**9,
             rank: int = 0) -> Prediction:
@@ -247,7 +243,7 @@ def _ring(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
 
 
-def amortized(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfile,
+def amortized(algorithm: Priced, compute: ComputeProfile, network: NetworkProfile,
               label: str | None = None) -> Prediction:
     """A weight algorithm's step, its periodic exchange spread over its period.
 
@@ -264,7 +260,7 @@ def amortized(algorithm: Algorithm, compute: ComputeProfile, network: NetworkPro
     period = max(1, int(getattr(c, "period", getattr(c, "interval", 1))))
     name, hidden, note = algorithm.name, 0.0, ""
     msg = Message("allreduce", _ring(weights, world))
-    comp = _compressor(algorithm)
+    comp = compressor_of(algorithm)
     peers = getattr(c, "peers", "all")
     if comp is not None:  # compressed weights (differences) to both ring neighbours
         sent = sum(payload_of(comp, t.shape).nbytes for t in compute.tensors)
@@ -272,9 +268,9 @@ def amortized(algorithm: Algorithm, compute: ComputeProfile, network: NetworkPro
     elif peers != "all":
         msg = Message("p2p", (2 if peers == "ring" else 1) * weights)
     t = network.fit(msg.op).time(msg.sent) / period
-    if name == "decentralized":
+    if algorithm.exchange_overlap == "forward":
         hidden = compute.forward_s
-    if name == "async" or getattr(c, "overlap_steps", 0) > 0:
+    if algorithm.exchange_overlap == "background" or getattr(c, "overlap_steps", 0) > 0:
         hidden, note = t, "background exchange: bytes per step estimated"
     exposed = max(0.0, t - hidden)
     return Prediction(label or name, compute.step_s + exposed, compute.step_s, 0.0, exposed,
@@ -282,7 +278,7 @@ def amortized(algorithm: Algorithm, compute: ComputeProfile, network: NetworkPro
                       [[msg]] if world > 1 else [], note)
 
 
-def predict_any(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfile,
+def predict_any(algorithm: Priced, compute: ComputeProfile, network: NetworkProfile,
                 costs: Mapping[str, CompressorCost] | None = None, **kw: Any) -> Prediction:
     """:func:`predict` for gradient algorithms, :func:`amortized` for weight ones;
     ``costs`` maps a label (``kw["label"]`` or the name) to its compressor cost."""

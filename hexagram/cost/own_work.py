@@ -21,7 +21,10 @@ exchange, ``g = (u d - beta m) / (1 - beta)`` (three passes on the communication
 :func:`qadam_own_cost` times both, on the job's shapes, as ``once`` and ``per_round``
 (one round). :func:`optimizer_step_s` times one step of an optimizer on the job's
 shapes: the lab profiles every cell's compute with SGD and momentum, and QAdam's runs
-:class:`~hexagram.optim.QAdamOptimizer` (Adam with a frozen variance) instead.
+:class:`~hexagram.optim.QAdamOptimizer` (Adam with a frozen variance) instead, which
+:func:`hexagram.algorithms.qadam.optimizer_extra_s` times with it. Each algorithm with work
+of its own says so (``own_work``) and times it (``own_work_cost``): this module never imports
+one (:mod:`hexagram.cost.facts`).
 
 Example:
     >>> import hexagram as hx
@@ -40,14 +43,10 @@ from typing import Any
 
 import torch
 
-from hexagram.algorithms.base import Algorithm
+from hexagram.cost.facts import Priced, Shapes, compressor_of
 from hexagram.cost.profile import ComputeProfile, TreeCost, device_clock
 
-__all__ = ["OWN_WORK", "gtopk_tree_cost", "job_compute", "optimizer_extra_s", "optimizer_step_s",
-           "qadam_own_cost"]
-
-Shapes = tuple[tuple[int, ...], tuple[int, ...]]
-
+__all__ = ["gtopk_tree_cost", "job_compute", "optimizer_step_s", "qadam_own_cost"]
 
 def _best(fn: Callable[[], Any], reps: int, clock: Callable[[], float]) -> tuple[float, Any]:
     """(fastest of ``reps`` runs of ``fn`` on ``clock``, its last result)."""
@@ -60,18 +59,19 @@ def _best(fn: Callable[[], Any], reps: int, clock: Callable[[], float]) -> tuple
 
 
 def _pairs(comp: Any, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    from hexagram.algorithms.gtopk import sparse_pairs
+    from hexagram.comm.gtopk import sparse_pairs
 
     return sparse_pairs(comp.compress(torch.randn(n, generator=gen), gen))
 
 
-def _segment_times(algorithm: Algorithm, n: int, reps: int,
+def _segment_times(algorithm: Priced, n: int, reps: int,
                    clock: Callable[[], float]) -> tuple[float, float]:
     """(once, one round) CPU seconds of gTop-k's own work on a segment of ``n`` elements."""
     from hexagram.comm.gtopk import _isin, _pack, _sort_pairs, _unpack, merge_topk
 
     gen = torch.Generator().manual_seed(0)
-    comp = algorithm.compressor  # type: ignore[attr-defined]
+    comp = compressor_of(algorithm)
+    assert comp is not None, f"{algorithm.name}: gTop-k's tree needs its sparsifier"
     values, indices = _pairs(comp, n, gen)
     k = values.numel()
     theirs_v, theirs_i, _ = _sort_pairs(*_pairs(comp, n, gen))
@@ -86,7 +86,7 @@ def _segment_times(algorithm: Algorithm, n: int, reps: int,
     return sort_s + write_s, pack_s + unpack_s + merge_s + check_s
 
 
-def gtopk_tree_cost(algorithm: Algorithm, sizes: Shapes, reps: int = 2,
+def gtopk_tree_cost(algorithm: Priced, sizes: Shapes, reps: int = 2,
                     device: torch.device | str = "cpu") -> TreeCost:
     """gTop-k's own tree work (module doc) timed at the two ``sizes`` (element counts
     taken from the shapes), best of ``reps``, fitted to ``a + b n`` per part; CPU seconds
@@ -115,7 +115,7 @@ def _qadam_times(n: int, beta: float, reps: int, clock: Callable[[], float]
     return to_s, back_s
 
 
-def qadam_own_cost(algorithm: Algorithm, sizes: Shapes, reps: int = 3,
+def qadam_own_cost(algorithm: Priced, sizes: Shapes, reps: int = 3,
                    device: torch.device | str = "cpu") -> TreeCost:
     """QAdam's momentum arithmetic (module doc) timed at the two ``sizes``, best of
     ``reps``: ``once`` is the transform before the encode (training thread),
@@ -155,28 +155,10 @@ def optimizer_step_s(make: Callable[[list[torch.nn.Parameter]], torch.optim.Opti
     return best
 
 
-def optimizer_extra_s(shapes: Sequence[tuple[int, ...]], reps: int = 3) -> float:
-    """CPU seconds a step of QAdam's optimizer (Adam, variance frozen) takes beyond an
-    SGD-with-momentum step on ``shapes``, one intra-op thread: the lab's workers profile
-    every cell's compute with SGD, the qadam cell runs
-    :class:`~hexagram.optim.QAdamOptimizer` (:func:`job_compute`)."""
-    from hexagram.optim import QAdamOptimizer
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        adam = optimizer_step_s(lambda ps: QAdamOptimizer(ps, lr=1e-3, warmup_steps=1),
-                                shapes, reps)
-        sgd = optimizer_step_s(lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
-                               shapes, reps)
-    finally:
-        torch.set_num_threads(threads)
-    return max(0.0, adam - sgd)
-
-
 def job_compute(name: str, compute: ComputeProfile, extra_s: float) -> ComputeProfile:
     """``compute`` (profiled with SGD and momentum) as algorithm ``name``'s job runs it:
-    QAdam's optimizer step costs ``extra_s`` more (:func:`optimizer_extra_s`), added to
+    QAdam's optimizer step costs ``extra_s`` more
+    (:func:`hexagram.algorithms.qadam.optimizer_extra_s`), added to
     the update and to the CPU; other algorithms as profiled.
 
     >>> c = ComputeProfile(0.0, 0.10, 0.01, [], [], cpu_s=0.08)
@@ -189,7 +171,3 @@ def job_compute(name: str, compute: ComputeProfile, extra_s: float) -> ComputePr
     cpu = None if compute.cpu_s is None else compute.cpu_s + extra_s
     return dataclasses.replace(compute, update_s=compute.update_s + extra_s, cpu_s=cpu)
 
-
-#: algorithms with CPU of their own outside the compressor, and how it is timed
-OWN_WORK: dict[str, Callable[[Algorithm, Shapes], TreeCost]] = {"gtopk": gtopk_tree_cost,
-                                                                "qadam": qadam_own_cost}

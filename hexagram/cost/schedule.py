@@ -15,9 +15,9 @@ How a compressed algorithm communicates is read from its compressor's ``aggregat
 element-wise (low-rank factors) -> two allreduces, all first factors then all second
 factors of a bucket; ``SCATTER_GATHER`` without error feedback -> all-to-all of P chunk
 payloads then allgather of the reduced chunk; ``GATHER`` (or scatter-gather with error
-feedback) -> allgather of the payloads. The few algorithms whose protocol is their own
-(gTop-k's tree, random-k's shared positions, QAdam's momentum) have a rule keyed by name
-in :data:`CUSTOM`.
+feedback) -> allgather of the payloads. An algorithm whose protocol is its own (gTop-k's
+tree, random-k's shared positions, QAdam's momentum, robust shards) gives its messages
+itself (``wire_messages``, :mod:`hexagram.cost.facts`); this module never imports one.
 
 Example:
     >>> import hexagram as hx
@@ -33,7 +33,7 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -41,14 +41,13 @@ from typing import Any
 
 import torch
 
-from hexagram.algorithms.base import Algorithm
-from hexagram.algorithms.delay import Delayed
 from hexagram.compress.base import Aggregation, Compressor, Payload
+from hexagram.cost.facts import Priced, compressor_of
 from hexagram.cost.payload_size import meta_payload
 
-__all__ = ["CUSTOM", "Message", "TensorSpec", "analytic_payloads", "bucket_schedule",
-           "is_lossy", "layout_of", "payload_of", "sizing_times", "step_schedule",
-           "wire_bytes"]
+__all__ = ["Message", "TensorSpec", "allreduce_messages", "analytic_payloads",
+           "bucket_schedule", "is_lossy", "layout_of", "payload_of", "ring_sent",
+           "segment_shapes", "sizing_times", "step_schedule", "wire_bytes"]
 
 
 @dataclass(frozen=True)
@@ -84,18 +83,15 @@ def layout_of(buckets: Sequence[Any]) -> list[list[TensorSpec]]:
             for b in buckets]
 
 
-def is_lossy(algorithm: Algorithm) -> bool:
+def is_lossy(algorithm: Priced) -> bool:
     """True if ``algorithm`` changes the gradient's sum (it carries a compressor)."""
-    return _compressor(algorithm) is not None
+    return compressor_of(algorithm) is not None
 
 
-def _compressor(algorithm: Algorithm) -> Compressor | None:
-    comp = getattr(algorithm, "compressor", None)  # the compressed algorithms' public field
-    return comp if isinstance(comp, Compressor) else None
-
-
-def _ring(nbytes: int, world: int) -> int:
+def ring_sent(nbytes: int, world: int) -> int:
+    """Bytes a rank sends in a ring allreduce of ``nbytes``: ``2 (P - 1) n / P``."""
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
+
 
 
 _PAYLOADS: dict[tuple[str, str, tuple[int, ...]], Payload] = {}
@@ -164,20 +160,20 @@ def sizing_times(compressor: Compressor) -> list[tuple[int, float, float]]:
                             repr(getattr(compressor, "config", None))), []))
 
 
-def _segments(algorithm: Algorithm, bucket: Sequence[TensorSpec]) -> list[tuple[int, ...]]:
+def segment_shapes(algorithm: Priced, bucket: Sequence[TensorSpec]) -> list[tuple[int, ...]]:
     """Shapes of the bucket's segments as the algorithm cuts them (layer or whole bucket)."""
-    if getattr(algorithm.config, "granularity", "layer") == "bucket":
+    if algorithm.granularity == "bucket":
         return [(sum(t.numel for t in bucket),)]
     return [t.shape for t in bucket]
 
 
-def _generic(algorithm: Algorithm, comp: Compressor, bucket: Sequence[TensorSpec],
+def _generic(algorithm: Priced, comp: Compressor, bucket: Sequence[TensorSpec],
              world: int) -> list[Message]:
     """Messages of a compressed algorithm from its compressor's aggregation."""
-    shapes = _segments(algorithm, bucket)
+    shapes = segment_shapes(algorithm, bucket)
     feedback = getattr(algorithm, "error_feedback", None) is not None
     if comp.aggregation is Aggregation.SUM and comp.payload_sums_elementwise:
-        return [Message("allreduce", _ring(t.numel() * t.element_size(), world))
+        return [Message("allreduce", ring_sent(t.numel() * t.element_size(), world))
                 for s in shapes for t in payload_of(comp, s).tensors]
     if comp.aggregation is Aggregation.SUM:
         return _factor_allreduces(algorithm, comp, shapes, world)
@@ -189,7 +185,7 @@ def _generic(algorithm: Algorithm, comp: Compressor, bucket: Sequence[TensorSpec
     return [Message("allgather", (world - 1) * total)]
 
 
-def _factor_allreduces(algorithm: Algorithm, comp: Compressor, shapes: list[tuple[int, ...]],
+def _factor_allreduces(algorithm: Priced, comp: Compressor, shapes: list[tuple[int, ...]],
                        world: int) -> list[Message]:
     """Low-rank: one allreduce of every first factor (+ the segments not worth
     compressing, dense), then one of every second factor."""
@@ -204,11 +200,12 @@ def _factor_allreduces(algorithm: Algorithm, comp: Compressor, shapes: list[tupl
         p, q = payload_of(comp, s).tensors[:2]
         first += p.numel() * p.element_size()
         second += q.numel() * q.element_size()
-    return [Message("allreduce", _ring(first, world)), Message("allreduce", _ring(second, world))]
+    return [Message("allreduce", ring_sent(first, world)),
+            Message("allreduce", ring_sent(second, world))]
 
 
-def _allreduce(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
-               rank: int = 0, hosts: int = 1) -> list[Message]:
+def allreduce_messages(algorithm: Priced, bucket: Sequence[TensorSpec], world: int,
+                       rank: int = 0, hosts: int = 1) -> list[Message]:
     """Flat ring allreduce, or (``hierarchical``, several ranks per host) reduce to the host
     leader, allreduce among leaders, broadcast back: a leader sends
     ``(ranks per host - 1) n + ring(n, hosts)``, the others ``n``."""
@@ -216,80 +213,12 @@ def _allreduce(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
     per_host = world // max(hosts, 1)
     if getattr(algorithm.config, "hierarchical", False) and per_host > 1:
         leader = rank % per_host == 0
-        sent = (per_host - 1) * nbytes + _ring(nbytes, hosts) if leader else nbytes
+        sent = (per_host - 1) * nbytes + ring_sent(nbytes, hosts) if leader else nbytes
         return [Message("hierarchical", sent, rounds=3)]
-    return [Message("allreduce", _ring(nbytes, world))]
+    return [Message("allreduce", ring_sent(nbytes, world))]
 
 
-def _gtopk(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
-           rank: int) -> list[Message]:
-    from hexagram.comm.gtopk import butterfly, gtopk_bytes
-
-    comp = _compressor(algorithm)
-    assert comp is not None
-    # recursive doubling (P a power of two): log2 P exchanges; else a binomial tree up and
-    # the result broadcast down it: 2 ceil(log2 P) sequential rounds
-    depth = max(1, math.ceil(math.log2(world)))
-    rounds = depth if butterfly(world) else 2 * depth
-    out = []
-    for s in _segments(algorithm, bucket):
-        values = payload_of(comp, s).tensors[0]
-        up, down = gtopk_bytes(rank, world, values.numel(), values.element_size())
-        out.append(Message("pair", up + down, rounds=rounds))
-    return out
-
-
-def _randomk(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
-             rank: int) -> list[Message]:
-    comp = _compressor(algorithm)
-    assert comp is not None
-    values = [payload_of(comp, s).tensors[0] for s in _segments(algorithm, bucket)]
-    return [Message("allreduce", _ring(v.numel() * v.element_size(), world)) for v in values]
-
-
-def _qadam(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
-           rank: int) -> list[Message]:
-    opt = getattr(algorithm, "optimizer", None)  # None: not set up, predict steady state
-    if opt is not None and not opt.frozen:  # warm-up: plain allreduce
-        return _allreduce(algorithm, bucket, world, rank)
-    comp = _compressor(algorithm)
-    assert comp is not None
-    shape = (sum(t.numel for t in bucket),)
-    payload = payload_of(comp, shape)
-    if comp.aggregation is Aggregation.SUM and comp.payload_sums_elementwise:
-        return [Message("allreduce", _ring(t.numel() * t.element_size(), world))
-                for t in payload.tensors]
-    return [Message("allgather", (world - 1) * payload.nbytes)]
-
-
-def _robust(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
-            rank: int) -> list[Message]:
-    """Shard-wise robust aggregation (:func:`hexagram.comm.shards.shard_map`): the bucket cut
-    into P shards of ``m = ceil(n / P)`` elements (payloads with a compressor), all-to-all,
-    then (distance-based aggregators, pre-aggregation) one allreduce of the float64 Gram
-    matrix and row flags (``k^2 + k`` numbers, ``k = P``, plus the center's row for centered
-    clipping), then an allgather of this rank's reduced shard."""
-    from hexagram.robust.shard_reduce import DISTANCE_BASED
-
-    spec = algorithm.config  # RobustConfig: a ReduceSpec with the algorithm's own fields
-    m = math.ceil(sum(t.numel for t in bucket) / world)
-    comp = _compressor(algorithm)
-    shard = m * bucket[0].itemsize if comp is None else payload_of(comp, (m,)).nbytes
-    out = [Message("alltoall", (world - 1) * world * shard // world)]
-    if spec.aggregator in DISTANCE_BASED or spec.pre is not None:
-        k = world + (1 if spec.aggregator == "centered_clip" else 0)
-        out.append(Message("allreduce", _ring((k * k + k) * 8, world)))
-    out.append(Message("allgather", (world - 1) * shard))
-    return out
-
-
-#: algorithms whose protocol is their own rather than their compressor's aggregation
-CUSTOM: dict[str, Callable[[Algorithm, Sequence[TensorSpec], int, int], list[Message]]] = {
-    "gtopk": _gtopk, "randomk": _randomk, "qadam": _qadam, "robust": _robust,
-}
-
-
-def _at_step(algorithm: Algorithm, comp: Compressor, step: int) -> Compressor:
+def _at_step(algorithm: Priced, comp: Compressor, step: int) -> Compressor:
     """The compressor in use at ``step`` when the density ramps up (DGC's warm-up: the
     algorithm's public ``density_at(step)``), else ``comp``."""
     density_at = getattr(algorithm, "density_at", None)
@@ -308,7 +237,7 @@ def _at_step(algorithm: Algorithm, comp: Compressor, step: int) -> Compressor:
 _AT_STEP: dict[tuple[str, str, float], Compressor] = {}
 
 
-def bucket_schedule(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: int,
+def bucket_schedule(algorithm: Priced, bucket: Sequence[TensorSpec], world: int,
                     step: int = 10**9, hosts: int = 1, rank: int = 0) -> list[Message]:
     """The messages of one bucket at training step ``step`` (default: after any warm-up),
     sent by ``rank`` (ranks differ only in trees and hierarchical allreduce) of ``world``
@@ -317,35 +246,35 @@ def bucket_schedule(algorithm: Algorithm, bucket: Sequence[TensorSpec], world: i
     Raises:
         ValueError: a weight algorithm (see :func:`hexagram.cost.model.amortized`).
     """
-    while isinstance(algorithm, Delayed):  # delay=1 sends its inner algorithm's messages
-        algorithm = algorithm.inner
+    algorithm = algorithm.priced_as()  # delay=1 sends its inner algorithm's messages
     if algorithm.kind != "grad":
         raise ValueError(f"{algorithm.name!r} communicates weights, not per-bucket gradients;"
                          " use hexagram.cost.model.amortized for it")
     if world <= 1:
         return []
     start = getattr(algorithm.config, "start_iter", 0)  # full-precision warm-up steps
-    comp = _compressor(algorithm)
+    comp = compressor_of(algorithm)
     if step < start:
-        return _allreduce(algorithm, bucket, world, rank, hosts)
-    if algorithm.name in CUSTOM:
-        return CUSTOM[algorithm.name](algorithm, bucket, world, rank)
+        return allreduce_messages(algorithm, bucket, world, rank, hosts)
+    own = algorithm.wire_messages(bucket, world, rank)
+    if own is not None:
+        return own
     if comp is None:
-        return _allreduce(algorithm, bucket, world, rank, hosts)
+        return allreduce_messages(algorithm, bucket, world, rank, hosts)
     comp = _at_step(algorithm, comp, step)
     messages = _generic(algorithm, comp, bucket, world)
     if getattr(algorithm.config, "on_nonfinite", "raise") == "skip":
-        messages.insert(0, Message("allreduce", _ring(4, world)))
+        messages.insert(0, Message("allreduce", ring_sent(4, world)))
     return messages
 
 
-def step_schedule(algorithm: Algorithm, layout: Layout, world: int, step: int = 10**9,
+def step_schedule(algorithm: Priced, layout: Layout, world: int, step: int = 10**9,
                   hosts: int = 1, rank: int = 0) -> list[list[Message]]:
     """:func:`bucket_schedule` of every bucket, in launch order."""
     return [bucket_schedule(algorithm, b, world, step, hosts, rank) for b in layout]
 
 
-def wire_bytes(algorithm: Algorithm, layout: Layout, world: int, step: int = 10**9,
+def wire_bytes(algorithm: Priced, layout: Layout, world: int, step: int = 10**9,
                hosts: int = 1, rank: int = 0) -> int:
     """Bytes ``rank`` sends in one step (what its ``bytes_sent()`` grows by)."""
     return sum(m.sent for msgs in step_schedule(algorithm, layout, world, step, hosts, rank)

@@ -17,9 +17,15 @@ ring and double binary tree for allreduce (so large-P latency grows with ``log2 
 around the leaders' allreduce, gTop-k's butterfly (its cross-host rounds share the uplink
 among the host's ``d`` ranks) and the decentralized neighbour exchange.
 
+Labels become algorithms through ``make`` (the registry's,
+:func:`hexagram.algorithms.labels.simulable`, which :func:`hexagram.auto.simulate.simulate`
+and ``hexagram simulate`` pass): this module prices what it is given
+(:class:`hexagram.cost.facts.Priced`) and imports no algorithm.
+
 Example:
+    >>> from hexagram.algorithms.labels import simulable
     >>> rows = simulate(["allreduce", "fp16"], [8, 64], params_compute(10_000_000),
-    ...                 Cluster(devices_per_host=8, inter="25gbe"))
+    ...                 Cluster(devices_per_host=8, inter="25gbe"), make=simulable)
     >>> [(r.label, r.world) for r in rows]
     [('allreduce', 8), ('fp16', 8), ('allreduce', 64), ('fp16', 64)]
     >>> rows[3].bytes < rows[2].bytes
@@ -29,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,9 +43,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from hexagram.algorithms import registry
-from hexagram.algorithms.base import Algorithm
-from hexagram.algorithms.labels import applicable, make, parse_label
 from hexagram.cost.collectives import (
     BACKENDS,
     Topology,
@@ -50,15 +53,20 @@ from hexagram.cost.collectives import (
     peer_exchange,
 )
 from hexagram.cost.devices import EFFICIENCY, Device, device, link
+from hexagram.cost.facts import Priced
+from hexagram.cost.labels import applicable
 from hexagram.cost.model import MB, predict_any
 from hexagram.cost.probe import Fit, NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile
 from hexagram.cost.schedule import Message, TensorSpec, analytic_payloads, is_lossy
 from hexagram.errors import ConfigError
 
-__all__ = ["Cluster", "ClusterNetwork", "Row", "ScheduleFit", "device_compressor_cost",
-           "device_compute", "module_tensors", "params_compute", "params_tensors",
-           "reference_tensors", "simulate", "skip_reason"]
+__all__ = ["Cluster", "ClusterNetwork", "MakeLabel", "Row", "ScheduleFit",
+           "device_compressor_cost", "device_compute", "module_tensors", "params_compute",
+           "params_tensors", "reference_tensors", "simulate"]
+
+#: a label's algorithm, or why it cannot be simulated (a sentence)
+MakeLabel = Callable[[str], Priced | str]
 
 
 @dataclass(frozen=True)
@@ -249,7 +257,7 @@ def params_compute(params: int, layers: int = 24, dev: str = "h100", samples: in
     return device_compute(params_tensors(params, layers), device(dev), samples, tokens)
 
 
-def device_compressor_cost(dev: Device, algorithm: Algorithm | None = None,
+def device_compressor_cost(dev: Device, algorithm: Priced | None = None,
                            passes: float = 4.0) -> CompressorCost:
     """A memory-bound compressor on ``dev`` (an assumption, stated): encoding reads and
     writes ``passes`` times 4 bytes per element at HBM rate, decoding touches what it
@@ -258,11 +266,12 @@ def device_compressor_cost(dev: Device, algorithm: Algorithm | None = None,
     rank decodes (P for an allgather, one per tree round for gTop-k) is the model's
     :func:`hexagram.cost.model.gathered_decodes`."""
     from hexagram.compress.base import Aggregation
-    from hexagram.cost.schedule import _compressor, analytic_payloads, payload_of
+    from hexagram.cost.facts import compressor_of
+    from hexagram.cost.schedule import analytic_payloads, payload_of
 
     per, launch = 4 * passes / dev.hbm_bps, 10e-6
     dec = 2 * 4 / dev.hbm_bps
-    comp = None if algorithm is None else _compressor(algorithm)
+    comp = None if algorithm is None else compressor_of(algorithm)
     if comp is not None and comp.aggregation is Aggregation.GATHER:
         with analytic_payloads():
             dec *= payload_of(comp, (1 << 16,)).nbytes / (4 << 16)
@@ -288,17 +297,6 @@ class Row:
         return asdict(self)
 
 
-def skip_reason(label: str) -> str | None:
-    """Why an algorithm cannot be simulated (``None``: it can)."""
-    name = parse_label(label)[0]
-    if name == "auto":
-        return "auto delegates to the algorithm it measures best; simulate the candidates"
-    if name not in registry.names():
-        raise ConfigError(f"unknown algorithm {name!r}; registered: "
-                          f"{', '.join(registry.names())}")
-    return None
-
-
 def _fits(world: int, schedule: list[list[Message]], free: float) -> bool:
     """An allgather of P payloads must fit in the device memory left after the model."""
     recv = max((m.sent * world // max(world - 1, 1) for b in schedule for m in b
@@ -308,9 +306,13 @@ def _fits(world: int, schedule: list[list[Message]], free: float) -> bool:
 
 def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfile,
              cluster: Cluster, dev: Device | None = None, bucket_mb: float = 25.0,
-             costs: Mapping[str, CompressorCost] | None = None) -> list[Row]:
+             costs: Mapping[str, CompressorCost] | None = None,
+             make: MakeLabel | None = None) -> list[Row]:
     """Each algorithm label at each world size, world-major; speed-up is against
-    ``allreduce`` at the same size. ``costs`` maps a label to its compressor's cost (e.g.
+    ``allreduce`` at the same size. ``make`` turns a label into its algorithm (or the
+    reason it cannot be simulated): :func:`hexagram.algorithms.labels.simulable`, which
+    :func:`hexagram.auto.simulate.simulate` passes for you. ``costs`` maps a label to its
+    compressor's cost (e.g.
     :func:`hexagram.cost.profile.measure_compressor` on this machine); labels without one
     get :func:`device_compressor_cost` of ``dev``. ``dev`` may be None: then no memory
     check and no compression CPU for labels without a cost.
@@ -319,18 +321,23 @@ def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfi
     nothing is compressed.
 
     Raises:
-        ConfigError: unknown algorithm or preset, a world size that is not whole hosts.
+        ConfigError: unknown algorithm or preset, a world size that is not whole hosts, no
+            ``make``.
     """
     with analytic_payloads():
-        return _simulate(labels, worlds, compute, cluster, dev, bucket_mb, costs)
+        return _simulate(labels, worlds, compute, cluster, dev, bucket_mb, costs, make)
 
 
 def _simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfile,
               cluster: Cluster, dev: Device | None, bucket_mb: float,
-              costs: Mapping[str, CompressorCost] | None) -> list[Row]:
+              costs: Mapping[str, CompressorCost] | None, make: MakeLabel | None = None
+              ) -> list[Row]:
     if not labels or not worlds:
         raise ConfigError("simulate: give at least one algorithm and one world size")
-    algos = {lb: (None if skip_reason(lb) else make(lb)) for lb in [*labels, "allreduce"]}
+    if make is None:
+        raise ConfigError("simulate: pass make=hexagram.algorithms.labels.simulable to turn "
+                          "labels into algorithms, or call hexagram.auto.simulate.simulate")
+    algos = {lb: make(lb) for lb in [*labels, "allreduce"]}
     free = math.inf if dev is None else dev.memory - 16 * sum(t.numel for t in compute.tensors)
     rows = []
     for world in worlds:
@@ -343,11 +350,12 @@ def _simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProf
     return rows
 
 
-def _row(label: str, algorithm: Algorithm | None, compute: ComputeProfile, net: ClusterNetwork,
+def _row(label: str, algorithm: Priced | str, compute: ComputeProfile, net: ClusterNetwork,
          base_s: float, bucket_mb: float, cost: CompressorCost | None, dev: Device | None,
          free: float) -> Row:
-    if algorithm is None or not applicable(label, net):
-        why = skip_reason(label) or "hierarchical equals flat allreduce with one host"
+    if isinstance(algorithm, str) or not applicable(label, net):
+        why = algorithm if isinstance(algorithm, str) else \
+            "hierarchical equals flat allreduce with one host"
         return Row(label, net.world, None, compute.step_s, 0.0, 0.0, 0, None,
                    f"skipped: {why}")
     if cost is None and dev is not None:

@@ -45,8 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hexagram.algorithms import registry
 from hexagram.compress.base import Compressor
 from hexagram.cost.payload_size import payload_layout
+from hexagram.errors import ConfigError
 from hexagram.parallel.plans import DP_BUCKET_BYTES
 
 if TYPE_CHECKING:
@@ -56,19 +58,14 @@ if TYPE_CHECKING:
 __all__ = ["PLANNED_OPTIONS", "PRICED", "check_priced", "frozen_options", "op_shapes",
            "planned_options", "sync_cost", "wire_bytes"]
 
-#: algorithms the planner can price (the executor runs any gradient algorithm)
-PRICED = ("allreduce", "fp16", "powersgd", "topk")
+#: algorithms the planner can price (the executor runs any gradient algorithm): those whose
+#: registry entry declares ``planner=Planned(...)``
+PRICED = registry.planner_priced()
 #: the config the planner prices *and* emits (``StagePlan.dp_options``) per algorithm: one
-#: that trains like allreduce as a drop-in, not the registry default. PowerSGD's default
-#: rank 2 is the paper's speed setting; on the lab's small GPT with AdamW (pp=2 x dp=2,
-#: 200 steps) rank 4 ended 2.4 % (train) / 3.7 % (validation) above allreduce, rank 8 0.7 %
-#: in both (docs/benchmarks/planner.md, section 6). ``start_iter`` 10 keeps the paper's
-#: full-precision warm-up (``auto`` drops it: there the first steps are timing trials, here
-#: a plan trains from step 0). Others: their registry defaults.
-PLANNED_OPTIONS: dict[str, dict[str, Any]] = {"powersgd": {"rank": 8, "start_iter": 10}}
+#: that trains like allreduce as a drop-in, which each registry entry declares
+#: (``Entry.planner``; PowerSGD: rank 8 with its warm-up; others: their registry defaults)
+PLANNED_OPTIONS: dict[str, dict[str, Any]] = registry.planner_options()
 _DTYPE = {1: torch.float16, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
-#: memory passes over the gradient to encode + decode (read/write), per algorithm
-_PASSES = {"allreduce": 0.0, "fp16": 3.0, "powersgd": 6.0, "topk": 5.0}
 
 
 def planned_options(name: str) -> dict[str, Any]:
@@ -97,8 +94,6 @@ def frozen_options(options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 @cache
 def _compressor(name: str, options: Options = None) -> Compressor | None:
-    from hexagram.algorithms import registry
-
     config = planned_options(name) if options is None else dict(options)
     return getattr(registry.get(name, **config), "compressor", None)
 
@@ -141,9 +136,14 @@ def wire_bytes(name: str, shape: tuple[int, ...], dtype_bytes: int, options: Opt
 
 def _encode_seconds(name: str, shape: tuple[int, ...], mesh: Mesh) -> float:
     c, n = mesh.cluster, math.prod(shape)
-    if name == "allreduce":
+    comp = _compressor(name, mesh.dp_options)
+    if comp is None:
         return 0.0
-    secs = _PASSES[name] * n * 4 / (c.memory_gbps * 1e9) + c.op_overhead_us * 1e-6
+    if comp.memory_passes is None:
+        raise ConfigError(f"{name}: its compressor {comp.name!r} declares no memory_passes; "
+                          "the planner cannot price its encode (set memory_passes on the class)")
+    # passes over the gradient to encode + decode (read/write): the compressor's declaration
+    secs = comp.memory_passes * n * 4 / (c.memory_gbps * 1e9) + c.op_overhead_us * 1e-6
     if name == "powersgd" and len(shape) >= 2:  # M Q, M^T P, P Q^T
         rank = _compressor(name, mesh.dp_options).config.rank  # type: ignore[union-attr]
         secs += 6.0 * n * rank / (c.device_tflops * 1e12)
@@ -175,7 +175,6 @@ def sync_cost(op: Op, in_elems: float, mesh: Mesh, psplit: int) -> tuple[float, 
 def check_priced(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     """``Constraints.dp_algorithms`` checked: usable for a stage's sync and priced here;
     ``allreduce`` must be among them (the exact sync stays a choice)."""
-    from hexagram.errors import ConfigError
     from hexagram.parallel.relax import check_dp_algorithm
 
     out = tuple(names)
