@@ -310,8 +310,8 @@ def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfi
              make: MakeLabel | None = None) -> list[Row]:
     """Each algorithm label at each world size, world-major; speed-up is against
     ``allreduce`` at the same size. ``make`` turns a label into its algorithm (or the
-    reason it cannot be simulated): :func:`hexagram.algorithms.labels.simulable`, which
-    :func:`hexagram.auto.simulate.simulate` passes for you. ``costs`` maps a label to its
+    reason it cannot be simulated): by default :func:`hexagram.algorithms.labels.simulable`
+    (the registry's names); pass another to price algorithms of your own. ``costs`` maps a label to its
     compressor's cost (e.g.
     :func:`hexagram.cost.profile.measure_compressor` on this machine); labels without one
     get :func:`device_compressor_cost` of ``dev``. ``dev`` may be None: then no memory
@@ -321,8 +321,7 @@ def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfi
     nothing is compressed.
 
     Raises:
-        ConfigError: unknown algorithm or preset, a world size that is not whole hosts, no
-            ``make``.
+        ConfigError: unknown algorithm or preset, a world size that is not whole hosts.
     """
     with analytic_payloads():
         return _simulate(labels, worlds, compute, cluster, dev, bucket_mb, costs, make)
@@ -335,8 +334,11 @@ def _simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProf
     if not labels or not worlds:
         raise ConfigError("simulate: give at least one algorithm and one world size")
     if make is None:
-        raise ConfigError("simulate: pass make=hexagram.algorithms.labels.simulable to turn "
-                          "labels into algorithms, or call hexagram.auto.simulate.simulate")
+        # The one import up from the cost model: users call this public function with the
+        # registry's names (its documented use); the pricing itself never reads the registry.
+        from hexagram.algorithms.labels import simulable
+
+        make = simulable
     algos = {lb: make(lb) for lb in [*labels, "allreduce"]}
     free = math.inf if dev is None else dev.memory - 16 * sum(t.numel for t in compute.tensors)
     rows = []
