@@ -311,8 +311,8 @@ def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfi
     """Each algorithm label at each world size, world-major; speed-up is against
     ``allreduce`` at the same size. ``make`` turns a label into its algorithm (or the
     reason it cannot be simulated): by default :func:`hexagram.algorithms.labels.simulable`
-    (the registry's names); pass another to price algorithms of your own. ``costs`` maps a label to its
-    compressor's cost (e.g.
+    (the registry's names); pass another to price algorithms of your own. ``costs`` maps
+    a label to its compressor's cost (e.g.
     :func:`hexagram.cost.profile.measure_compressor` on this machine); labels without one
     get :func:`device_compressor_cost` of ``dev``. ``dev`` may be None: then no memory
     check and no compression CPU for labels without a cost.
