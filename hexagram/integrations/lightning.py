@@ -30,6 +30,11 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from hexagram.errors import require
+
+require("lightning", extra="integrations", feature="hexagram.integrations.lightning")
+
+# ruff: noqa: E402  (the framework imports come after the one-line missing-extra check)
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn

@@ -31,6 +31,11 @@ import os
 import warnings
 from typing import Any
 
+from hexagram.errors import require
+
+require("transformers", extra="integrations", feature="hexagram.integrations.transformers")
+
+# ruff: noqa: E402  (the framework imports come after the one-line missing-extra check)
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
