@@ -148,7 +148,7 @@ def _cells(r: dict[str, Any], plain_ms: float | None) -> list[str]:
     overhead = (f"{r['median_step_ms'] - plain_ms:+.1f}"
                 if plain_ms is not None and not r.get("kills") else "-")
     agree = r.get("accuracy_spread")
-    if r.get("replicas_identical") is not None:  # parameter hashes (rows since issue 18)
+    if r.get("replicas_identical") is not None:  # parameter hashes (rows since 2026-11-26)
         agree = 0 if r["replicas_identical"] else f"no (accuracy spread {agree})"
     return [str(r.get("steps_lost", "-")), str(r.get("dropped_attempts", "-")),
             _spread(r.get("stall_s", [])),
