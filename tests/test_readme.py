@@ -75,3 +75,18 @@ def test_links_and_examples_resolve() -> None:
                 assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
     for example in re.findall(r"`(examples/[\w.]+\.py)`", README):
         assert (ROOT / example).exists(), f"README names {example}, which does not exist"
+
+
+_LABEL = re.compile(r"\bsessions? \d+|\bsession-\d+|\bh1\d[a-z]?\b|\bissues? \d+|\bissue-\d+", re.I)
+
+
+def test_no_internal_labels_in_user_facing_files() -> None:
+    """Work-item numbers and run or branch labels mean nothing to a user: dates, section
+    names and commands instead."""
+    files = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "pyproject.toml",
+             *ROOT.glob("docs/**/*.md"), *ROOT.glob("hexagram/**/*.py"),
+             *ROOT.glob("examples/*.py"), *ROOT.glob("benchmarks/*.py")]
+    found = [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m[0]}"
+             for path in files if "_build" not in path.parts
+             for text in [path.read_text()] for m in _LABEL.finditer(text)]
+    assert not found, found
