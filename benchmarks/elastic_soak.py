@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from hexagram.bench import soak
 from hexagram.bench.live import _supervise
 from hexagram.elastic.residuals import check_policy
+from hexagram.errors import require
 from hexagram.testing.faults import parse_faults
 
 
@@ -99,6 +100,7 @@ def run_torchft(world: int, steps: int, kill: str, dataset: str, batch: int, lr:
                 heartbeat_ms: int, deadline: float, min_size: int,
                 seed: int = 0) -> dict[str, Any]:
     """The torchft soak: :func:`hexagram.bench.soak.run_soak`'s protocol on torchft."""
+    require("torchft", extra="elastic-bench", feature="the torchft side of the soak")
     from torchft.coordination import LighthouseServer
 
     os.environ.setdefault("RUST_LOG", "error")  # torchft logs every quorum at info
@@ -231,9 +233,9 @@ def summary_markdown(summaries: list[dict[str, Any]]) -> str:
 
 def _torchft_available() -> str | None:
     try:
-        import torchft  # noqa: F401
+        require("torchft", extra="elastic-bench", feature="the torchft side of the soak")
     except ImportError as exc:
-        return f"torchft not installed ({exc})"
+        return str(exc)
     return None
 
 
