@@ -58,9 +58,10 @@ class HexagramStrategy(DDPStrategy):
         **config: wrapper options (``bucket_size_mb``, ``first_bucket_mb``,
             ``find_unused_parameters``, ``broadcast_buffers``, ``gradient_as_bucket_view``)
             and the algorithm's config fields (e.g. ``rank=2`` for ``"powersgd"``).
-        Lightning's own ``DDPStrategy`` arguments (``accelerator``, ``parallel_devices``,
-        ``cluster_environment``, ``process_group_backend``, ``timeout``, ...) may be given
-        by keyword under their usual names.
+
+    Lightning's own ``DDPStrategy`` arguments (``accelerator``, ``parallel_devices``,
+    ``cluster_environment``, ``process_group_backend``, ``timeout``, ...) may be given by
+    keyword under their usual names.
     """
 
     strategy_name = "hexagram"
