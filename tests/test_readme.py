@@ -74,8 +74,8 @@ def test_links_and_examples_resolve() -> None:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
             if not target.startswith(("http://", "https://")):
                 assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
-    for example in re.findall(r"`(examples/[\w.]+\.py)`", README):
-        assert (ROOT / example).exists(), f"README names {example}, which does not exist"
+        for example in re.findall(r"`(examples/[\w.]+\.py)", text):
+            assert (ROOT / example).exists(), f"{page.name} names {example}, which is missing"
 
 
 _LABEL = re.compile(r"\bsessions? \d+|\bsession-\d+|\bh1\d[a-z]?\b|\bissues? \d+|\bissue-\d+", re.I)
