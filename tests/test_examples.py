@@ -26,7 +26,9 @@ def examples(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> ModuleType:
     the working directory a temporary one; the process group is gone afterwards."""
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.chdir(tmp_path)
-    yield importlib.import_module("examples")
+    package = importlib.import_module("examples")
+    assert Path(next(iter(package.__path__))) == ROOT / "examples", package.__path__
+    yield package
     if runtime.is_initialized():
         runtime.shutdown()
 
