@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def examples(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> ModuleType:
+def examples(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ModuleType]:
     """``examples`` as a package on ``sys.path`` (ranks started by run_local inherit it),
     the working directory a temporary one; the process group is gone afterwards."""
     monkeypatch.syspath_prepend(str(ROOT))
