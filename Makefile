@@ -1,17 +1,18 @@
 # The two quickstart targets (`make demo`, `make test`) work on a fresh machine: they create
 # .venv, install the local CPU build of torch first, then the package with its optional
-# extras (data, planner, bench: see pyproject.toml) and the dev tools.
+# extras (data, planner, bench, integrations: see pyproject.toml), the dev tools and the
+# documentation tools. `make test` builds the documentation first (warnings are errors).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup data demo test lint clean
+.PHONY: setup data demo docs test lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[all,dev,integrations]"
+	$(BIN)/pip install -q -e ".[all,dev,integrations,docs]"
 	@$(MAKE) --no-print-directory data
 	touch $(STAMP)
 
@@ -35,8 +36,12 @@ lint: setup
 	$(BIN)/ruff check hexagram tests benchmarks examples
 	$(BIN)/mypy
 
-test: lint
+# the site (docs/), with warnings as errors; the optional frameworks are mocked for autodoc
+docs: setup
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
+test: lint docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache docs/_build

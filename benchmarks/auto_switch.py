@@ -1,6 +1,6 @@
 """auto re-decides when the network changes under it: the link drops mid-run.
 
-Issue 13's scenario: 4 emulated hosts start at ``--start`` (1 Gbit/s), every rank trains
+The scenario: 4 emulated hosts start at ``--start`` (1 Gbit/s), every rank trains
 with ``algorithm="auto"``; once auto has decided and timed its buckets and run
 ``--settle`` more steps, every link is changed to ``--to`` (20 Mbit/s) with
 ``tc qdisc replace`` while the ranks run (:meth:`NetworkLab.set_rate`). Reported: the

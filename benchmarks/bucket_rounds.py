@@ -1,4 +1,4 @@
-"""The bucket study of issue 13 part 3, in interleaved rounds (``cost_validation.py
+"""The bucket-size study of docs/benchmarks/auto.md, in interleaved rounds (``cost_validation.py
 --only-buckets``): fixed bucket sizes and ``auto`` restricted to the same algorithm.
 
 Every round runs each configuration once (1, 4, 25, 100 MB fixed, then auto), the order
@@ -38,7 +38,7 @@ from hexagram.models.workload import ModelSpec, build_workload
 __all__ = ["SIZES", "by_layout", "layouts", "markdown", "rotate", "run_rounds", "summarize_rounds",
            "where_ranks_import"]
 
-#: the issue's fixed bucket sizes (MB)
+#: the bucket sizes auto chooses among (MB)
 SIZES = (1.0, 4.0, 25.0, 100.0)
 #: auto held to one bucket size (no trials): what auto itself costs, apart from its pick
 AUTO_HELD = "auto@25"

@@ -1,45 +1,53 @@
-"""Assemble BENCHMARKS.md from the per-topic pages in docs/benchmarks/ (keeps them in step).
+"""Write BENCHMARKS.md: a short index of the measurement pages in docs/benchmarks/.
 
-Each page's title (a leading ``# `` line) becomes a ``## `` section of BENCHMARKS.md; the
-rest is copied as is. Run after editing a page:
+The measurements themselves live in one dated page per area under docs/benchmarks/ (each
+with the commands that reproduce it and the runs that missed a target); the headline
+tables are docs/results.md. Run after adding a page:
 
     .venv/bin/python benchmarks/build_benchmarks_md.py
 """
 
 from __future__ import annotations
 
-import posixpath
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ("engine", "compression", "compress_cpu", "compressed-algorithms", "relaxations",
-         "network", "delay", "auto", "simulate", "robust", "elastic", "planner",
+PAGES = ("engine", "network", "compression", "compress_cpu", "compressed-algorithms",
+         "relaxations", "delay", "auto", "simulate", "robust", "elastic", "planner",
          "integrations")
 HEADER = """# Benchmarks
 
-Every figure below was produced by the command shown next to it, on this project's 2-core
-x86_64 VM (torch 2.13.0+cpu, gloo) unless the section says otherwise. Several jobs shared
-the machine while some of these were taken; ratios measured within one run are the robust
-figures. Plots: docs/benchmarks/network_step.png, docs/benchmarks/network_tta.png,
-docs/benchmarks/network_text.png. The pages these sections come from are in
-docs/benchmarks/ (edit those, then run benchmarks/build_benchmarks_md.py).
+The headline results, each with the command that reproduces it, are in
+[docs/results.md](docs/results.md) (also the "Results" page of the documentation site,
+`make docs`). The full measurement history is one page per area below: every table with its
+date, machine (a 2-core x86_64 VM, torch 2.13.0+cpu, gloo, unless the page says otherwise)
+and command, including the runs that missed a target and why.
+
+| area | page | dated |
+|---|---|---|
 """
 
 
-def section(page: str) -> str:
-    """One page as a section: its ``# Title`` demoted to ``## Title``."""
-    text = (ROOT / "docs" / "benchmarks" / f"{page}.md").read_text().strip()
-    if text.startswith("# "):
-        text = "#" + text
-    # images sit next to the pages: point at them from the repository root
-    return re.sub(r"\]\((?!http|/)([^)]+\.png)\)",
-                  lambda m: f"]({posixpath.normpath('docs/benchmarks/' + m[1])})", text)
+def title(page: str) -> str:
+    """A page's first heading, without its ``#`` marks."""
+    text = (ROOT / "docs" / "benchmarks" / f"{page}.md").read_text()
+    return re.sub(r"^#+\s*", "", text.strip().splitlines()[0])
+
+
+def dates(page: str) -> str:
+    """The first and last ISO date the page mentions (``2026-11-21 .. 2026-11-26``)."""
+    found = sorted(set(re.findall(r"\b20\d\d-\d\d-\d\d\b",
+                                  (ROOT / "docs" / "benchmarks" / f"{page}.md").read_text())))
+    if not found:
+        return "-"
+    return found[0] if len(found) == 1 else f"{found[0]} .. {found[-1]}"
 
 
 def main() -> None:
-    body = "\n\n\n".join(section(p) for p in PAGES)
-    (ROOT / "BENCHMARKS.md").write_text(HEADER + "\n\n" + body + "\n")
+    rows = [f"| {title(p)} | [docs/benchmarks/{p}.md](docs/benchmarks/{p}.md) | {dates(p)} |"
+            for p in PAGES]
+    (ROOT / "BENCHMARKS.md").write_text(HEADER + "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ records each rank's local compute: when every gradient is ready, backward, updat
 the model predicts its step from those measurements. Reported per setting: predicted vs
 measured step time, wire bytes predicted vs reported, median absolute error, worst cell
 and Spearman rank correlation; with ``--auto`` also ``auto``'s measured step time against
-the fastest default candidate of ``auto`` (the issue's comparison) and the fastest fixed
+the fastest default candidate of ``auto`` (the target's comparison) and the fastest fixed
 algorithm of the same run.
 
 Usage (root, iproute2; ``--loopback`` runs unshaped on 127.0.0.1 without root):

@@ -1,4 +1,4 @@
-"""Convergence with ``delay=1`` against the same algorithm without delay (issue 20).
+"""Convergence with ``delay=1`` against the same algorithm without delay.
 
 Two tasks, 4 ranks started by :func:`hexagram.launch.run_local` (loopback, one thread each),
 every algorithm trained twice with the same seeds, data order and optimizer: ``delay=0`` and

@@ -1,4 +1,4 @@
-"""Live mode in the network lab: each replica on its own emulated host (issue 18's "a
+"""Live mode in the network lab: each replica on its own emulated host ("a
 returning rank heals with algorithm state in under 1 s on the lab").
 
 The soak of ``benchmarks/elastic_soak.py`` (the same replicas, faults, data and report,

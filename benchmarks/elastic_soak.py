@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from hexagram.bench import soak
 from hexagram.elastic.residuals import check_policy
+from hexagram.errors import require
 from hexagram.launch import supervise
 from hexagram.testing.faults import parse_faults
 
@@ -99,6 +100,7 @@ def run_torchft(world: int, steps: int, kill: str, dataset: str, batch: int, lr:
                 heartbeat_ms: int, deadline: float, min_size: int,
                 seed: int = 0) -> dict[str, Any]:
     """The torchft soak: :func:`hexagram.bench.soak.run_soak`'s protocol on torchft."""
+    require("torchft", extra="elastic-bench", feature="the torchft side of the soak")
     from torchft.coordination import LighthouseServer
 
     os.environ.setdefault("RUST_LOG", "error")  # torchft logs every quorum at info
@@ -148,7 +150,7 @@ def _cells(r: dict[str, Any], plain_ms: float | None) -> list[str]:
     overhead = (f"{r['median_step_ms'] - plain_ms:+.1f}"
                 if plain_ms is not None and not r.get("kills") else "-")
     agree = r.get("accuracy_spread")
-    if r.get("replicas_identical") is not None:  # parameter hashes (rows since issue 18)
+    if r.get("replicas_identical") is not None:  # parameter hashes (rows since 2026-11-26)
         agree = 0 if r["replicas_identical"] else f"no (accuracy spread {agree})"
     return [str(r.get("steps_lost", "-")), str(r.get("dropped_attempts", "-")),
             _spread(r.get("stall_s", [])),
@@ -231,9 +233,9 @@ def summary_markdown(summaries: list[dict[str, Any]]) -> str:
 
 def _torchft_available() -> str | None:
     try:
-        import torchft  # noqa: F401
+        require("torchft", extra="elastic-bench", feature="the torchft side of the soak")
     except ImportError as exc:
-        return f"torchft not installed ({exc})"
+        return str(exc)
     return None
 
 

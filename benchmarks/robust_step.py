@@ -1,4 +1,4 @@
-"""Robust step time against allreduce's on loopback (issue 14: at most 1.5x for the
+"""Robust step time against allreduce's on loopback (target: at most 1.5x for the
 coordinate-wise aggregators).
 
 Runs ``hexagram bench --loopback`` with allreduce and the robust aggregators, alternating

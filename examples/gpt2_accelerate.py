@@ -21,7 +21,8 @@ from hexagram.integrations.gpt2 import TextWindows, example_parser, parse_config
 
 def main() -> None:
     args = example_parser(__doc__.splitlines()[0]).parse_args()
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),  # a GPU where there is one
+                              gradient_accumulation_steps=args.accumulate)
     net = tiny_gpt2(seed=0, block=args.block)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
     world = int(os.environ.get("WORLD_SIZE", "1"))

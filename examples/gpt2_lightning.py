@@ -47,7 +47,7 @@ def main() -> None:
     strategy = DDPStrategy() if args.algorithm == "ddp" else \
         HexagramStrategy(args.algorithm, **parse_config(args.config))
     lit = LitGPT2(args.block, args.lr, args.accumulate)
-    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    trainer = L.Trainer(accelerator="auto", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         num_nodes=world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         strategy=strategy, max_steps=args.steps,
                         accumulate_grad_batches=args.accumulate, logger=False,

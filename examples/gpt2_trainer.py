@@ -13,6 +13,7 @@ import os
 import tempfile
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainingArguments
 
 from hexagram.integrations.gpt2 import TextWindows, example_parser, parse_config, report, tiny_gpt2
@@ -36,7 +37,8 @@ def _recording(base: type) -> Any:
 def main() -> None:
     args = example_parser(__doc__.splitlines()[0]).parse_args()
     out_dir = os.environ.get("HEXAGRAM_EXAMPLE_OUT") or tempfile.mkdtemp(prefix="gpt2_trainer")
-    targs = TrainingArguments(out_dir, use_cpu=True, per_device_train_batch_size=args.batch,
+    targs = TrainingArguments(out_dir, use_cpu=not torch.cuda.is_available(),
+                              per_device_train_batch_size=args.batch,
                               gradient_accumulation_steps=args.accumulate,
                               max_steps=args.steps, learning_rate=args.lr,
                               optim="adamw_torch", weight_decay=0.0,

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 __all__ = [
     "CommError",
     "CommTimeoutError",
     "ConfigError",
     "HexagramError",
+    "MissingExtraError",
     "ModelMismatchError",
     "NonFiniteGradientError",
     "NotInitializedError",
+    "require",
 ]
 
 
@@ -39,3 +44,40 @@ class ModelMismatchError(HexagramError):
 
 class NonFiniteGradientError(HexagramError, FloatingPointError):
     """A gradient holds NaN or Inf (names the step and the parameter)."""
+
+
+class MissingExtraError(HexagramError, ModuleNotFoundError):
+    """An optional dependency is not installed; the message is one line naming the
+    ``pip install "hexagram[EXTRA]"`` that brings it. An ``ImportError`` too, so code that
+    falls back on a missing module keeps working."""
+
+    def __init__(self, message: str, *, name: str, extra: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.extra = extra
+
+
+def require(module: str, extra: str, feature: str) -> ModuleType:
+    """Import ``module`` (an optional dependency) or raise :class:`MissingExtraError`.
+
+    ``extra`` is the ``[project.optional-dependencies]`` entry of pyproject.toml that
+    installs it; ``feature`` says what needs it, in the user's words.
+
+    Example:
+        >>> require("math", extra="data", feature="the digits dataset").sqrt(4.0)
+        2.0
+        >>> try:
+        ...     require("nosuchmod", extra="planner", feature="hexagram plan")
+        ... except MissingExtraError as exc:
+        ...     print(exc)
+        hexagram plan needs nosuchmod, which is not installed: pip install "hexagram[planner]"
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        top = module.partition(".")[0]
+        if exc.name is None or exc.name.partition(".")[0] != top:
+            raise  # the module exists but one of its own imports is broken: show that
+        raise MissingExtraError(f"{feature} needs {top}, which is not installed: "
+                                f'pip install "hexagram[{extra}]"', name=top,
+                                extra=extra) from None

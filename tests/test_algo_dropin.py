@@ -1,4 +1,4 @@
-"""Every gradient algorithm is a drop-in for allreduce, or says why not (issue 13, part 4).
+"""Every gradient algorithm is a drop-in for allreduce, or says why not.
 
 One spawned 4-rank job trains a small MLP on scikit-learn digits with the user's unchanged
 optimizer, ``SGD(lr=0.05, momentum=0.9)``, once per registered gradient algorithm at its

@@ -156,7 +156,7 @@ def test_a_rank_failing_inside_a_local_sgd_round_does_not_hang_the_survivors(
 
 @pytest.mark.timeout(150)
 def test_a_starved_replica_and_a_restarted_one_never_train_side_by_side() -> None:
-    """Issue 18 (replicas that finished with different parameters): replica 1 is killed at
+    """Replicas once finished with different parameters: replica 1 is killed at
     step 4 and restarted; replica 0, training alone (min_size 1), is then starved: its
     whole process stopped for 3 s (SIGSTOP, its heartbeat too), so the restarted replica
     finds nobody alive. It must not start an epoch of its own from fresh weights beside

@@ -58,7 +58,7 @@ def test_a_live_member_that_never_arrives_is_a_timeout_error() -> None:
         quorum.assemble(Epoch(5, (0, 1), (10, 10), 0), timeout=0.3)
 
 
-# -- one training membership at a time (issue 18: replicas that finished disagreeing) -----
+# -- one training membership at a time (replicas once finished disagreeing) -----------
 def _clients(port: int, replicas: range, **kwargs: float) -> list[Quorum]:
     """One Quorum per replica, each on its own client of the store at ``port``."""
     return [Quorum(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False),
@@ -169,7 +169,7 @@ def test_a_restarted_replica_never_takes_its_predecessors_membership() -> None:
     beating.stop()
 
 
-# -- the watcher fires twice in one epoch (issue 18: a DiLoCo survivor stalled 30 s) ------
+# -- the watcher fires twice in one epoch (a DiLoCo survivor once stalled 30 s) ------------
 def _abort_twice(port: int) -> str:
     """In a fresh process: a gloo group of one, aborted twice the way live mode does."""
     from datetime import timedelta

@@ -1,6 +1,6 @@
 """no_sync() is silent in every accumulation window; buffers agree; SyncBatchNorm refused.
 
-- ``no_sync()`` (issue 17): the reducer rebuilt after the first backward (buckets re-formed
+- ``no_sync()``: the reducer rebuilt after the first backward (buckets re-formed
   in ready order) must start disabled inside the block, so the first accumulation window
   communicates nothing either; the synced backward then reduces the accumulated gradient
   exactly once.

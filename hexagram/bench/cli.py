@@ -27,6 +27,7 @@ from hexagram.bench.report import (
     summarize_outcome,
     write_outputs,
 )
+from hexagram.errors import require
 from hexagram.models.workload import MODELS
 
 __all__ = ["add_arguments", "algorithm_list", "parse_settings", "run", "run_bench",
@@ -128,11 +129,10 @@ def _spec(args: argparse.Namespace, label: str,
 
 
 def _progress(total: int, quiet: bool) -> Any:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    progress = Progress(TextColumn("{task.description}"), BarColumn(),
-                        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                        disable=quiet, transient=True)
+    rich = require("rich.progress", extra="bench", feature="hexagram bench's progress display")
+    progress = rich.Progress(rich.TextColumn("{task.description}"), rich.BarColumn(),
+                             rich.TextColumn("{task.completed}/{task.total}"),
+                             rich.TimeElapsedColumn(), disable=quiet, transient=True)
     progress.add_task("bench", total=total)
     return progress
 

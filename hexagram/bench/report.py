@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hexagram.bench.harness import Outcome
+from hexagram.errors import require
 
 __all__ = ["markdown_table", "plot_throughput", "summarize", "summarize_outcome",
            "write_outputs"]
@@ -170,7 +171,7 @@ def plot_throughput(results: dict[str, list[dict[str, Any]]], path: str,
 
     ``results`` maps a bandwidth label (``"100mbit"``, ``"unshaped"``) to its summaries.
     """
-    import matplotlib
+    matplotlib = require("matplotlib", extra="bench", feature="plotting")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 # a second: the simulator (torch, every algorithm) is imported by the functions that run it.
 from hexagram.cost.collectives import BACKENDS
 from hexagram.cost.devices import EFFICIENCY, LINKS, device
-from hexagram.errors import ConfigError
+from hexagram.errors import ConfigError, require
 
 if TYPE_CHECKING:
     from hexagram.cost.profile import CompressorCost, ComputeProfile
@@ -134,7 +134,7 @@ def format_rows(rows: Sequence[Row]) -> str:
 
 def plot_rows(rows: Sequence[Row], path: str | Path, title: str = "") -> None:
     """Step time against world size (log-log), one line per algorithm."""
-    import matplotlib
+    matplotlib = require("matplotlib", extra="bench", feature="plotting")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

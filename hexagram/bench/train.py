@@ -22,6 +22,7 @@ from hexagram.bench.cli import algorithm_list, parse_settings, split_label
 from hexagram.bench.harness import LoopbackLab, check_algorithms, machine_info, run_task
 from hexagram.bench.lab import LabConfig, LabUnavailableError, NetworkLab
 from hexagram.bench.report import write_outputs
+from hexagram.errors import require
 from hexagram.testing.faults import parse_faults
 
 __all__ = ["add_arguments", "markdown_table", "plot_curves", "run", "run_train"]
@@ -152,7 +153,7 @@ def markdown_table(rows: list[dict[str, Any]], reference: str = "ddp") -> str:
 
 def plot_curves(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     """Metric against wall time (left) and against epochs (right), one line per algorithm."""
-    import matplotlib
+    matplotlib = require("matplotlib", extra="bench", feature="plotting")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hexagram.errors import require
+
 __all__ = ["FASHION_MNIST_DIR", "Dataset", "load", "shard"]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -74,9 +76,9 @@ def _fashion_mnist() -> Dataset:
 
 
 def _digits(test_fraction: float = 0.25) -> Dataset:
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
+    datasets = require("sklearn.datasets", extra="data",
+                       feature="the digits dataset (used when Fashion-MNIST is not installed)")
+    bunch = datasets.load_digits()
     x = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)
     y = torch.from_numpy(bunch.target.astype(np.int64))
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))

@@ -30,6 +30,11 @@ import functools
 import sys
 from typing import Any
 
+from hexagram.errors import require
+
+require("accelerate", extra="integrations", feature="hexagram.integrations.accelerate")
+
+# ruff: noqa: E402  (the framework imports come after the one-line missing-extra check)
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn

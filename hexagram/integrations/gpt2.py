@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from hexagram.data.text import VOCAB, load_text
+from hexagram.errors import require
 
 __all__ = ["TextWindows", "example_parser", "parse_config", "report", "text_batches",
            "tiny_gpt2"]
@@ -33,13 +34,12 @@ def tiny_gpt2(seed: int = 0, n_embd: int = 64, n_layer: int = 2, n_head: int = 4
 
     Bigger ``n_embd``/``n_layer`` => more compute and more bytes per step.
     """
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(vocab_size=len(VOCAB), n_positions=block, n_embd=n_embd,
+    transformers = require("transformers", extra="integrations", feature="tiny_gpt2")
+    config = transformers.GPT2Config(vocab_size=len(VOCAB), n_positions=block, n_embd=n_embd,
                         n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0,
                         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(config)
 
 
 def text_batches(rank: int, world_size: int, steps: int, batch: int = 4,

@@ -30,6 +30,11 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from hexagram.errors import require
+
+require("lightning", extra="integrations", feature="hexagram.integrations.lightning")
+
+# ruff: noqa: E402  (the framework imports come after the one-line missing-extra check)
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -53,9 +58,10 @@ class HexagramStrategy(DDPStrategy):
         **config: wrapper options (``bucket_size_mb``, ``first_bucket_mb``,
             ``find_unused_parameters``, ``broadcast_buffers``, ``gradient_as_bucket_view``)
             and the algorithm's config fields (e.g. ``rank=2`` for ``"powersgd"``).
-        Lightning's own ``DDPStrategy`` arguments (``accelerator``, ``parallel_devices``,
-        ``cluster_environment``, ``process_group_backend``, ``timeout``, ...) may be given
-        by keyword under their usual names.
+
+    Lightning's own ``DDPStrategy`` arguments (``accelerator``, ``parallel_devices``,
+    ``cluster_environment``, ``process_group_backend``, ``timeout``, ...) may be given by
+    keyword under their usual names.
     """
 
     strategy_name = "hexagram"

@@ -31,6 +31,11 @@ import os
 import warnings
 from typing import Any
 
+from hexagram.errors import require
+
+require("transformers", extra="integrations", feature="hexagram.integrations.transformers")
+
+# ruff: noqa: E402  (the framework imports come after the one-line missing-extra check)
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
@@ -96,7 +101,7 @@ class HexagramTrainer(Trainer):  # type: ignore[misc]
     """``transformers.Trainer`` that trains with ``hexagram.DistributedDataParallel``.
 
     Args:
-        *args, **kwargs: those of ``transformers.Trainer``.
+        args, kwargs: the positional and keyword arguments of ``transformers.Trainer``.
         algorithm: a registered algorithm name or instance.
         hexagram_config: wrapper options (``bucket_size_mb``, ...) and algorithm fields
             (``{"rank": 2}`` for ``"powersgd"``, ``{"period": 8}`` for ``"local_sgd"``).

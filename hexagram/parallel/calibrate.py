@@ -73,7 +73,7 @@ def fit_alpha_beta(ranks: int, nbytes: list[float], times: list[float]) -> dict[
     2(n-1)/n X / w``: the rate ``w`` (Gbit/s) from the least-squares slope over all sizes,
     alpha (us, clipped at 0) from the smallest size's time less its byte term. Not the
     intercept: the largest sizes, whose noise is milliseconds, have the most leverage on
-    it (a 223 us intercept in session 13's run H, 635-1523 us in six other calibrations).
+    it (a 223 us intercept in one run on 2026-11-26, 635-1523 us in six other calibrations).
 
     Raises:
         HexagramError: the times do not grow with the size (the byte term is lost in the

@@ -14,15 +14,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from hexagram.errors import require
+
 __all__ = ["Row", "solve"]
 
 #: one constraint: ({variable: coefficient}, lower bound, upper bound)
 Row = tuple[dict[int, float], float, float]
 
+_FEATURE = "the planner's ILP (hexagram plan, hexagram.parallel)"
+
 
 def _solve_highs(c: Sequence[float], rows: Sequence[Row], n_binary: int) -> list[float] | None:
-    import highspy
     import numpy as np
+
+    highspy = require("highspy", extra="planner", feature=_FEATURE)
 
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -53,8 +58,7 @@ def _solve_highs(c: Sequence[float], rows: Sequence[Row], n_binary: int) -> list
 
 
 def _solve_pulp(c: Sequence[float], rows: Sequence[Row], n_binary: int) -> list[float] | None:
-    import pulp
-
+    pulp = require("pulp", extra="planner", feature=_FEATURE)
     prob = pulp.LpProblem("hexagram_ilp", pulp.LpMinimize)
     xs = [pulp.LpVariable(f"x{i}", 0, 1, cat="Binary" if i < n_binary else "Continuous")
           for i in range(len(c))]
@@ -75,7 +79,8 @@ def _solve_pulp(c: Sequence[float], rows: Sequence[Row], n_binary: int) -> list[
 
 
 def solve(c: Sequence[float], rows: Sequence[Row], n_binary: int) -> list[float] | None:
-    """Optimal ``x`` or ``None`` when infeasible (HiGHS; CBC if highspy is missing)."""
+    """Optimal ``x`` or ``None`` when infeasible (HiGHS; CBC if highspy is missing; a
+    :class:`~hexagram.errors.MissingExtraError` naming the ``planner`` extra if both are)."""
     try:
         return _solve_highs(c, rows, n_binary)
     except ImportError:
