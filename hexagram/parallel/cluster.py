@@ -24,6 +24,7 @@ from typing import Any
 
 from hexagram.config import check_choice, check_float, check_int
 from hexagram.errors import ConfigError
+from hexagram.parallel.rules import check_priced
 
 __all__ = ["Cluster", "Constraints", "Submesh"]
 
@@ -209,8 +210,6 @@ class Constraints:
         check_choice(self, "schedule", ("1f1b", "gpipe"))
         check_choice(self, "zero", (True, False))
         if tuple(self.dp_algorithms) != ("allreduce",):
-            from hexagram.parallel.relax_cost import check_priced
-
             object.__setattr__(self, "dp_algorithms", check_priced(self.dp_algorithms))
 
     def validate(self, cluster: Cluster) -> None:

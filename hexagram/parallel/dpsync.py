@@ -1,7 +1,7 @@
 """The executor's exact data-parallel gradient sync, and its cost measured on the job.
 
 A stage's gradients are averaged over its ``dp`` ranks in buckets of
-:data:`~hexagram.parallel.plans.DP_BUCKET_BYTES` (:func:`grad_buckets`, :func:`allreduce_mean`):
+:data:`~hexagram.parallel.rules.DP_BUCKET_BYTES` (:func:`grad_buckets`, :func:`allreduce_mean`):
 one allreduce per bucket, as PyTorch DDP does, so the link latency is paid per bucket, not
 per parameter tensor. :func:`measure_dp_sync` times that very sync of a model's gradients
 on the running job's ranks against the cost model's price of the same buckets: the ratio
@@ -21,8 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.buckets import group_tensors
+from hexagram.cost.stopwatch import synchronous_time
 from hexagram.parallel.cluster import Cluster
-from hexagram.parallel.plans import DP_BUCKET_BYTES
+from hexagram.parallel.mesh import Mesh
+from hexagram.parallel.rules import DP_BUCKET_BYTES
 
 __all__ = ["allreduce_mean", "grad_buckets", "measure_dp_sync"]
 
@@ -53,7 +55,7 @@ def measure_dp_sync(model: nn.Module, cluster: Cluster, device: torch.device,
     """Collective over the job: :func:`allreduce_mean` of gradients shaped as ``model``'s
     parameters (those that train), over every rank, ``repeat`` times from a barrier.
     Returns ``dp_sync_ms`` (per call the slowest rank, the median over calls:
-    :func:`~hexagram.parallel.calibrate.synchronous_time`) and ``dp_sync_scale``:
+    :func:`~hexagram.cost.stopwatch.synchronous_time`) and ``dp_sync_scale``:
     that, over ``cluster``'s price of the same sync (one world-sized ``d`` axis). One rank:
     ``{}``.
 
@@ -62,9 +64,6 @@ def measure_dp_sync(model: nn.Module, cluster: Cluster, device: torch.device,
         ... # doctest: +SKIP
         {'dp_sync_ms': 17.3, 'dp_sync_scale': 2.4}
     """
-    from hexagram.parallel.calibrate import synchronous_time
-    from hexagram.parallel.cost import Mesh
-
     world = dist.get_world_size()
     params = [p for p in model.parameters() if p.requires_grad]
     if world == 1 or not params:
