@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from hexagram.errors import HexagramError
 
-__all__ = ["Fit", "fit_allreduce", "fit_line"]
+__all__ = ["Fit", "cost_line", "fit_allreduce", "fit_line", "line_through"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,32 @@ def fit_line(points: list[tuple[float, float]]) -> Fit:
     if slope <= 0:
         return Fit(max(0.0, min(ts)), 1e12)
     return Fit(max(0.0, mt - slope * mx), 1.0 / slope)
+
+
+def cost_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(a, b)`` of ``t = a + b n`` through ``(n, seconds)`` points of CPU
+    work at two sizes or more, neither negative (noise that makes the slope negative gives
+    ``b = 0``).
+
+    >>> [round(v, 12) for v in cost_line([(100, 2e-6), (1100, 3e-6)])]
+    [1.9e-06, 1e-09]
+    """
+    mx = statistics.fmean(p[0] for p in points)
+    my = statistics.fmean(p[1] for p in points)
+    var = sum((p[0] - mx) ** 2 for p in points)
+    slope = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in points) / var)
+    return max(0.0, my - slope * mx), slope
+
+
+def line_through(n0: float, t0: float, n1: float, t1: float) -> tuple[float, float]:
+    """``(a, b)`` of ``t = a + b n`` through two timed sizes, neither negative (one size:
+    all of it per unit).
+
+    >>> [round(v, 12) for v in line_through(100, 2e-6, 1100, 3e-6)]
+    [1.9e-06, 1e-09]
+    """
+    slope = max(0.0, (t1 - t0) / (n1 - n0)) if n1 != n0 else t1 / max(n1, 1)
+    return max(0.0, t0 - slope * n0), slope
 
 
 def fit_allreduce(ranks: int, nbytes: list[float], times: list[float]) -> Fit:
