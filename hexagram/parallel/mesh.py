@@ -1,10 +1,12 @@
 """A stage's logical ``d x t`` mesh and the price of its collectives and operators.
 
 ``t`` groups consecutive devices (inside a host); ``d`` crosses hosts when
-``spans_hosts``. Collectives on ``n`` devices of a link with latency ``a`` and rate ``w``
-bytes/s, ``X`` the full tensor size (ring algorithms):
-    allreduce 2(n-1)a + 2(n-1)/n X/w;  allgather, reduce-scatter, all-to-all (n-1)a +
-    (n-1)/n X/w;  send/recv a + X/w.
+``spans_hosts``. A collective over an axis is priced by the cost model's kernel
+(:mod:`hexagram.cost.collectives`) on the axis's ranks as they sit on the hosts: a ring
+allreduce of ``X`` bytes over ``P`` ranks on ``H`` hosts costs ``2 (P-H)`` hops inside a
+host and ``2 (H-1)`` across (latencies ``a``, ``e``) plus ``2 (P-1)/P X`` over the slower
+link's rate; allgather and reduce-scatter half the hops and bytes (the cluster's
+``backend`` picks the schedule: gloo rings, NCCL ring or tree).
 
 Example:
     >>> from hexagram.parallel.cluster import Cluster
@@ -15,15 +17,14 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+from hexagram.cost.collectives import Topology, collective_time
 from hexagram.parallel.cluster import Cluster
 
 __all__ = ["Mesh"]
-
-_FACTOR = {"allreduce": 2.0, "allgather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
-
 
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
@@ -45,24 +46,28 @@ class Mesh:
     #: whether parameters may be ZeRO-sharded over ``d`` (``Constraints.zero``)
     zero: bool = True
 
-    def _link(self, axis: str) -> tuple[float, float, int]:
-        """(alpha, bytes/s per ring, ring size) of a mesh axis."""
-        if axis == "t":
-            return (*self.cluster.link(self.t > self.cluster.devices_per_host), self.t)
-        alpha, rate = self.cluster.link(self.spans_hosts)
-        # t data-parallel rings (one per tensor-parallel rank) share each host's NIC
-        share = min(self.t, self.cluster.devices_per_host) if self.spans_hosts else 1
-        return alpha, rate / share, self.d
+    def topology(self, axis: str) -> Topology:
+        """The ranks of one collective over mesh axis ``"d"`` or ``"t"``, laid out on the
+        hosts: ``t`` stays inside a host; ``d`` spans the stage's hosts when
+        ``spans_hosts`` (``devices_per_host / t`` of its ranks on each host), its ``t``
+        rings (one per tensor-parallel rank) sharing each host's network."""
+        c = self.cluster
+        if axis == "t" or not self.spans_hosts:
+            n = self.t if axis == "t" else self.d
+            return c.topology(n, math.gcd(n, c.devices_per_host))
+        per_host = math.gcd(self.d, max(1, c.devices_per_host // self.t))
+        return c.topology(self.d, per_host, min(self.t, c.devices_per_host))
 
     def collective(self, kind: str, axis: str, nbytes: float, count: float = 1.0) -> float:
         """Seconds of ``count`` collectives of ``nbytes`` in all (full tensors) over mesh axis
         ``"d"``/``"t"``: each pays the latency, the bytes are paid once. A fractional
-        ``count`` is a tensor's share of a bucket's one collective."""
-        alpha, rate, n = self._link(axis)
-        if n <= 1 or nbytes <= 0:
+        ``count`` is a tensor's share of a bucket's one collective. The price is the cost
+        model's (:func:`hexagram.cost.collectives.collective_time` on :meth:`topology`,
+        the cluster's backend)."""
+        t = self.topology(axis)
+        if t.world <= 1 or nbytes <= 0:
             return 0.0
-        f = _FACTOR[kind]
-        return f * (n - 1) * alpha * count + f * (n - 1) / n * nbytes / rate
+        return collective_time(kind, nbytes, t, self.cluster.backend, count)
 
     def compute(self, flops: float, nbytes: float) -> float:
         """Forward + backward seconds of an operator (backward ~ 2x forward)."""
