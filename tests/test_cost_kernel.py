@@ -72,3 +72,41 @@ def test_the_planners_axes_sit_on_the_hosts() -> None:
     whole, share = mesh.collective("allreduce", "d", 1e6), mesh.collective(
         "allreduce", "d", 1e6, count=0.25)
     assert whole - share == pytest.approx(0.75 * 2 * link(INTER).latency_s)
+
+
+def test_one_fit_for_links_and_cpu_costs() -> None:
+    from hexagram.cost.fit import Fit, cost_line, fit_allreduce, fit_line, line_through
+    from hexagram.parallel.calibrate import fit_alpha_beta
+
+    # a + b n as a Fit: 2 us + 1 ns per element
+    assert Fit.line(2e-6, 1e-9).time(1000) == pytest.approx(3e-6)
+    assert Fit.line(2e-6, 1e-9).slope == pytest.approx(1e-9)
+    points = [(100.0, 2e-6 + 100e-9), (1100.0, 2e-6 + 1100e-9), (600.0, 2e-6 + 600e-9)]
+    assert cost_line(points) == pytest.approx((2e-6, 1e-9))
+    assert fit_line(points).latency_s == pytest.approx(2e-6)
+    assert fit_line(points).rate_bps == pytest.approx(1e9)
+    assert cost_line([(1.0, 5.0), (2.0, 4.0)]) == (4.5, 0.0)  # noise: no negative slope
+    assert line_through(100, 2e-6, 1100, 3e-6) == pytest.approx((1.9e-6, 1e-9))
+    # the planner's calibration reports the kernel's ring fit in its own units
+    sizes, times = [8e3, 8e6], [1e-3 + 1.5 * 8e3 / 1e9, 1e-3 + 1.5 * 8e6 / 1e9]
+    ring = fit_allreduce(4, sizes, times)
+    assert ring.latency_s * 1e6 == pytest.approx(fit_alpha_beta(4, sizes, times)["latency_us"])
+    assert ring.rate_bps == pytest.approx(1e9) and ring.latency_s == pytest.approx(1e-3 / 6)
+
+
+def test_one_stopwatch() -> None:
+    from hexagram.cost.stopwatch import best_time, fastest
+
+    ticks = iter([0.0, 3.0, 3.0, 4.0, 4.0, 9.0])  # runs of 3, 1 and 5 "seconds"
+    calls: list[int] = []
+
+    def run() -> int:
+        calls.append(1)
+        return len(calls)
+
+    took, last = fastest(run, 3, lambda: next(ticks))
+    assert (took, last) == (1.0, 3)  # the least of the three, the last run's result
+    with pytest.raises(ValueError, match="repeat"):
+        fastest(lambda: None, 0)
+    with pytest.raises(ValueError, match="stat"):
+        best_time(lambda: None, 1, stat="mean")
