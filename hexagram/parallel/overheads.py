@@ -144,7 +144,9 @@ def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: in
     share_comm_ctx(units)
     runs = interleaved([_step(_mlp(width, hidden, dtype, device), x), _step(model, x)],
                        repeat)
-    d_mesh = Mesh(cluster=cluster, d=n, t=1, b=rows, microbatches=1)
+    # the units span every rank: on several hosts their collectives cross the network
+    d_mesh = Mesh(cluster=cluster, d=n, t=1, b=rows, microbatches=1,
+                  spans_hosts=cluster.hosts > 1)
     # ZeRO-3 per micro-batch and unit: gather for forward and backward, then scatter
     pbytes = (width * hidden + hidden) * cluster.dtype_bytes, \
         (hidden * width + width) * cluster.dtype_bytes
