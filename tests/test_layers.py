@@ -113,3 +113,60 @@ def test_the_walker_sees_an_import_inside_a_function(tmp_path: Path) -> None:
     fake = PACKAGE / "comm" / "x.py"
     assert list(_resolve(node, fake)) == ["hexagram.engine.ddp"]
     assert layer("hexagram.engine.ddp") < layer(module_name(fake))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (every import, as :func:`imports` sees
+    them; a name that is no module counts as its package)."""
+    paths = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+    def known(name: str) -> str:
+        while name not in paths and "." in name:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {me: {known(t) for t, _ in imports(path)} - {me} for me, path in paths.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles() -> None:
+    found = circles(import_graph())
+    assert not found, "modules that import each other, directly or around a circle:\n" + \
+        "\n".join(" <-> ".join(group) for group in found)
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []

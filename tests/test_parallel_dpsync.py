@@ -10,7 +10,7 @@ from hexagram.launch import run_local
 from hexagram.parallel import Cluster, capture
 from hexagram.parallel.calibrate import with_model_figures
 from hexagram.parallel.cost import Mesh, strategies
-from hexagram.parallel.dpsync import allreduce_mean, grad_buckets, measure_dp_sync
+from hexagram.parallel.dpsync import allreduce_mean, grad_buckets, measure_dp_sync, sync_price
 from hexagram.parallel.plans import DP_BUCKET_BYTES
 
 
@@ -66,3 +66,16 @@ def test_dp_sync_scale_multiplies_the_exact_sync_only() -> None:
     assert scaled.dp_sync_scale == 2.5
     assert sync(scaled) == pytest.approx(2.5 * sync(c))
     assert with_model_figures(c, {}) == c
+
+
+def test_the_sync_is_priced_on_the_hosts_it_crosses() -> None:
+    # 2 hosts x 2 ranks: the ring's 4 hops inside a host and 2 across (the kernel's price),
+    # not 6 hops at the host's own latency: the measured scale is against this
+    c = Cluster(hosts=2, devices_per_host=2, intra_latency_us=10.0, intra_host_gbps=80.0,
+                inter_latency_us=1000.0, inter_host_gbps=0.8, dtype_bytes=4)
+    nbytes = 4e6
+    share = nbytes / DP_BUCKET_BYTES
+    ring = (4 * 10e-6 + 2 * 1000e-6) * share + 1.5 * nbytes / 0.1e9
+    assert sync_price(c, nbytes) == pytest.approx(ring)
+    one_host = c.replace(hosts=1, devices_per_host=4)
+    assert sync_price(one_host, nbytes) == pytest.approx(6 * 10e-6 * share + 1.5 * nbytes / 10e9)

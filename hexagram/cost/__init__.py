@@ -1,7 +1,15 @@
-"""Step-time model of every algorithm from measured compute, compressor and network profiles.
+"""The one pricing kernel: step-time model of every algorithm from measured compute,
+compressor and network profiles, and the collective prices the planner charges too.
 
 - :mod:`hexagram.cost.facts`: the interface the model reads algorithms through (it imports
   none), and how a new compressor or algorithm declares what it is priced by;
+- :mod:`hexagram.cost.devices` and :mod:`hexagram.cost.collectives`: the hardware (device
+  and link presets, a :class:`~hexagram.cost.collectives.Topology` of hosts and their two
+  links) and the collective schedules on it (ring, tree, recursive doubling, hierarchical,
+  all-to-all, neighbour exchange, gTop-k rounds): ``simulate``, ``advise`` and the
+  planner's :class:`~hexagram.parallel.mesh.Mesh` price collectives there;
+- :mod:`hexagram.cost.fit` and :mod:`hexagram.cost.stopwatch`: the one fit (latency +
+  bytes / rate, a + b n) and the one stopwatch (interleaved turns) every measurement uses;
 - :mod:`hexagram.cost.schedule`: the messages and wire bytes of one step, read off the
   algorithm's own objects (its compressor, config and declared protocol);
 - :mod:`hexagram.cost.probe`: a short network probe with the real collectives, fitted per

@@ -15,6 +15,7 @@ tree schedules cross each host boundary with one flow, at ``min(B_a, B_e)``.
 | recursive doubling allreduce | ``log2 P`` hops | ``n log2 P`` |
 | halving-doubling allreduce (Rabenseifner) | ``2 log2 P`` hops | ``2 (P-1)/P n`` |
 | ring allgather (``m`` per rank) | ``(P-H) a + (H-1) e`` | ``(P-1) m`` |
+| ring reduce-scatter | ``(P-H) a + (H-1) e`` | ``(P-1)/P n`` |
 | recursive doubling allgather | ``log2 P`` hops | ``(P-1) m`` |
 | hierarchical allreduce | ``2 a`` + leaders' allreduce | ``2 (d-1) n`` in the host + leaders' |
 | gTop-k (``k`` pairs) | ``log2 P`` hops (binomial tree: ``2 ceil(log2 P)``) | ``k`` pairs a hop |
@@ -38,6 +39,12 @@ Which schedule runs (:func:`choose`):
   doubling, larger by halving-doubling; allgather by recursive doubling when the gathered
   total is under 512 KiB and P is a power of two, else ring.
 
+:func:`collective_time` prices a whole tensor's collective (allreduce, allgather,
+reduce-scatter, all-to-all of ``X`` bytes in all) with the backend's schedule: the one
+price the step-time model (:mod:`hexagram.cost.simulate`'s fits) and the planner
+(:class:`hexagram.parallel.mesh.Mesh`) both charge; :func:`collective_parts` splits it
+into its latency and byte terms (the planner pays a bucket's latency by byte share).
+
 Example (2 hosts x 4 ranks, 100 GB/s inside, 10 GB/s between, 1 us / 10 us hops):
     >>> t = Topology(8, 4, 100e9, 1e-6, 10e9, 10e-6)
     >>> round(ring_allreduce(8e6, t) * 1e6, 1)   # 12 a + 2 e + 14e6 B / 10e9 B/s
@@ -54,10 +61,11 @@ from dataclasses import dataclass
 
 from hexagram.errors import ConfigError
 
-__all__ = ["BACKENDS", "TREE_BW", "Topology", "alltoall", "choose", "gtopk_tree",
-           "halving_doubling_allreduce", "hierarchical_allreduce", "peer_exchange",
-           "periodic", "recursive_doubling_allgather", "recursive_doubling_allreduce",
-           "ring_allgather", "ring_allreduce", "tree_allreduce"]
+__all__ = ["BACKENDS", "COLLECTIVES", "TREE_BW", "Topology", "alltoall", "choose",
+           "collective_parts", "collective_time", "gtopk_tree", "halving_doubling_allreduce",
+           "hierarchical_allreduce", "peer_exchange", "periodic",
+           "recursive_doubling_allgather", "recursive_doubling_allreduce", "ring_allgather",
+           "ring_allreduce", "ring_reduce_scatter", "tree_allreduce"]
 
 #: NCCL's tree bus bandwidth is 0.9 of the link's (``busBw * .9`` in ``tuning.cc``).
 TREE_BW = 0.9
@@ -162,6 +170,14 @@ def ring_allgather(m: float, t: Topology) -> float:
     return (p - h) * t.intra_lat + (h - 1) * t.inter_lat + (p - 1) * m / t.ring_bps
 
 
+def ring_reduce_scatter(n: float, t: Topology) -> float:
+    """The first half of a ring allreduce: each rank ends with ``n / P`` reduced bytes."""
+    p, h = t.world, t.hosts
+    if p == 1:
+        return 0.0
+    return (p - h) * t.intra_lat + (h - 1) * t.inter_lat + (p - 1) / p * n / t.ring_bps
+
+
 def recursive_doubling_allgather(m: float, t: Topology) -> float:
     """``log2 P`` rounds; round ``i`` swaps the ``2^i m`` bytes gathered so far with the
     rank ``2^i`` away (non-powers of two: two more hops fold the rest in)."""
@@ -251,3 +267,52 @@ def choose(backend: str, op: str, nbytes: float, t: Topology) -> tuple[str, floa
             return "recursive_doubling", recursive_doubling_allgather(nbytes, t)
         return "ring", ring_allgather(nbytes, t)
     raise ConfigError(f"choose: op must be 'allreduce' or 'allgather', got {op!r}")
+
+
+#: whole-tensor collectives :func:`collective_time` prices
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "all_to_all")
+
+
+def _schedule(op: str, nbytes: float, t: Topology, backend: str
+              ) -> Callable[[float], float]:
+    """Seconds as a function of the tensor's bytes, on the schedule ``backend`` picks for a
+    tensor of ``nbytes`` (the choice is made once, at the real size)."""
+    p = t.world
+    if op == "allreduce":
+        name = choose(backend, "allreduce", nbytes, t)[0]
+        return lambda n: _ALLREDUCE[name](n, t)
+    if op == "allgather":
+        name = choose(backend, "allgather", nbytes / p, t)[0]
+        gather = ring_allgather if name == "ring" else recursive_doubling_allgather
+        return lambda n: gather(n / p, t)
+    if op == "reduce_scatter":  # a ring on every backend here (NCCL's only one)
+        return lambda n: ring_reduce_scatter(n, t)
+    if op == "all_to_all":
+        return lambda n: alltoall(n, t)
+    raise ConfigError(f"unknown collective {op!r}; known: {', '.join(COLLECTIVES)}")
+
+
+def collective_parts(op: str, nbytes: float, t: Topology, backend: str = "gloo"
+                     ) -> tuple[float, float]:
+    """(latency seconds, byte seconds) of ``op`` on a tensor of ``nbytes`` in all (an
+    allgather's output, a reduce-scatter's input) over ``t``, on ``backend``'s schedule.
+
+    >>> t = Topology(4, 2, 100e9, 1e-6, 1e9, 1e-4)      # 2 hosts x 2 ranks
+    >>> lat, body = collective_parts("allreduce", 4e6, t)
+    >>> round(lat * 1e6, 1), round(body * 1e3, 3)      # 4 a + 2 e; 2 (P-1)/P X / 1 GB/s
+    (204.0, 6.0)
+    """
+    if t.world == 1 or nbytes <= 0:
+        return 0.0, 0.0
+    fn = _schedule(op, nbytes, t, backend)
+    latency = fn(0.0)
+    return latency, fn(nbytes) - latency
+
+
+def collective_time(op: str, nbytes: float, t: Topology, backend: str = "gloo",
+                    count: float = 1.0) -> float:
+    """Seconds of ``count`` collectives ``op`` of ``nbytes`` in all (:func:`collective_parts`):
+    each pays the latency, the bytes are paid once (a fractional ``count``: a tensor's
+    share of a bucket's one collective)."""
+    latency, body = collective_parts(op, nbytes, t, backend)
+    return count * latency + body

@@ -68,20 +68,67 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from hexagram.compress.base import Compressor
 
-if TYPE_CHECKING:
-    from hexagram.cost.profile import TreeCost
-    from hexagram.cost.schedule import Message, TensorSpec
-
-__all__ = ["Priced", "Shapes", "compressor_of"]
+__all__ = ["Message", "Priced", "Shapes", "TensorSpec", "TreeCost", "compressor_of"]
 
 Shapes = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A communicated tensor: its name, shape and element size in bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int = 4
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One collective of a step: ``op`` is the collective's kind (``allreduce``,
+    ``allgather``, ``alltoall``, ``p2p``, ``hierarchical``), ``sent`` the bytes this rank
+    sends in it, ``rounds`` the sequential latency-bound rounds it takes (trees)."""
+
+    op: str
+    sent: int
+    rounds: int = 1
+
+
+@dataclass(frozen=True)
+class TreeCost:
+    """CPU seconds of an algorithm's own work on one segment of ``n`` elements, outside
+    the compressor. gTop-k's tree (:func:`hexagram.cost.own_work.gtopk_tree_cost`):
+    ``once`` (``a + b n``: this rank's pairs sorted, the result written into the segment)
+    and ``per_round`` (``a + b n``: a round's pack, unpack, merge and survival check).
+    QAdam (:func:`hexagram.cost.own_work.qadam_own_cost`): ``once`` turns the gradient into
+    the preconditioned momentum before the encode, ``per_round`` (one round) turns the
+    exchanged momentum back into a gradient.
+
+    >>> round(TreeCost((1e-3, 1e-9), (2e-3, 1e-8)).seconds(10**6, 2), 6)  # 2 + 2 * 12 ms
+    0.026
+    """
+
+    once: tuple[float, float]
+    per_round: tuple[float, float]
+
+    def seconds(self, n: int, rounds: int) -> float:
+        """``once(n) + rounds * per_round(n)``."""
+        return (self.once[0] + self.once[1] * n
+                + rounds * (self.per_round[0] + self.per_round[1] * n))
+
+
 
 
 class Priced(Protocol):

@@ -44,19 +44,11 @@ from typing import Any
 import torch
 
 from hexagram.cost.facts import Priced, Shapes, compressor_of
+from hexagram.cost.fit import line_through
 from hexagram.cost.profile import ComputeProfile, TreeCost, device_clock
+from hexagram.cost.stopwatch import fastest
 
 __all__ = ["gtopk_tree_cost", "job_compute", "optimizer_step_s", "qadam_own_cost"]
-
-def _best(fn: Callable[[], Any], reps: int, clock: Callable[[], float]) -> tuple[float, Any]:
-    """(fastest of ``reps`` runs of ``fn`` on ``clock``, its last result)."""
-    best, out = math.inf, None
-    for _ in range(reps):
-        t0 = clock()
-        out = fn()
-        best = min(best, clock() - t0)
-    return best, out
-
 
 def _pairs(comp: Any, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     from hexagram.comm.gtopk import sparse_pairs
@@ -75,14 +67,14 @@ def _segment_times(algorithm: Priced, n: int, reps: int,
     values, indices = _pairs(comp, n, gen)
     k = values.numel()
     theirs_v, theirs_i, _ = _sort_pairs(*_pairs(comp, n, gen))
-    sort_s, (v, i, _) = _best(lambda: _sort_pairs(values.clone(), indices.clone()), reps,
+    sort_s, (v, i, _) = fastest(lambda: _sort_pairs(values.clone(), indices.clone()), reps,
                               clock)
-    pack_s, buf = _best(lambda: _pack(v, i), reps, clock)
-    unpack_s, _ = _best(lambda: _unpack(buf, k, v.dtype), reps, clock)
-    merge_s, (gv, gi) = _best(lambda: merge_topk(v, i, theirs_v, theirs_i, k), reps, clock)
-    check_s, _ = _best(lambda: _isin(i, gi), reps, clock)
+    pack_s, buf = fastest(lambda: _pack(v, i), reps, clock)
+    unpack_s, _ = fastest(lambda: _unpack(buf, k, v.dtype), reps, clock)
+    merge_s, (gv, gi) = fastest(lambda: merge_topk(v, i, theirs_v, theirs_i, k), reps, clock)
+    check_s, _ = fastest(lambda: _isin(i, gi), reps, clock)
     out = torch.empty(n)
-    write_s, _ = _best(lambda: out.zero_().index_put_((gi,), gv / 2), reps, clock)
+    write_s, _ = fastest(lambda: out.zero_().index_put_((gi,), gv / 2), reps, clock)
     return sort_s + write_s, pack_s + unpack_s + merge_s + check_s
 
 
@@ -94,13 +86,7 @@ def gtopk_tree_cost(algorithm: Priced, sizes: Shapes, reps: int = 2,
     clock = device_clock(device)
     (n0, n1) = (max(2, math.prod(s)) for s in sizes)
     (o0, r0), (o1, r1) = (_segment_times(algorithm, n, reps, clock) for n in (n0, n1))
-    return TreeCost(_line(n0, o0, n1, o1), _line(n0, r0, n1, r1))
-
-
-def _line(n0: int, t0: float, n1: int, t1: float) -> tuple[float, float]:
-    """``(a, b)`` through two points, neither negative."""
-    slope = max(0.0, (t1 - t0) / (n1 - n0)) if n1 != n0 else t1 / max(n1, 1)
-    return max(0.0, t0 - slope * n0), slope
+    return TreeCost(line_through(n0, o0, n1, o1), line_through(n0, r0, n1, r1))
 
 
 def _qadam_times(n: int, beta: float, reps: int, clock: Callable[[], float]
@@ -110,8 +96,8 @@ def _qadam_times(n: int, beta: float, reps: int, clock: Callable[[], float]
     gen = torch.Generator().manual_seed(0)
     g, m = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     d = torch.rand(n, generator=gen).add_(0.5)
-    to_s, _ = _best(lambda: g.mul_(1 - beta).add_(m, alpha=beta).div_(d), reps, clock)
-    back_s, _ = _best(lambda: g.mul_(d).sub_(m, alpha=beta).div_(1 - beta), reps, clock)
+    to_s, _ = fastest(lambda: g.mul_(1 - beta).add_(m, alpha=beta).div_(d), reps, clock)
+    back_s, _ = fastest(lambda: g.mul_(d).sub_(m, alpha=beta).div_(1 - beta), reps, clock)
     return to_s, back_s
 
 
@@ -130,7 +116,7 @@ def qadam_own_cost(algorithm: Priced, sizes: Shapes, reps: int = 3,
     clock = device_clock(device)
     (n0, n1) = (max(2, math.prod(s)) for s in sizes)
     (a0, b0), (a1, b1) = (_qadam_times(n, 0.9, reps, clock) for n in (n0, n1))
-    return TreeCost(_line(n0, a0, n1, a1), _line(n0, b0, n1, b1))
+    return TreeCost(line_through(n0, a0, n1, a1), line_through(n0, b0, n1, b1))
 
 
 def optimizer_step_s(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
@@ -151,7 +137,7 @@ def optimizer_step_s(make: Callable[[list[torch.nn.Parameter]], torch.optim.Opti
     opt = make(params)
     for _ in range(warm):
         opt.step()
-    best, _ = _best(opt.step, reps, time.thread_time)
+    best, _ = fastest(opt.step, reps, time.thread_time)
     return best
 
 

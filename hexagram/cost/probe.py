@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 import zlib
 from collections.abc import Callable
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
 from hexagram.comm.device import control_zeros, group_device
+from hexagram.cost.fit import Fit, fit_line
 from hexagram.errors import HexagramError
 
 __all__ = ["COLLECTIVES", "Fit", "NetworkProfile", "ProbeError", "exchange_fit", "fit_line",
@@ -54,17 +54,6 @@ COLLECTIVES = ("allreduce", "allgather", "alltoall", "p2p")
 
 class ProbeError(HexagramError):
     """The probe could not run its collectives (a peer unreachable, a timeout)."""
-
-
-@dataclass(frozen=True)
-class Fit:
-    """``time = rounds * latency_s + sent_bytes / rate_bps`` for one collective."""
-
-    latency_s: float
-    rate_bps: float  # bytes this rank sends per second
-
-    def time(self, sent: int, rounds: int = 1) -> float:
-        return rounds * self.latency_s + sent / self.rate_bps
 
 
 @dataclass
@@ -134,18 +123,6 @@ def exchange_fit(ring: Fit, p2p: Fit, world: int) -> Fit:
     Fit(latency_s=0.001, rate_bps=6000000.0)
     """
     return Fit(ring.latency_s / max(1, 2 * (world - 1)), p2p.rate_bps)
-
-
-def fit_line(points: list[tuple[float, float]]) -> Fit:
-    """Least-squares ``t = a + x / r`` through (bytes, seconds) points; a slope that noise
-    made <= 0 gives an (effectively) infinite rate, a negative intercept 0 latency."""
-    xs, ts = [p[0] for p in points], [p[1] for p in points]
-    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var if var > 0 else 0.0
-    if slope <= 0:
-        return Fit(max(0.0, min(ts)), 1e12)
-    return Fit(max(0.0, mt - slope * mx), 1.0 / slope)
 
 
 def _op(comm: Communicator, name: str, numel: int) -> tuple[Callable[[], object], int]:

@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +29,9 @@ import torch
 from torch import nn
 
 from hexagram.compress.base import Compressor
-from hexagram.cost.schedule import TensorSpec
+from hexagram.cost.facts import TensorSpec, TreeCost
+from hexagram.cost.fit import cost_line, line_through
+from hexagram.cost.stopwatch import fastest
 
 __all__ = ["CompressorCost", "ComputeProfile", "TreeCost", "cost_from_times", "device_clock",
            "measure_compressor", "profile_module"]
@@ -89,29 +90,6 @@ class ComputeProfile:
 
 
 @dataclass(frozen=True)
-class TreeCost:
-    """CPU seconds of an algorithm's own work on one segment of ``n`` elements, outside
-    the compressor. gTop-k's tree (:func:`hexagram.cost.own_work.gtopk_tree_cost`):
-    ``once`` (``a + b n``: this rank's pairs sorted, the result written into the segment)
-    and ``per_round`` (``a + b n``: a round's pack, unpack, merge and survival check).
-    QAdam (:func:`hexagram.cost.own_work.qadam_own_cost`): ``once`` turns the gradient into
-    the preconditioned momentum before the encode, ``per_round`` (one round) turns the
-    exchanged momentum back into a gradient.
-
-    >>> round(TreeCost((1e-3, 1e-9), (2e-3, 1e-8)).seconds(10**6, 2), 6)  # 2 + 2 * 12 ms
-    0.026
-    """
-
-    once: tuple[float, float]
-    per_round: tuple[float, float]
-
-    def seconds(self, n: int, rounds: int) -> float:
-        """``once(n) + rounds * per_round(n)``."""
-        return (self.once[0] + self.once[1] * n
-                + rounds * (self.per_round[0] + self.per_round[1] * n))
-
-
-@dataclass(frozen=True)
 class CompressorCost:
     """``(a, b)`` pairs: ``a + b * n`` seconds for ``n`` elements; ``tree``: the
     algorithm's own tree work where it has one (gTop-k), else None."""
@@ -146,21 +124,6 @@ def device_clock(device: torch.device | str = "cpu") -> Callable[[], float]:
     return cuda_clock
 
 
-def _best(fn: Callable[[], Any], reps: int, clock: Callable[[], float] = time.thread_time
-          ) -> float:
-    best = math.inf
-    for _ in range(reps):
-        t0 = clock()
-        fn()
-        best = min(best, clock() - t0)
-    return best
-
-
-def _line(small: tuple[int, float], large: tuple[int, float]) -> tuple[float, float]:
-    slope = max(0.0, (large[1] - small[1]) / (large[0] - small[0]))
-    return max(0.0, small[1] - slope * small[0]), slope
-
-
 def measure_compressor(compressor: Compressor, device: torch.device | str = "cpu",
                        sizes: tuple[tuple[int, ...], tuple[int, ...]] = ((32, 32),
                                                                         (512, 512)),
@@ -178,11 +141,11 @@ def measure_compressor(compressor: Compressor, device: torch.device | str = "cpu
         payload = comp.compress(x, gen)
         encode = _feedback_encode(comp, x, gen)[0] if feedback else (
             lambda x=x: comp.compress(x, gen))
-        enc = _best(encode, reps, clock)
-        dec = _best(lambda p=payload: comp.decompress(p), reps, clock)  # type: ignore[misc]
+        enc = fastest(encode, reps, clock)[0]
+        dec = fastest(lambda p=payload: comp.decompress(p), reps, clock)[0]  # type: ignore[misc]
         points.append((x.numel(), enc, dec))
     (n0, e0, d0), (n1, e1, d1) = points
-    return CompressorCost(_line((n0, e0), (n1, e1)), _line((n0, d0), (n1, d1)))
+    return CompressorCost(line_through(n0, e0, n1, e1), line_through(n0, d0, n1, d1))
 
 
 def _feedback_encode(comp: Compressor, x: torch.Tensor, gen: torch.Generator
@@ -211,16 +174,8 @@ def cost_from_times(points: Sequence[tuple[int, float, float]]) -> CompressorCos
         n = points[0][0]
         return CompressorCost((0.0, min(p[1] for p in points) / n),
                               (0.0, min(p[2] for p in points) / n))
-    return CompressorCost(_fit([(p[0], p[1]) for p in points]),
-                          _fit([(p[0], p[2]) for p in points]))
-
-
-def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    mx = statistics.fmean(p[0] for p in points)
-    my = statistics.fmean(p[1] for p in points)
-    var = sum((p[0] - mx) ** 2 for p in points)
-    slope = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in points) / var)
-    return max(0.0, my - slope * mx), slope
+    return CompressorCost(cost_line([(p[0], p[1]) for p in points]),
+                          cost_line([(p[0], p[2]) for p in points]))
 
 
 def profile_module(model: nn.Module, batch: Callable[[], tuple[Any, Any]],

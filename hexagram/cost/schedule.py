@@ -36,42 +36,17 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hexagram.compress.base import Aggregation, Compressor, Payload
-from hexagram.cost.facts import Priced, compressor_of
+from hexagram.cost.facts import Message, Priced, TensorSpec, compressor_of
 from hexagram.cost.payload_size import meta_payload
 
 __all__ = ["Message", "TensorSpec", "allreduce_messages", "analytic_payloads",
            "bucket_schedule", "is_lossy", "layout_of", "payload_of", "ring_sent",
            "segment_shapes", "sizing_times", "step_schedule", "wire_bytes"]
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A communicated tensor: its name, shape and element size in bytes."""
-
-    name: str
-    shape: tuple[int, ...]
-    itemsize: int = 4
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class Message:
-    """One collective of a step: ``op`` is the collective's kind (``allreduce``,
-    ``allgather``, ``alltoall``, ``p2p``, ``hierarchical``), ``sent`` the bytes this rank
-    sends in it, ``rounds`` the sequential latency-bound rounds it takes (trees)."""
-
-    op: str
-    sent: int
-    rounds: int = 1
 
 
 Layout = Sequence[Sequence[TensorSpec]]

@@ -46,8 +46,7 @@ from torch.overrides import TorchFunctionMode
 from hexagram.cost.collectives import (
     BACKENDS,
     Topology,
-    alltoall,
-    choose,
+    collective_time,
     gtopk_tree,
     hierarchical_allreduce,
     peer_exchange,
@@ -85,12 +84,13 @@ class ScheduleFit(Fit):
         if t is None or t.world == 1:
             return super().time(sent, rounds)
         p, d, h = t.world, t.per_host, t.hosts
+        # the whole tensor each message is a share of, priced as the planner prices it
         if self.op == "allreduce":
-            return choose(self.backend, "allreduce", sent * p / (2 * (p - 1)), t)[1]
+            return collective_time("allreduce", sent * p / (2 * (p - 1)), t, self.backend)
         if self.op == "allgather":
-            return choose(self.backend, "allgather", sent / (p - 1), t)[1]
+            return collective_time("allgather", sent * p / (p - 1), t, self.backend)
         if self.op == "alltoall":
-            return alltoall(sent * p / (p - 1), t)
+            return collective_time("all_to_all", sent * p / (p - 1), t, self.backend)
         if self.op == "hierarchical":
             return hierarchical_allreduce(sent / ((d - 1) + 2 * (h - 1) / h), t, self.backend)
         if rounds > 1:  # gTop-k: rank 0 sends k pairs in each of ceil(log2 P) rounds

@@ -2,9 +2,11 @@
 
 - compute: a square matmul (FLOP/s), a large add (memory GB/s), a tiny op (fixed cost);
 - links: allreduce at four sizes (8 KB to 8 MB) between local ranks, timed in interleaved
-  turns (on the runtime's device: CPU with gloo, GPU with NCCL), fitted to the alpha-beta
-  model ``t = 2(n-1) a + 2(n-1)/n X / w`` (rate: least-squares slope; alpha: the smallest
-  size, see :func:`fit_alpha_beta`).
+  turns (on the runtime's device: CPU with gloo, GPU with NCCL), fitted to the ring's
+  hop latency and rate (:func:`hexagram.cost.links.fit_links`).
+
+The stopwatch (:mod:`hexagram.cost.stopwatch`) and the fits (:mod:`hexagram.cost.fit`)
+are the cost model's own; their names stay importable from here.
 
 Example:
     >>> c = calibrated_cluster(devices=2)                         # doctest: +SKIP
@@ -15,12 +17,19 @@ Example:
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from hexagram.cost.fit import fit_allreduce
+from hexagram.cost.links import LINK_SIZES, fit_links
+from hexagram.cost.stopwatch import (
+    best_time,
+    default_device,
+    interleaved,
+    synchronous_time,
+    synchronous_times,
+)
 from hexagram.parallel.cluster import Cluster
 
 __all__ = ["LINK_SIZES", "calibrated", "calibrated_cluster", "fit_alpha_beta", "fit_links",
@@ -28,170 +37,37 @@ __all__ = ["LINK_SIZES", "calibrated", "calibrated_cluster", "fit_alpha_beta", "
            "measure_links", "synchronous_time", "synchronous_times", "with_model_figures"]
 
 
-def _best_time(fn: Callable[[], object], repeat: int, stat: str = "min") -> float:
-    """Seconds of ``fn()`` after one warm-up call: the least (``stat="min"``) or the median
-    (``"median"``: what a training step sees on a shared machine) of ``repeat`` runs."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) if stat == "min" else statistics.median(times)
-
-
-def _default_device() -> torch.device:
-    """The runtime's device when hexagram is initialised, else CUDA if present, else CPU."""
-    from hexagram.runtime import get_runtime, is_initialized
-
-    if is_initialized():
-        return get_runtime().device
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def measure_compute(dtype: torch.dtype = torch.float64, size: int = 256, repeat: int = 10,
                     device: torch.device | None = None, stat: str = "min") -> dict[str, float]:
     """Achieved TFLOP/s, memory GB/s and per-op overhead (us) of this process on ``device``
-    (default: the runtime's, see :func:`_default_device`); ``stat``: see :func:`_best_time`."""
-    dev = device or _default_device()
+    (default: the runtime's, :func:`~hexagram.cost.stopwatch.default_device`); ``stat``:
+    see :func:`~hexagram.cost.stopwatch.best_time`."""
+    dev = device or default_device()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     a = torch.randn(size, size, dtype=dtype, device=dev)
-    t_mm = _best_time(lambda: (a @ a, sync()), repeat, stat)
+    t_mm = best_time(lambda: (a @ a, sync()), repeat, stat)
     big = torch.randn(4_000_000, dtype=dtype, device=dev)
-    t_add = _best_time(lambda: (big + big, sync()), repeat, stat)
+    t_add = best_time(lambda: (big + big, sync()), repeat, stat)
     # fixed cost of one operator, forward + backward through nn.Module (the model's unit)
     lin = torch.nn.Linear(4, 4).to(dtype=dtype, device=dev)
     tiny = torch.randn(2, 4, dtype=dtype, device=dev)
-    t_op = _best_time(lambda: lin(tiny).sum().backward(), repeat * 10, stat) / 3 / 2
+    t_op = best_time(lambda: lin(tiny).sum().backward(), repeat * 10, stat) / 3 / 2
     return {"device_tflops": 2 * size ** 3 / t_mm / 1e12,
             "memory_gbps": 3 * big.numel() * big.element_size() / t_add / 1e9,
             "op_overhead_us": t_op * 1e6}
 
 
 def fit_alpha_beta(ranks: int, nbytes: list[float], times: list[float]) -> dict[str, float]:
-    """Allreduce ``times`` (s) of ``nbytes`` on ``ranks`` fitted to ``t = 2(n-1) a +
-    2(n-1)/n X / w``: the rate ``w`` (Gbit/s) from the least-squares slope over all sizes,
-    alpha (us, clipped at 0) from the smallest size's time less its byte term. Not the
-    intercept: the largest sizes, whose noise is milliseconds, have the most leverage on
-    it (a 223 us intercept in one run on 2026-11-26, 635-1523 us in six other calibrations).
-
-    Raises:
-        HexagramError: the times do not grow with the size (the byte term is lost in the
-            noise: measure larger sizes, or on a quieter machine).
+    """:func:`~hexagram.cost.fit.fit_allreduce` in the planner's units: ``latency_us`` of a
+    hop and the rate in ``gbps`` (Gbit/s).
 
     Example:
         >>> f = fit_alpha_beta(4, [0.0, 8e6], [6e-3, 6e-3 + 1.5 * 8e6 / 1e9])
         >>> round(f["latency_us"]), round(f["gbps"], 3)
         (1000, 8.0)
     """
-    if len(nbytes) != len(times) or len(set(nbytes)) < 2:
-        raise ValueError(f"fit_alpha_beta needs times at two sizes or more, got sizes "
-                         f"{nbytes} and {len(times)} times")
-    slope, _ = statistics.linear_regression(nbytes, times)
-    if slope <= 0:
-        from hexagram.errors import HexagramError
-
-        raise HexagramError(f"allreduce times {[round(t * 1e3, 3) for t in times]} ms do not "
-                            f"grow with the sizes {nbytes} bytes: the bandwidth cannot be "
-                            f"fitted; measure larger sizes or on a quieter machine")
-    rate = 2 * (ranks - 1) / ranks / slope  # bytes/s
-    small = min(range(len(nbytes)), key=lambda i: nbytes[i])
-    alpha = max(0.0, times[small] - nbytes[small] * slope) / (2 * (ranks - 1))
-    return {"latency_us": alpha * 1e6, "gbps": rate * 8 / 1e9}
-
-
-def interleaved(fns: list[Callable[[], object]], repeat: int, group: object = None
-                ) -> list[list[float]]:
-    """Seconds of each of ``fns``, run in turn ``repeat`` times (after one warm-up turn),
-    each call between barriers of ``group`` (collective): ``out[k][r]`` is ``fns[k]`` in
-    turn ``r``. Load that drifts over the turns hits every function alike, so per-turn
-    differences (and their median) are what the functions themselves cost.
-
-    Example:
-        >>> a, b = interleaved([plain, sharded], 9)               # doctest: +SKIP
-        >>> statistics.median(y - x for x, y in zip(a, b))        # doctest: +SKIP
-    """
-    import torch.distributed as dist
-
-    out: list[list[float]] = [[] for _ in fns]
-    for turn in range(repeat + 1):
-        for k, fn in enumerate(fns):
-            dist.barrier(group=group)  # type: ignore[arg-type]
-            start = time.perf_counter()
-            fn()
-            if turn:
-                out[k].append(time.perf_counter() - start)
-    return out
-
-
-def synchronous_times(fns: list[Callable[[], object]], repeat: int) -> list[float]:
-    """Median seconds of each of ``fns`` as a plan's step runs it (collective): in
-    :func:`interleaved` turns, every rank starts each call at a barrier and the call lasts
-    until the slowest rank is done (per call, the max over ranks). Ranks sharing cores do
-    not finish together, and a step waits for the last of them (a per-rank median would
-    miss it); the turns let load that drifts hit every function alike.
-
-    Example:
-        >>> small, large = synchronous_times([step_on(2), step_on(16)], 7)  # doctest: +SKIP
-    """
-    import torch.distributed as dist
-
-    mine = interleaved(fns, repeat)
-    every: list[list[list[float]]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(every, mine)
-    return [statistics.median(max(r[k][t] for r in every) for t in range(repeat))
-            for k in range(len(fns))]
-
-
-def synchronous_time(fn: Callable[[], object], repeat: int) -> float:
-    """:func:`synchronous_times` of one function."""
-    return synchronous_times([fn], repeat)[0]
-
-
-#: allreduce sizes (float64 elements) of the link fit: the largest, 8 MB, takes ~10-20 ms
-#: on gloo, enough for the byte term to stand out of the latency noise at 4 ranks
-LINK_SIZES = (1_000, 64_000, 256_000, 1_000_000)
-
-
-def fit_links(sizes: tuple[int, ...] = LINK_SIZES, repeat: int = 5, group: object = None,
-              stat: str = "min") -> dict[str, float]:
-    """In a running job (collective over ``group``): allreduce times at ``sizes`` (float64
-    elements, timed in interleaved turns, the least or the median per size: ``stat``)
-    fitted by least squares to alpha (us) and rate (Gbit/s) (:func:`fit_alpha_beta`), on
-    the runtime's device (CPU with gloo, GPU with NCCL). If the times do not grow with
-    the size, the sizes are taken 4x larger, twice at most, before giving up."""
-    import torch.distributed as dist
-
-    from hexagram.comm.device import group_device
-    from hexagram.errors import HexagramError
-
-    n = dist.get_world_size(group)  # type: ignore[arg-type]
-    if n == 1:
-        return {"latency_us": 0.0, "gbps": 100.0}
-    for attempt in range(3):
-        counts = [c * 4 ** attempt for c in sizes]
-        bufs = [torch.zeros(c, dtype=torch.float64, device=group_device(group))
-                for c in counts]
-
-        def reducer(x: torch.Tensor) -> Callable[[], None]:
-            def run() -> None:
-                dist.all_reduce(x, group=group)  # type: ignore[arg-type]
-                if x.is_cuda:
-                    torch.cuda.synchronize()
-            return run
-
-        runs = interleaved([reducer(b) for b in bufs], repeat, group)
-        pick = min if stat == "min" else statistics.median
-        times = [float(pick(r)) for r in runs]
-        # every rank fits the same times (the slowest rank's), so all agree on retrying
-        every = torch.tensor(times, dtype=torch.float64, device=group_device(group))
-        dist.all_reduce(every, op=dist.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
-        try:
-            return fit_alpha_beta(n, [8.0 * c for c in counts], every.tolist())
-        except HexagramError:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    fit = fit_allreduce(ranks, nbytes, times)
+    return {"latency_us": fit.latency_s * 1e6, "gbps": fit.rate_bps * 8 / 1e9}
 
 
 def link_worker(sizes: tuple[int, ...] = LINK_SIZES, repeat: int = 5) -> dict[str, float]:

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hexagram.config import check_choice, check_float, check_int
+from hexagram.cost.collectives import BACKENDS, Topology
 from hexagram.errors import ConfigError
+from hexagram.parallel.rules import check_priced
 
 __all__ = ["Cluster", "Constraints", "Submesh"]
 
@@ -83,6 +85,9 @@ class Cluster:
             twice the bytes; the calibration sets it from the job's backend).
         dtype_bytes: bytes per element of parameters, gradients and activations.
         optimizer_bytes: optimizer state bytes per parameter (Adam fp32 master + m + v: 12).
+        backend: whose collective schedules price the collectives
+            (:data:`hexagram.cost.collectives.BACKENDS`): ``"gloo"`` rings (the default:
+            what the calibration fits), ``"nccl"`` the faster of ring and tree.
     """
 
     hosts: int = 1
@@ -104,6 +109,7 @@ class Cluster:
     zero_grad_collective: str = "reduce_scatter"
     dtype_bytes: int = 2
     optimizer_bytes: int = 12
+    backend: str = "gloo"
 
     def __post_init__(self) -> None:
         check_int(self, "hosts", low=1)
@@ -124,6 +130,7 @@ class Cluster:
         check_choice(self, "zero_grad_collective", ("reduce_scatter", "allreduce"))
         check_choice(self, "dtype_bytes", (1, 2, 4, 8))
         check_int(self, "optimizer_bytes", low=0)
+        check_choice(self, "backend", BACKENDS)
 
     @property
     def devices(self) -> int:
@@ -150,6 +157,19 @@ class Cluster:
             return self.inter_latency_us * 1e-6, self.inter_host_gbps * 1e9 / 8
         return self.intra_latency_us * 1e-6, self.intra_host_gbps * 1e9 / 8
 
+    def topology(self, ranks: int, per_host: int, uplink_share: int = 1) -> Topology:
+        """``ranks`` of one collective, ``per_host`` of them on each host, on this cluster's
+        links (:class:`hexagram.cost.collectives.Topology`, what the cost model prices
+        collectives on); ``uplink_share`` collectives at once share each host's network.
+
+        Example:
+            >>> t = Cluster(hosts=2, devices_per_host=2).topology(4, 2)
+            >>> t.hosts, t.per_host, t.inter_bps * 8 / 1e9
+            (2, 2, 200.0)
+        """
+        (intra_lat, intra), (inter_lat, inter) = self.link(False), self.link(True)
+        return Topology(ranks, per_host, intra, intra_lat, inter / uplink_share, inter_lat)
+
     def submeshes(self) -> list[Submesh]:
         """Alpa's submesh shapes: (1, 1), (1, 2), ..., (1, per_host), (2, per_host), ..."""
         out, k = [], 1
@@ -162,6 +182,32 @@ class Cluster:
     def replace(self, **changes: Any) -> Cluster:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_presets(cls, hosts: int, devices_per_host: int, *, intra: str, inter: str,
+                     device: str | None = None, **fields: Any) -> Cluster:
+        """A cluster of the cost model's presets (:mod:`hexagram.cost.devices`): the link
+        inside a host and between hosts (``"nvlink"``, ``"25gbe"``, ``"100mbit"``, ...)
+        and, with ``device``, its datasheet at the model's efficiency (other fields from
+        ``fields``): the hardware ``hexagram simulate`` describes, for the planner.
+
+        Example:
+            >>> c = Cluster.from_presets(2, 8, intra="nvlink", inter="25gbe", device="h100")
+            >>> c.inter_host_gbps, c.inter_latency_us, c.device_memory_gb
+            (25.0, 20.0, 80.0)
+        """
+        from hexagram.cost.devices import EFFICIENCY, link
+        from hexagram.cost.devices import device as datasheet
+
+        a, e = link(intra), link(inter)
+        hardware: dict[str, Any] = {
+            "intra_host_gbps": a.rate_bps * 8 / 1e9, "intra_latency_us": a.latency_s * 1e6,
+            "inter_host_gbps": e.rate_bps * 8 / 1e9, "inter_latency_us": e.latency_s * 1e6}
+        if device is not None:
+            d = datasheet(device)
+            hardware.update(device_tflops=d.flops * EFFICIENCY / 1e12,
+                            memory_gbps=d.hbm_bps / 1e9, device_memory_gb=d.memory / 1e9)
+        return cls(hosts=hosts, devices_per_host=devices_per_host, **{**hardware, **fields})
 
     @classmethod
     def parse(cls, text: str, **fields: Any) -> Cluster:
@@ -209,8 +255,6 @@ class Constraints:
         check_choice(self, "schedule", ("1f1b", "gpipe"))
         check_choice(self, "zero", (True, False))
         if tuple(self.dp_algorithms) != ("allreduce",):
-            from hexagram.parallel.relax_cost import check_priced
-
             object.__setattr__(self, "dp_algorithms", check_priced(self.dp_algorithms))
 
     def validate(self, cluster: Cluster) -> None:

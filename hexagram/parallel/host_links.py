@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from hexagram.comm.device import group_device
+from hexagram.cost.links import fit_links
 from hexagram.errors import HexagramError
-from hexagram.parallel.calibrate import fit_links
 from hexagram.parallel.cluster import Cluster
 
 __all__ = ["KEYS", "fit_host_links", "on_hosts"]

@@ -28,20 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hexagram.cost.stopwatch import best_time, synchronous_times
 from hexagram.parallel.cluster import Cluster
-from hexagram.parallel.cost import Mesh
+from hexagram.parallel.mesh import Mesh
 
 __all__ = ["LayerShape", "model_compute_scale", "model_linear_shape", "scale_compute",
            "split_scale"]
-
-
-def _median_time(fn: Callable[[], object], repeat: int) -> float:
-    """This rank's median seconds of ``fn`` over ``repeat`` calls, after a barrier
-    (collective: every rank starts together)."""
-    from hexagram.parallel.calibrate import _best_time
-
-    dist.barrier()
-    return _best_time(fn, repeat, "median")
 
 
 #: (in_features, out_features, rows) of the layers the overheads are measured on
@@ -139,7 +131,7 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
     Every rank runs ``repeat`` steps on its share of the batch (``batch // world``
     samples), each started at a barrier, so ranks that share a core slow each other; the
     median over steps of the slowest rank's step (what a plan's step waits for:
-    :func:`~hexagram.parallel.calibrate.synchronous_times`) is divided by the cost
+    :func:`~hexagram.cost.stopwatch.synchronous_times`) is divided by the cost
     model's prediction of the same step from ``cluster``'s compute fields
     (``compute_scale``). With more than one rank the same is timed, in interleaved turns,
     on the whole batch per rank (what a rank computes when the plan replicates a layer over
@@ -157,8 +149,6 @@ def model_compute_scale(model: nn.Module, inputs: Any, targets: Any, cluster: Cl
         >>> figs["compute_scale"] > 1                             # doctest: +SKIP
         True
     """
-    from hexagram.parallel.calibrate import synchronous_times
-
     first = _batched(inputs, "model_compute_scale")
     batch = first.shape[0]
     rows = max(1, batch // dist.get_world_size())
@@ -203,10 +193,8 @@ def _step(model: nn.Module, inputs: Any, targets: Any,
 def _alone(step: Callable[[], object], repeat: int) -> float:
     """Rank 0's step while the other ranks wait (a diagnostic of how much ranks sharing
     cores slow each other), the same on every rank."""
-    from hexagram.parallel.calibrate import _best_time
-
     dist.barrier()
-    solo = _best_time(step, repeat, "median") if dist.get_rank() == 0 else 0.0
+    solo = best_time(step, repeat, "median") if dist.get_rank() == 0 else 0.0
     dist.barrier()
     every: list[float] = [0.0] * dist.get_world_size()
     dist.all_gather_object(every, solo)

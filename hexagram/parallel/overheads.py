@@ -2,7 +2,7 @@
 
 Each figure is a residual: a workload is timed on every rank of the running job at once
 (so ranks sharing cores see each other), in interleaved turns with its plain twin
-(:func:`~hexagram.parallel.calibrate.interleaved`: load that drifts hits both alike, and
+(:func:`~hexagram.cost.stopwatch.interleaved`: load that drifts hits both alike, and
 the median of the per-turn differences is kept), and the cost model's own prediction of
 the difference (collectives from the calibrated
 :class:`~hexagram.parallel.cluster.Cluster`) is subtracted. What is left is what the
@@ -43,11 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hexagram.cost.stopwatch import default_device, interleaved, median_time
 from hexagram.parallel.cluster import Cluster, Submesh
-from hexagram.parallel.cost import Mesh
+from hexagram.parallel.mesh import Mesh
 from hexagram.parallel.model_scale import (
     LayerShape,
-    _median_time,
     model_compute_scale,
     model_linear_shape,
     scale_compute,
@@ -103,8 +103,6 @@ def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
         parallelize_module,
     )
 
-    from hexagram.parallel.calibrate import interleaved
-
     # over the ranks of one host, every host at once: the planner keeps tensor parallelism
     # inside a host (Alpa's submeshes), and across a slow network the collectives' time
     # would hide DTensor's own cost (the residual came out 0 on the lab's 2 x 2)
@@ -132,7 +130,6 @@ def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: in
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, share_comm_ctx
 
-    from hexagram.parallel.calibrate import interleaved
     from hexagram.parallel.zero import InPlaceReduceScatter
 
     n = dist.get_world_size()
@@ -147,7 +144,9 @@ def _zero(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: in
     share_comm_ctx(units)
     runs = interleaved([_step(_mlp(width, hidden, dtype, device), x), _step(model, x)],
                        repeat)
-    d_mesh = Mesh(cluster=cluster, d=n, t=1, b=rows, microbatches=1)
+    # the units span every rank: on several hosts their collectives cross the network
+    d_mesh = Mesh(cluster=cluster, d=n, t=1, b=rows, microbatches=1,
+                  spans_hosts=cluster.hosts > 1)
     # ZeRO-3 per micro-batch and unit: gather for forward and backward, then scatter
     pbytes = (width * hidden + hidden) * cluster.dtype_bytes, \
         (hidden * width + width) * cluster.dtype_bytes
@@ -184,7 +183,6 @@ def _microbatch(cluster: Cluster, dtype: torch.dtype, device: torch.device, repe
                 barrier: float) -> tuple[float, float]:
     """(per micro-batch and stage, fixed per step) seconds of a pipeline of all ranks:
     ``n`` and ``3n`` micro-batches timed in interleaved turns, the median per-turn slope."""
-    from hexagram.parallel.calibrate import interleaved
     from hexagram.parallel.inter import transfer_time
 
     n = dist.get_world_size()
@@ -208,10 +206,8 @@ def framework_overheads(cluster: Cluster, dtype: torch.dtype = torch.float64,
     than one host, its ranks laid out as hosts: DTensor is then measured inside a host);
     ``shape``: the model's layer (:func:`model_linear_shape`) that DTensor and FSDP2 are
     measured on (None, or a width that does not split over the ranks: a tiny one)."""
-    from hexagram.parallel.calibrate import _default_device
-
-    device = _default_device()
-    barrier = _median_time(dist.barrier, repeat)
+    device = default_device()
+    barrier = median_time(dist.barrier, repeat)
     tp = _tp(cluster, dtype, device, repeat, shape)
     zero = _zero(cluster, dtype, device, repeat, shape)
     per_mb, fixed = _microbatch(cluster, dtype, device, repeat, barrier)

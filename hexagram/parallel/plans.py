@@ -24,13 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hexagram.parallel.cluster import Cluster
+from hexagram.parallel.rules import DP_BUCKET_BYTES, check_dp_algorithm
 
 __all__ = ["DP_BUCKET_BYTES", "Plan", "StagePlan"]
-
-#: capacity of the buckets in which the executor allreduces a stage's gradients over its
-#: ``dp`` ranks (PyTorch DDP's default, 25 MB): one collective, so one link latency, per
-#: bucket rather than per parameter tensor. The cost model prices the same buckets.
-DP_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 @dataclass
@@ -68,8 +64,6 @@ class StagePlan:
 
     def __post_init__(self) -> None:
         if self.dp_algorithm != "allreduce" or self.dp_options:
-            from hexagram.parallel.relax import check_dp_algorithm  # loads the algorithms
-
             check_dp_algorithm(self.dp_algorithm, self.dp_options)
 
     @property

@@ -17,10 +17,7 @@ What combines: tensor-parallel (DTensor) parameters are synchronised through the
 shards (each ``dp`` group holds ranks of the same ``tp`` index, hence the same shards);
 parameters a ``+zero`` plan shards with FSDP2 keep FSDP's reduce-scatter (their gradients
 are sharded, not whole), the algorithm syncs all others. What is refused
-(:func:`check_dp_algorithm`): weight algorithms (local SGD, DiLoCo, decentralized, async:
-they average weights after optimizer steps, not gradients), algorithms that hook the
-optimizer (QAdam) or measure every rank (``auto``), and the wrapper options (``delay``,
-``hierarchical``: they hook optimizer steps or group ranks by host over the whole world).
+is :func:`~hexagram.parallel.rules.check_dp_algorithm`'s (importable from here too).
 
 Example:
     >>> check_dp_algorithm("powersgd", {"rank": 4})
@@ -44,11 +41,11 @@ from torch import nn
 
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
-from hexagram.algorithms.wrappers import WRAPPER_OPTIONS
 from hexagram.buckets import Bucket, build_buckets
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.errors import ConfigError, HexagramError
 from hexagram.parallel.plans import StagePlan
+from hexagram.parallel.rules import check_dp_algorithm
 from hexagram.parallel.zero import fsdp_managed
 from hexagram.runtime import get_runtime, is_initialized
 
@@ -56,36 +53,6 @@ __all__ = ["StageSync", "algorithm_sync", "check_dp_algorithm", "load_stage_stat
            "stage_state", "stage_sync"]
 
 _MB = 1024 * 1024
-#: gradient algorithms that need more than a process group (they are refused, with why)
-_REFUSED = {
-    "auto": "it measures compute and the network over every rank of the job",
-    "qadam": "it hooks the optimizer (frozen Adam variance), which a stage sync never sees",
-}
-_EXAMPLES = "allreduce, fp16, powersgd, topk"
-
-
-def check_dp_algorithm(name: str, options: Mapping[str, Any] | None = None) -> None:
-    """Raise a :class:`ConfigError` naming the problem if ``name`` with ``options`` cannot
-    synchronise a stage's gradients; unknown names list the valid ones (the registry's
-    ``ValueError``), bad options name the field (the config's ``ConfigError``)."""
-    options = dict(options or {})
-    wrappers = sorted(k for k in options if k in WRAPPER_OPTIONS)
-    if wrappers:
-        raise ConfigError(f"dp_algorithm option(s) {wrappers} cannot be used for a stage's "
-                          f"sync: they hook optimizer steps or group ranks by host over the "
-                          f"whole job; drop them (the stage's dp group is the sync group)")
-    entry = registry.entries().get(name)
-    if entry is None:
-        raise ValueError(f"unknown dp_algorithm {name!r}; valid names: "
-                         f"{', '.join(registry.names())}")
-    if entry.kind == "weight":
-        raise ConfigError(f"dp_algorithm {name!r} cannot synchronise a stage's gradients: it "
-                          f"averages weights after optimizer steps (a weight algorithm); use "
-                          f"a gradient algorithm, e.g. {_EXAMPLES}")
-    if name in _REFUSED:
-        raise ConfigError(f"dp_algorithm {name!r} cannot synchronise a stage's gradients: "
-                          f"{_REFUSED[name]}; use e.g. {_EXAMPLES}")
-    registry.get(name, **options)  # the config's own checks (names the bad field)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ side of :mod:`hexagram.parallel.relax`).
 
 The wire bytes come from :mod:`hexagram.cost.payload_size` (each compressor's payload from
 shapes and config, checked against real payloads by the tests there), the seconds from the
-stage mesh's alpha-beta collectives (:meth:`hexagram.parallel.cost.Mesh.collective`):
+stage mesh's alpha-beta collectives (:meth:`hexagram.parallel.mesh.Mesh.collective`):
 
 | algorithm | collective over ``d`` per tensor | latencies |
 |---|---|---|
@@ -12,7 +12,7 @@ stage mesh's alpha-beta collectives (:meth:`hexagram.parallel.cost.Mesh.collecti
 | powersgd | allreduce of P (rows x r), then of Q (cols x r); dense if not smaller | 2 per bucket |
 | topk | allgather of ``d`` payloads ((k,) values + (k,) int32 indices) | per tensor |
 
-"Per bucket": the engine's buckets (:data:`~hexagram.parallel.plans.DP_BUCKET_BYTES`) each
+"Per bucket": the engine's buckets (:data:`~hexagram.parallel.rules.DP_BUCKET_BYTES`) each
 send one message, so a tensor pays its byte share of the bucket's latency; the
 compressors' default granularity (``"layer"``) sends one message per tensor.
 
@@ -27,7 +27,7 @@ with it (:data:`PLANNED_OPTIONS`: PowerSGD rank 8, a drop-in for allreduce's los
 
 Example:
     >>> from hexagram.parallel.cluster import Cluster
-    >>> from hexagram.parallel.cost import Mesh
+    >>> from hexagram.parallel.mesh import Mesh
     >>> from hexagram.parallel.graph import Op
     >>> slow = Cluster(hosts=2, devices_per_host=1, inter_host_gbps=1, dtype_bytes=4)
     >>> op = Op("linear", "fc", params=1024 * 1024 + 1024, out_elems=1024)
@@ -49,18 +49,15 @@ from hexagram.algorithms import registry
 from hexagram.compress.base import Compressor
 from hexagram.cost.payload_size import payload_layout
 from hexagram.errors import ConfigError
-from hexagram.parallel.plans import DP_BUCKET_BYTES
+from hexagram.parallel.rules import DP_BUCKET_BYTES, PRICED, check_priced
 
 if TYPE_CHECKING:
-    from hexagram.parallel.cost import Mesh
     from hexagram.parallel.graph import Op
+    from hexagram.parallel.mesh import Mesh
 
 __all__ = ["PLANNED_OPTIONS", "PRICED", "check_priced", "frozen_options", "op_shapes",
            "planned_options", "sync_cost", "wire_bytes"]
 
-#: algorithms the planner can price (the executor runs any gradient algorithm): those whose
-#: registry entry declares ``planner=Planned(...)``
-PRICED = registry.planner_priced()
 #: the config the planner prices *and* emits (``StagePlan.dp_options``) per algorithm: one
 #: that trains like allreduce as a drop-in, which each registry entry declares
 #: (``Entry.planner``; PowerSGD: rank 8 with its warm-up; others: their registry defaults)
@@ -170,20 +167,3 @@ def sync_cost(op: Op, in_elems: float, mesh: Mesh, psplit: int) -> tuple[float, 
             if name == "powersgd":
                 extra += msgs[-1]  # warm-start Q
     return secs, extra
-
-
-def check_priced(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """``Constraints.dp_algorithms`` checked: usable for a stage's sync and priced here;
-    ``allreduce`` must be among them (the exact sync stays a choice)."""
-    from hexagram.parallel.relax import check_dp_algorithm
-
-    out = tuple(names)
-    for name in out:
-        check_dp_algorithm(name)
-        if name not in PRICED:
-            raise ConfigError(f"Constraints.dp_algorithms: {name!r} is not priced by the "
-                              f"planner's cost model; priced: {', '.join(PRICED)} (set any "
-                              f"gradient algorithm on a plan's StagePlan.dp_algorithm by hand)")
-    if "allreduce" not in out:
-        raise ConfigError(f"Constraints.dp_algorithms={out} must include 'allreduce'")
-    return out
