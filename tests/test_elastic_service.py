@@ -55,7 +55,7 @@ def test_store_service_publishes_the_largest_membership() -> None:
                service.ENV_JOB: "j"}
         assert service.live_address(env, timeout=20).max_size == 3
         with pytest.raises(ConfigError, match="largest membership is unknown"):
-            service.live_address({**env, service.ENV_JOB: "other"}, timeout=20)
+            service.live_address({**env, service.ENV_JOB: "other"}, timeout=1)
     finally:
         stop.set()
         thread.join(20)

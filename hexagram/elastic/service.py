@@ -99,11 +99,14 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
 
 
 def _published_max(host: str, port: int, prefix: str, timeout: float) -> int | None:
-    """The ``max_replicas`` the store service published for the job (None: not one)."""
+    """The ``max_replicas`` the store service published for the job, waiting up to
+    ``timeout`` s for the service (a replica may start first); None: not published."""
     store = dist.PrefixStore(prefix, dist.TCPStore(
         host, port, is_master=False, timeout=timedelta(seconds=timeout),
         wait_for_workers=False))
-    if not store.check([_CONFIG_KEY]):
+    try:
+        store.wait([_CONFIG_KEY], timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError):  # DistStoreError: a store without the service
         return None
     return int(json.loads(store.get(_CONFIG_KEY).decode())["max_replicas"])
 
