@@ -102,12 +102,15 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
         ConfigError: bad sizes, an unsupported algorithm or a missing store address.
         QuorumError: fewer than ``min_size`` replicas came within ``join_timeout``.
     """
-    address = live_address(timeout=join_timeout)
+    if not 1 <= min_size <= (min_size if start_size is None else start_size):
+        raise ConfigError(f"need 1 <= min_size ({min_size}) <= start_size ({start_size})")
+    address = live_address(timeout=join_timeout)  # sizes first: this may wait for a store
     replica, max_size = address.replica, address.max_size
     start = max_size if start_size is None else start_size
     if not 1 <= min_size <= start <= max_size:
         raise ConfigError(f"need 1 <= min_size ({min_size}) <= start_size ({start}) <= "
-                          f"WORLD_SIZE ({max_size})")
+                          f"the largest membership ({max_size}: HEXAGRAM_MAX_REPLICAS, the "
+                          "store's --max-replicas or WORLD_SIZE)")
     if not isinstance(algorithm, str):
         raise ConfigError("live mode builds a new algorithm per membership: pass its name "
                           f"and algorithm_config={{...}}, not {type(algorithm).__name__}")

@@ -196,7 +196,9 @@ def _bucket_mb(bucket_cap_mb: float | None, bucket_size_mb: float | None,
                               "first_bucket_mb= and bucket_cap_mb=")
         first, cap = caps[0], caps[-1]
     cap = DEFAULT_BUCKET_MB if cap is None else cap
-    for name, value in (("bucket_cap_mb", cap), ("first_bucket_mb", first)):
+    cap_name = "bucket_size_mb" if bucket_cap_mb is None and bucket_size_mb is not None \
+        else "bucket_cap_mb"
+    for name, value in ((cap_name, cap), ("first_bucket_mb", first)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"{name} must be a number >= 0 (MiB), got {value!r}")
     return float(cap), float(first)
