@@ -202,3 +202,35 @@ def test_legacy_positionals_move_to_keywords_with_a_future_warning() -> None:
         assert torch_args.legacy_positionals([], None, None, None) == ([], None, None, None)
     with pytest.raises(ConfigError, match="optimizers given twice"):
         torch_args.legacy_positionals([opt], None, [opt], None)
+
+
+def _inputs_follow_device_ids() -> tuple[str, str]:
+    """One NCCL rank: a CUDA module wrapped with ``device_ids=[0]`` gets CPU inputs moved
+    to its device, as under PyTorch DDP."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(0)
+    model = hx.DistributedDataParallel(nn.Linear(4, 2).cuda(), device_ids=[0],
+                                       output_device=0)
+    out = model(torch.randn(3, 4))  # on the CPU
+    out.sum().backward()
+    grad = model.module.weight.grad
+    dist.destroy_process_group()
+    return str(out.device), str(grad.device if grad is not None else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (device_ids=[0])")
+def test_device_ids_move_inputs_to_the_module_device() -> None:
+    assert run_local(_inputs_follow_device_ids, world_size=1, timeout=90) == [
+        ("cuda:0", "cuda:0")]
+
+
+def test_to_device_moves_every_tensor_of_nested_inputs() -> None:
+    x, y = torch.zeros(1), torch.ones(1, dtype=torch.float64)
+    moved = torch_args.to_device(((x, [y]), {"k": y, "n": 3}), torch.device("cpu"))
+    assert torch.equal(moved[0][0], x) and moved[1]["n"] == 3
+    assert torch_args.module_device(nn.Linear(1, 1).double()) == torch.device("cpu")
+    assert torch_args.module_device(nn.ReLU()) is None

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
@@ -38,10 +37,6 @@ __all__ = ["DistributedDataParallel"]
 _MB = 1024 * 1024
 
 
-def _module_device(module: nn.Module) -> torch.device | None:
-    return next((p.device for p in module.parameters()), None)
-
-
 def _run_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``module(*args, **kwargs)`` from a frame Dynamo compiles under ``torch.compile``.
 
@@ -50,12 +45,6 @@ def _run_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     This frame is Hexagram's, so Dynamo traces it and inlines the whole module.
     """
     return module(*args, **kwargs)
-
-
-def _to_device(tree: Any, device: torch.device) -> Any:
-    """Every tensor of ``tree`` (nested args/kwargs) on ``device``, asynchronously."""
-    return tree_map(lambda t: t.to(device, non_blocking=True)
-                    if isinstance(t, torch.Tensor) else t, tree)
 
 
 class DistributedDataParallel(nn.Module):
@@ -136,7 +125,7 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         device_ids, output_device, optimizers, algorithm = torch_args.legacy_positionals(
             device_ids, output_device, optimizers, algorithm)
-        runtime = runtime_for_wrapping(_module_device(module))
+        runtime = runtime_for_wrapping(torch_args.module_device(module))
         given = {k: v for k, v in locals().items() if k in torch_args.ARGUMENTS}
         opts = torch_args.resolve(module, runtime.world_size, **given)
         check_runs_on(module, runtime.device)
@@ -230,7 +219,7 @@ class DistributedDataParallel(nn.Module):
         # docstring: the exposed forward shows the wrapped module's.)
         self._before_module_forward()
         if self._input_device is not None:  # device_ids=[d]: inputs go to d, as torch's
-            args, kwargs = _to_device((args, kwargs), self._input_device)
+            args, kwargs = torch_args.to_device((args, kwargs), self._input_device)
         return _run_module(self.module, args, kwargs)
 
     @torch.compiler.disable

@@ -27,11 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from hexagram.algorithms.base import Algorithm
 from hexagram.errors import ConfigError
 
-__all__ = ["ARGUMENTS", "DEFAULT_BUCKET_MB", "WrapOptions", "legacy_positionals", "resolve"]
+__all__ = ["ARGUMENTS", "DEFAULT_BUCKET_MB", "WrapOptions", "legacy_positionals", "module_device",
+           "resolve", "to_device"]
 
 #: the wrapper's arguments :func:`resolve` reads (torch DDP's but ``module``, and Hexagram's
 #: bucket sizes)
@@ -272,3 +274,15 @@ def resolve(module: nn.Module, world_size: int, *,
                        gradient_as_bucket_view=bool(gradient_as_bucket_view),
                        static_graph=bool(static_graph), device_ids=ids, output_device=out,
                        dim=dim, device=input_device)
+
+
+def module_device(module: nn.Module) -> torch.device | None:
+    """The device of the module's first parameter (None: it has none)."""
+    return next((p.device for p in module.parameters()), None)
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """Every tensor of ``tree`` (nested args/kwargs) on ``device``, asynchronously, as
+    PyTorch DDP moves inputs to ``device_ids[0]``."""
+    return tree_map(lambda t: t.to(device, non_blocking=True)
+                    if isinstance(t, torch.Tensor) else t, tree)
