@@ -32,7 +32,7 @@ def main() -> None:
     x, y = shard(data.x_train, data.y_train, rt.rank, rt.world_size)
     model = mlp(data.x_train[0].numel(), 256, 2, data.classes)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model_dp = hx.DistributedDataParallel(model, [opt], algorithm=args.algorithm)
+    model_dp = hx.DistributedDataParallel(model, optimizers=[opt], algorithm=args.algorithm)
     steps = len(data.y_train) // rt.world_size // args.batch  # equal on every rank
     gen = torch.Generator().manual_seed(0)
     for epoch in range(args.epochs):

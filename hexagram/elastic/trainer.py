@@ -353,7 +353,7 @@ class LiveTrainer:
                 own = without_residuals(box[0])  # its residuals are its own debt
         name, config = self.algorithm
         self.model = DistributedDataParallel(
-            self.module, self.optimizers, registry.get(name, **config),
+            self.module, optimizers=self.optimizers, algorithm=registry.get(name, **config),
             **self._wrapper_kwargs)
         if own is not None:
             apply_rank_state(own, self.model, self.optimizers, restore_rng=False)
