@@ -49,7 +49,8 @@ def _one(name: str, config: dict[str, Any], args: argparse.Namespace) -> dict[st
     torch.manual_seed(0)
     net = mlp(784, args.hidden, args.layers, 10)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(name, **config))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(name, **config))
     gen = torch.Generator().manual_seed(rt.rank)
     x = torch.rand(args.batch, 1, 28, 28, generator=gen)
     y = torch.randint(0, 10, (args.batch,), generator=gen)
@@ -93,7 +94,8 @@ def _digits_one(name: str, config: dict[str, Any], lr: float, momentum: float,
     net = mlp(64, 64, 1, 10)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, [epochs * 3 // 4], gamma=0.1)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(name, **config))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(name, **config))
     steps = 0
     for epoch in range(epochs):
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))

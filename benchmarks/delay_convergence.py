@@ -121,7 +121,7 @@ def _train(spec: dict[str, Any], name: str, delay: int) -> dict[str, Any]:
                               nesterov=spec["nesterov"])
     options = {"predict": spec["predict"]} if delay else {}
     algo = hx.algorithms.get(name, delay=delay, **options, **spec["config"].get(name, {}))
-    model = hx.DistributedDataParallel(net, [opt], algo)
+    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo)
     losses = []
     t0 = time.perf_counter()
     for x, y in _batches(spec, source, rank):

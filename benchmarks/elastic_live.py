@@ -37,7 +37,7 @@ def _plain(steps: int, algorithm: str) -> float:
     hx.init(timeout=30)
     module = net()
     opt = _optimizer(module)
-    model = hx.DistributedDataParallel(module, [opt], algorithm)
+    model = hx.DistributedDataParallel(module, optimizers=[opt], algorithm=algorithm)
     times = []
     for step in range(steps):
         x, y = batch(step, dist.get_rank())

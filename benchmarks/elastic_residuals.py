@@ -43,7 +43,8 @@ def _rank(steps: int, probes: list[int], dataset: str, batch: int, lr: float,
     data = soak._data(dataset)
     net = soak.model_for(data, seed=seed)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(algorithm))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(algorithm))
     grad_norms, residuals = [], {}
     for step in range(steps):
         if step in probes:

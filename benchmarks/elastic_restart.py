@@ -39,7 +39,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    model = hx.DistributedDataParallel(net, [opt], args.algorithm)
+    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=args.algorithm)
     faults = [Fault(1, args.kill_step, "sigkill")] if args.kill_step >= 0 and attempt == 0 \
         else []
     injector = FaultInjector(faults, rt.rank)

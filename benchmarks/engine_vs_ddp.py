@@ -41,7 +41,8 @@ def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
 
     name, config = parse_label(algorithm)  # e.g. "allreduce:delay=1:predict=false"
     algo = hx.algorithms.get(name, **config, **({"verbose": False} if name == "auto" else {}))
-    ours = hx.DistributedDataParallel(a, [opt_a], algo, bucket_size_mb=bucket_mb)
+    ours = hx.DistributedDataParallel(a, optimizers=[opt_a],
+                                      algorithm=algo, bucket_size_mb=bucket_mb)
     theirs = TorchDDP(b, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=ddp_views)
     gen = torch.Generator().manual_seed(rt.rank)
     x, y = torch.randn(batch, 784, generator=gen), torch.randint(0, 10, (batch,), generator=gen)

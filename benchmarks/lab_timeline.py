@@ -36,7 +36,7 @@ def _trace(args: argparse.Namespace) -> list[list[tuple[str, float, float]]]:
     opt = make_optimizer(args.algorithm, work.model.parameters(), 0.01, warmup=args.warmup)
     config = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     algorithm = hx.algorithms.get(args.algorithm, **config)
-    model = hx.DistributedDataParallel(work.model, [opt], algorithm=algorithm,
+    model = hx.DistributedDataParallel(work.model, optimizers=[opt], algorithm=algorithm,
                                        bucket_size_mb=args.bucket_mb,
                                        first_bucket_mb=min(1.0, args.bucket_mb))
     events: list[tuple[str, float, float]] = []

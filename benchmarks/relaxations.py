@@ -92,7 +92,8 @@ def _wrap(kind: str, cfg: dict[str, Any], net: nn.Module, opt: torch.optim.Optim
             count()
 
         return net, average, lambda: (steps[0] // PERIOD) * _ring(nbytes, world), lambda: None
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(kind, **cfg))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(kind, **cfg))
     return model, lambda: None, model.bytes_sent, model.close
 
 

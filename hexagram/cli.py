@@ -1,4 +1,4 @@
-"""The ``hexagram`` command: demo, bench, train, plan, advise, simulate.
+"""The ``hexagram`` command: demo, bench, train, plan, advise, simulate, elastic-store/run.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; modules are imported only when their command runs.
@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "advise": ("hexagram.bench.advise", "recommend an algorithm for a measured network"),
     "simulate": ("hexagram.bench.simulate_cli", "predict every algorithm's step time on a "
                  "cluster you do not have (device, link presets, 8 to 4096 devices)"),
+    "elastic-store": ("hexagram.elastic.store_command", "host live mode's store and "
+                      "membership service (one per job, on a machine that stays up)"),
+    "elastic-run": ("hexagram.elastic.run_command", "start one live-mode replica on this "
+                    "machine and restart it when it dies"),
 }
 
 

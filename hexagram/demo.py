@@ -57,7 +57,7 @@ def train_worker(algorithm: str, dataset: str, epochs: int, batch: int) -> dict[
     torch.manual_seed(0)
     model = mlp(data.x_train[0].numel(), 256, 2, data.classes)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ddp = hx.DistributedDataParallel(model, [opt], algorithm)
+    ddp = hx.DistributedDataParallel(model, optimizers=[opt], algorithm=algorithm)
     gen = torch.Generator().manual_seed(1)  # same permutation on every rank
     history, samples, start = [], 0, time.perf_counter()
     steps_per_epoch = len(data.y_train) // rt.world_size // batch  # equal on every rank

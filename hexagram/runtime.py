@@ -37,7 +37,7 @@ from hexagram.rendezvous import (
 )
 
 __all__ = ["DEFAULT_TIMEOUT", "InitTimeoutError", "Runtime", "adopt_group", "get_runtime",
-           "init", "is_initialized", "shutdown"]
+           "init", "is_initialized", "runtime_for_wrapping", "shutdown"]
 
 #: Default for every collective: far below torch's 30 minutes, so a dead peer is noticed.
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -68,6 +68,8 @@ class Runtime:
     timeout: timedelta
     host_of_rank: list[int]
     _groups: dict[str, object] = field(default_factory=dict, repr=False)
+    #: the default process group this runtime describes (a new one needs a new runtime)
+    world_group: object = field(default=None, repr=False, compare=False)
 
     @property
     def hosts(self) -> list[list[int]]:
@@ -191,28 +193,65 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     host_index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
     _RUNTIME = Runtime(rank=rank, world_size=world, local_rank=local_rank,
                        local_world_size=local_world, backend=chosen, device=device, timeout=td,
-                       host_of_rank=[host_index[k] for k in keys])
+                       host_of_rank=[host_index[k] for k in keys], world_group=dist.group.WORLD)
     return _RUNTIME
 
 
-def adopt_group(timeout: float | timedelta = DEFAULT_TIMEOUT) -> Runtime:
+def _adopted_backend() -> str:
+    """``"nccl"`` or ``"gloo"`` for the default group (``init_process_group()`` without a
+    backend reports ``"undefined"``; its configuration reads ``"cpu:gloo,cuda:nccl"``)."""
+    config = str(dist.get_backend_config())
+    return "nccl" if "nccl" in config and torch.cuda.is_available() else "gloo"
+
+
+def adopt_group(timeout: float | timedelta = DEFAULT_TIMEOUT,
+                device: torch.device | None = None) -> Runtime:
     """Replace the runtime by one for the default process group set up elsewhere.
 
-    For live mode (``hexagram.elastic.live``), which rebuilds the default gloo group for
-    every new membership: rank and world size come from the group (collective: host keys
-    are gathered). Example: ``dist.init_process_group("gloo", store=..., rank=r,
-    world_size=w); hexagram.runtime.adopt_group(30)``.
+    For a script that called ``torch.distributed.init_process_group`` itself (the wrapper
+    adopts its group: :func:`runtime_for_wrapping`), and for live mode
+    (``hexagram.elastic.live``), which rebuilds the default gloo group for every new
+    membership. Rank and world size come from the group, the local rank and size from
+    torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (0 and 1 without them); ``device``
+    defaults to ``cuda:LOCAL_RANK`` for NCCL, the CPU otherwise. Collective: host keys are
+    gathered. Example: ``dist.init_process_group("gloo", store=..., rank=r, world_size=w);
+    hexagram.runtime.adopt_group(30)``.
     """
     global _RUNTIME
     rank, world = dist.get_rank(), dist.get_world_size()
+    backend = _adopted_backend()
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if device is None:
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     keys: list[str | None] = [None] * world
     dist.all_gather_object(keys, _host_key())
     host_index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-    _RUNTIME = Runtime(rank=rank, world_size=world, local_rank=0, local_world_size=1,
-                       backend=dist.get_backend(), device=torch.device("cpu"),
-                       timeout=_as_timedelta(timeout),
-                       host_of_rank=[host_index[k] for k in keys])
+    _RUNTIME = Runtime(rank=rank, world_size=world, local_rank=local_rank,
+                       local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), backend=backend,
+                       device=device, timeout=_as_timedelta(timeout),
+                       host_of_rank=[host_index[k] for k in keys], world_group=dist.group.WORLD)
     return _RUNTIME
+
+
+def runtime_for_wrapping(device: torch.device | None = None) -> Runtime:
+    """The runtime for a wrapper being built (collective when it adopts a group).
+
+    :func:`init`'s runtime; or, in a script that set up the default process group itself
+    (``torch.distributed.init_process_group``, as a PyTorch DDP script does), a runtime
+    adopted from that group (:func:`adopt_group`, ``device``: the model's, used with
+    NCCL), so ``hexagram.DistributedDataParallel`` replaces PyTorch's with only the
+    import changed. A group re-created since is adopted anew.
+
+    Raises:
+        NotInitializedError: no process group at all (names both ways to make one).
+    """
+    if not dist.is_initialized():
+        return get_runtime()
+    if _RUNTIME is not None and _RUNTIME.world_group is dist.group.WORLD:
+        return _RUNTIME
+    use = device if device is not None and device.type == "cuda" \
+        and _adopted_backend() == "nccl" else None
+    return adopt_group(DEFAULT_TIMEOUT, device=use)
 
 
 def is_initialized() -> bool:
@@ -226,7 +265,8 @@ def get_runtime() -> Runtime:
         raise NotInitializedError(
             "Hexagram is not initialised: call hexagram.init() first (it reads torchrun's "
             "environment; launch with `torchrun --nproc-per-node N script.py`, or run the "
-            "script plainly for world size 1)"
+            "script plainly for world size 1), or torch.distributed.init_process_group() "
+            "as a PyTorch DDP script does (the wrapper adopts that group)"
         )
     return _RUNTIME
 

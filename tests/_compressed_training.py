@@ -55,7 +55,7 @@ def _train_one(spec: Spec, epochs: int, batch: int) -> dict[str, Any]:
     net = mlp(in_features=64, hidden=64, layers=1, classes=10)
     opt = torch.optim.SGD(net.parameters(), lr=spec.lr, momentum=spec.momentum)
     algo = hx.algorithms.get(spec.algorithm, **spec.config)
-    model = hx.DistributedDataParallel(net, [opt], algo, bucket_size_mb=25.0)
+    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo, bucket_size_mb=25.0)
     steps = 0
     # lr x 0.1 for the last quarter: the final accuracy then reflects where training
     # converged, not the noise of the last few steps

@@ -59,7 +59,7 @@ def train_steps(name: str, model: nn.Module, device: torch.device, steps: int = 
     rt = hx.get_runtime()
     opt = optimizer_for(name, model.parameters())
     algo = hx.algorithms.get(name, **config_for(name))
-    ddp = hx.DistributedDataParallel(model, [opt], algo, **wrap)
+    ddp = hx.DistributedDataParallel(model, optimizers=[opt], algorithm=algo, **wrap)
     gen = torch.Generator().manual_seed(100 + rt.rank)
     for _ in range(steps):
         x = torch.randn(8, 16, generator=gen).to(device=device, dtype=dtype)

@@ -36,7 +36,8 @@ def _worker() -> dict[str, float]:
     torch.manual_seed(0)
     net = nn.Linear(3, 1, bias=False)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get("async", interval_ms=2.0))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get("async", interval_ms=2.0))
     algo: Any = model.algorithm
     x0 = net.weight.detach().clone()
     steps = 30 + 10 * rt.rank  # uneven: ranks finish at different times

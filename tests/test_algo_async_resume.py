@@ -52,7 +52,8 @@ def _wrap(seed: int) -> tuple[Any, torch.optim.Optimizer]:
 
     net = _net(seed)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    return hx.DistributedDataParallel(net, [opt], hx.algorithms.get("async", interval_ms=2.0)
+    return hx.DistributedDataParallel(net, optimizers=[opt],
+                                      algorithm=hx.algorithms.get("async", interval_ms=2.0)
                                       ), opt
 
 

@@ -27,7 +27,7 @@ def _train(name: str, steps: int = 3, seed: int = 0, **config: Any) -> dict[str,
     model = small_model(seed)
     opt = optimizer_for(name, model.parameters())
     algo = hx.algorithms.get(name, **{**config_for(name), **config})
-    ddp = hx.DistributedDataParallel(model, [opt], algo, bucket_size_mb=0.001)
+    ddp = hx.DistributedDataParallel(model, optimizers=[opt], algorithm=algo, bucket_size_mb=0.001)
     gen = torch.Generator().manual_seed(100 + rt.rank)
     grads = []
     for _ in range(steps):
@@ -48,7 +48,8 @@ def _overflow() -> str:
 
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ddp = hx.DistributedDataParallel(model, [opt], hx.algorithms.get("topk", cast="fp16"))
+    ddp = hx.DistributedDataParallel(model, optimizers=[opt],
+                                     algorithm=hx.algorithms.get("topk", cast="fp16"))
     try:
         (ddp(torch.full((1, 4), 1e5)).sum() * 1e3).backward()
     except hx.NonFiniteGradientError as e:

@@ -100,7 +100,8 @@ def _run(name: str, config: dict[str, Any], steps: int, rank1: bool = False,
     torch.manual_seed(0)
     net = Probe()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(name, **config))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(name, **config))
     if state is not None:
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -131,7 +132,8 @@ def _bad_steps(name: str, config: dict[str, Any], poison: dict[int, tuple[int, .
     torch.manual_seed(0)
     net = Probe()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(name, **config))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(name, **config))
     out: dict[str, Any] = {"errors": [], "zero_steps": []}
     for step in range(3):
         xs = inputs(step, rt.rank)

@@ -55,7 +55,7 @@ def _worker() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, config in CASES.items():
         net = Probe()
-        model = hx.DistributedDataParallel(net, [], hx.algorithms.get(name, **config))
+        model = hx.DistributedDataParallel(net, algorithm=hx.algorithms.get(name, **config))
         grads, sent = [], []
         for step in range(2):
             before = model.bytes_sent()

@@ -54,7 +54,8 @@ def _wrap(algo: str, **cfg: object) -> tuple[Any, torch.optim.Optimizer, nn.Modu
 
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=LR)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(algo, **cfg))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(algo, **cfg))
     with torch.no_grad():
         for p in net.parameters():
             p.add_(0.1 * dist.get_rank() * torch.ones_like(p) + 0.01 * torch.randn_like(p))

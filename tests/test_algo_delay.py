@@ -111,7 +111,8 @@ def _sequence_worker(rank: int) -> dict[str, list[list[torch.Tensor]]]:
         algo = hx.algorithms.wrap(hx.algorithms.get(name, **config.get(name, {})),
                                   hierarchical=hierarchical, delay=1, predict=predict,
                                   delay_warmup=WARMUP if label == "warmup" else None)
-        model = hx.DistributedDataParallel(net, [opt], algo, bucket_size_mb=0.0,
+        model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                           algorithm=algo, bucket_size_mb=0.0,
                                            gradient_as_bucket_view=as_view)
         seen = []
         for step in range(STEPS):
@@ -131,7 +132,8 @@ def _fallback_worker(rank: int) -> list[tuple[list[torch.Tensor], dict[str, torc
     """RMSprop (no exact prediction): per step, the module's weights and the true ones."""
     net = _net()
     opt = torch.optim.RMSprop(net.parameters(), lr=0.01)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get("allreduce", delay=1),
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get("allreduce", delay=1),
                                        bucket_size_mb=0.0)
     seen = []
     for step in range(4):
@@ -150,8 +152,8 @@ def _warmup_default_worker() -> dict[str, int]:
     for label, cls in (("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW),
                        ("adam", torch.optim.Adam)):
         net = _net()
-        model = hx.DistributedDataParallel(net, [cls(net.parameters(), lr=0.01)],
-                                           hx.algorithms.get("allreduce", delay=1))
+        model = hx.DistributedDataParallel(net, optimizers=[cls(net.parameters(), lr=0.01)],
+                                           algorithm=hx.algorithms.get("allreduce", delay=1))
         out[label] = model.algorithm.warmup_steps
         model.close()
     return out

@@ -42,7 +42,8 @@ def _accuracy(name: str, delay: int, momentum: float, lr: float, dataset: str = 
     net = mlp(x[0].numel(), hidden, 1, ds.classes)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     options = {"predict": predict} if delay else {}
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(name, delay=delay,
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(name, delay=delay,
                                                                      **options))
     for epoch in range(epochs):
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))

@@ -72,7 +72,8 @@ def _compressed_worker(rank: int) -> dict[str, Any]:
             net = Probe()
             opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
             model = hx.DistributedDataParallel(
-                net, [opt], hx.algorithms.get(name, delay=delay, **config), bucket_size_mb=0.0)
+                net, optimizers=[opt], algorithm=hx.algorithms.get(name, delay=delay, **config),
+                bucket_size_mb=0.0)
             grads, sent, predicted = [], [], []
             for step in range(STEPS):
                 before = model.bytes_sent()
@@ -139,7 +140,8 @@ def _wrapped() -> tuple[nn.Module, Any, torch.optim.Optimizer]:
     net = _net().float()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     algo = hx.algorithms.get("topk", delay=1, density=0.3)
-    return net, hx.DistributedDataParallel(net, [opt], algo, bucket_size_mb=0.0), opt
+    return net, hx.DistributedDataParallel(net, optimizers=[opt],
+                                           algorithm=algo, bucket_size_mb=0.0), opt
 
 
 def _resume_worker(rank: int) -> dict[str, list[torch.Tensor]]:
@@ -206,7 +208,8 @@ def _every_worker(rank: int) -> dict[str, list[torch.Tensor]]:
         net = small_model()
         opt = optimizer_for(name, net.parameters())
         algo = hx.algorithms.get(name, delay=1, **config_for(name))
-        model = hx.DistributedDataParallel(net, [opt], algo, bucket_size_mb=0.001)
+        model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                           algorithm=algo, bucket_size_mb=0.001)
         gen = torch.Generator().manual_seed(100 + rank)
         for _ in range(3):
             x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)

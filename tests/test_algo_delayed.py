@@ -53,7 +53,8 @@ def _pair(algo: str, **cfg: object) -> tuple[nn.Module, torch.optim.Optimizer, n
     net, ref = _net(), _net()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(algo, **cfg))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(algo, **cfg))
     return net, opt, ref, ref_opt, model
 
 

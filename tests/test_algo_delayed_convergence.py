@@ -48,7 +48,8 @@ def _accuracy(algo: str, cfg: dict[str, Any], opt_kind: str, epochs: int) -> flo
     torch.manual_seed(0)
     net = mlp(64, 64, 1, ds.classes)
     opt = _optimizer(opt_kind, net.parameters())
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(algo, **cfg))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(algo, **cfg))
     batches = len(y) // BATCH  # equal on every rank (the allreduce baseline needs it)
     for epoch in range(epochs):
         if epoch == (2 * epochs) // 3:  # step decay: final accuracy depends less on noise

@@ -36,7 +36,7 @@ def _wrap(seed: int = 0, **cfg: Any) -> tuple[nn.Module, torch.optim.Optimizer, 
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     algo = hx.algorithms.get("diloco", outer_lr=OUTER_LR, outer_momentum=MU, overlap_mix=MIX,
                              **cfg)
-    return net, opt, hx.DistributedDataParallel(net, [opt], algo)
+    return net, opt, hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo)
 
 
 def _linear_step(model: Any, opt: torch.optim.Optimizer) -> None:

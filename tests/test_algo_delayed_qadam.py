@@ -92,7 +92,7 @@ def _worker() -> dict[str, float]:
     net, ref = _net(), _net()
     opt = QAdamOptimizer(net.parameters(), lr=LR, warmup_steps=WARMUP)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get("qadam"))
+    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=hx.algorithms.get("qadam"))
     baseline = TorchDDP(ref)
     out = {"warmup_vs_adam": 0.0}
     for s in range(WARMUP):
@@ -117,7 +117,8 @@ def _worker() -> dict[str, float]:
     model.close()
     net2 = _net()
     opt2 = QAdamOptimizer(net2.parameters(), lr=LR, warmup_steps=WARMUP)
-    model2 = hx.DistributedDataParallel(net2, [opt2], hx.algorithms.get("qadam"))
+    model2 = hx.DistributedDataParallel(net2, optimizers=[opt2],
+                                        algorithm=hx.algorithms.get("qadam"))
     net2.load_state_dict(saved[0])
     model2.load_algorithm_state_dict(saved[1])
     opt2.load_state_dict(saved[2])
@@ -136,7 +137,8 @@ def _fp16_errors() -> dict[str, float]:
 
     net = _net()
     opt = QAdamOptimizer(net.parameters(), lr=LR, warmup_steps=WARMUP)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get("qadam", compressor="fp16"))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get("qadam", compressor="fp16"))
     for s in range(WARMUP):
         _loss(model, s).backward()
         opt.step()

@@ -40,7 +40,8 @@ def _worker() -> dict[str, object]:
     work = build_workload(ModelSpec(name="mlp", params=300_000), seed=0)
     opt = make_optimizer("qadam", work.model.parameters(), 0.01, warmup=WARMUP)
     assert opt.defaults["eps"] == 1e-8  # Adam's default, as the harness uses it
-    model = hx.DistributedDataParallel(work.model, [opt], hx.algorithms.get("qadam"))
+    model = hx.DistributedDataParallel(work.model, optimizers=[opt],
+                                       algorithm=hx.algorithms.get("qadam"))
     xs, ys = _digits_28()
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     losses = []

@@ -107,7 +107,8 @@ def _wrap_warnings(configs: list[dict[str, Any]]) -> list[list[str]]:
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get("signsgd", **config))
+            model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                               algorithm=hx.algorithms.get("signsgd", **config))
         model.close()
         out.append([str(w.message) for w in caught if issubclass(w.category, UserWarning)])
     return out

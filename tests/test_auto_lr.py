@@ -56,7 +56,7 @@ def _auto(candidates: list[str]) -> dict[str, Any]:
     algo = AutoAlgorithm(AutoConfig(candidates=tuple(candidates), probe_budget_s=0.5,
                                     verbose=False, profile_steps=2, tune_buckets=1))
     try:
-        model = hx.DistributedDataParallel(net, [opt], algo)
+        model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo)
     except ConfigError as e:
         return {"error": str(e)}
     for step in range(4):

@@ -109,7 +109,7 @@ def _overlap_worker() -> list[str]:
     for i, layer in enumerate(layers):
         layer.weight.register_post_accumulate_grad_hook(
             lambda _p, i=i: events.append(f"grad {i}"))
-    ddp = hx.DistributedDataParallel(model, [], Recording(), bucket_size_mb=0)
+    ddp = hx.DistributedDataParallel(model, algorithm=Recording(), bucket_size_mb=0)
     ddp(torch.randn(8, 64)).sum().backward()
     return events
 

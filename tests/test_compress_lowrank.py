@@ -89,7 +89,7 @@ def _worker() -> dict[str, Any]:
     net = _Probe()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     model = hx.DistributedDataParallel(
-        net, [opt], hx.algorithms.get("powersgd", rank=RANK, start_iter=0))
+        net, optimizers=[opt], algorithm=hx.algorithms.get("powersgd", rank=RANK, start_iter=0))
     grads = []
     # zero everywhere, then rank 1 on every rank (rank-deficient mean), then zero again
     for x in (torch.zeros(ROWS, COLS), _rank_one(ROWS, COLS, 11 + rt.rank),

@@ -30,7 +30,7 @@ def _wrap(label: str, opt_kwargs: dict[str, Any]) -> dict[str, Any]:
     opt = torch.optim.SGD(net.parameters(), lr=0.05, **opt_kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = hx.DistributedDataParallel(net, [opt], choose.make(label))
+        model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=choose.make(label))
     algo = model.algorithm
     wrapped = {k: opt.param_groups[0][k] for k in ("momentum", "weight_decay")}
     factors = dict(getattr(algo, "factors", {}))
@@ -62,7 +62,7 @@ def _same_as_sgd(masking: bool | None, momentum: float) -> float:
         algo = hx.algorithms.get("randomk", density=1.0, error_feedback=True) \
             if masking is None else \
             hx.algorithms.get("dgc", density=1.0, warmup_density=1.0, masking=masking)
-        model = hx.DistributedDataParallel(net, [opt], algo)
+        model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo)
     for step in range(5):
         x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
         for m, o in ((model, opt), (ref, ref_opt)):

@@ -53,7 +53,8 @@ def _wrap(name: str, seed: int, hidden: int = 12) -> tuple[Any, torch.optim.Opti
 
     net = _net(seed, hidden)
     opt = _optimizer(name, net)
-    model = hx.DistributedDataParallel(net, [opt], registry.get(name, **CONFIGS.get(name, {})))
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=registry.get(name, **CONFIGS.get(name, {})))
     if name == "async":  # background rounds follow the clock: explicit rounds instead
         model.algorithm.abort()
     return model, opt

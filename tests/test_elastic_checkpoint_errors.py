@@ -31,7 +31,8 @@ def _model(algorithm: str = "allreduce", hidden: int = 8, seed: int = 0,
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(5, hidden), nn.ReLU(), nn.Linear(hidden, 2)).double()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    return hx.DistributedDataParallel(net, [opt], hx.algorithms.get(algorithm, **config)), opt
+    return hx.DistributedDataParallel(net, optimizers=[opt],
+                                      algorithm=hx.algorithms.get(algorithm, **config)), opt
 
 
 def _train(model: Any, opt: torch.optim.Optimizer, steps: int) -> None:

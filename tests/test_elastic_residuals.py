@@ -41,7 +41,7 @@ def _rank() -> dict[str, Any]:
     net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     model = hx.DistributedDataParallel(
-        net, [opt], hx.algorithms.get("powersgd", rank=1, start_iter=0))
+        net, optimizers=[opt], algorithm=hx.algorithms.get("powersgd", rank=1, start_iter=0))
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
     model(x).square().mean().backward()
     saved = model.algorithm_state_dict()

@@ -46,7 +46,7 @@ def _no_sync_window(algorithm: str) -> dict[str, Any]:
     import hexagram as hx
 
     net = _Swapped()
-    ddp = hx.DistributedDataParallel(net, [], algorithm, bucket_size_mb=0)
+    ddp = hx.DistributedDataParallel(net, algorithm=algorithm, bucket_size_mb=0)
     before = [b.names for b in ddp.buckets]
     gen = torch.Generator().manual_seed(dist.get_rank())
     xs = [torch.randn(5, 6, generator=gen) for _ in range(MICRO + 1)]
@@ -85,7 +85,8 @@ def _weight_algorithm_buffers(algorithm: str, config: dict[str, Any]) -> dict[st
 
     net = _cnn()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    ddp = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(algorithm, **config))
+    ddp = hx.DistributedDataParallel(net, optimizers=[opt],
+                                     algorithm=hx.algorithms.get(algorithm, **config))
     gen = torch.Generator().manual_seed(10 + dist.get_rank())
     out = {}
     for step in range(1, 5):
@@ -108,7 +109,7 @@ def _sync_batchnorm_refused() -> str:
 
     net = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4))
     try:
-        hx.DistributedDataParallel(net, [])
+        hx.DistributedDataParallel(net)
     except hx.ConfigError as exc:
         return str(exc)
     return "accepted"

@@ -23,7 +23,7 @@ def _peer_failure_worker(mode: str) -> str:
     rt = hx.init(timeout=8)
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ddp = hx.DistributedDataParallel(model, [opt])
+    ddp = hx.DistributedDataParallel(model, optimizers=[opt])
     start = time.monotonic()
     for step in range(50):
         if rt.rank == 1 and step == 3:
@@ -63,7 +63,7 @@ def _mismatch_worker() -> str:
     rt = hx.init(timeout=30)
     model = _mlp(hidden=16 if rt.rank != 2 else 17)
     try:
-        hx.DistributedDataParallel(model, [])
+        hx.DistributedDataParallel(model)
     except hx.ModelMismatchError as exc:
         return str(exc)
     return "no error"
@@ -78,7 +78,7 @@ def _no_init_worker() -> str:
     import hexagram as hx
 
     try:
-        hx.DistributedDataParallel(_mlp(), [])
+        hx.DistributedDataParallel(_mlp())
     except hx.NotInitializedError as exc:
         return str(exc)
     return "no error"
@@ -97,14 +97,14 @@ def _single_process_worker() -> dict[str, object]:
     errors: list[str] = []
     for bad in (lambda: hx.algorithms.get("allreducee"),
                 lambda: hx.algorithms.get("allreduce", hierarchicl=True),
-                lambda: hx.DistributedDataParallel(_mlp(), [], bucket_size_mb=-1)):
+                lambda: hx.DistributedDataParallel(_mlp(), bucket_size_mb=-1)):
         try:
             bad()
         except ValueError as exc:
             errors.append(str(exc))
     out["errors"] = errors
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
-    ddp = hx.DistributedDataParallel(model, [])
+    ddp = hx.DistributedDataParallel(model)
     out["keys"] = sorted(ddp.state_dict())
     ddp(torch.randn(5, 3)).sum().backward()
     out["grad"] = model[0].weight.grad is not None
@@ -144,7 +144,7 @@ def _odd_worker() -> dict[str, object]:
     rt = hx.init()
     torch.manual_seed(rt.rank)  # differs per rank: wrapping must broadcast rank 0's
     model = _Odd()
-    ddp = hx.DistributedDataParallel(model, [], bucket_size_mb=0)
+    ddp = hx.DistributedDataParallel(model, bucket_size_mb=0)
     first = [b.names for b in ddp.buckets]
     gen = torch.Generator().manual_seed(rt.rank)
     xs = [torch.randn(4, 5, generator=gen) for _ in range(2)]

@@ -80,7 +80,8 @@ def _parity_worker() -> dict[str, float]:
         ref.load_state_dict(_make(0).state_dict())
         o1 = _optimizer(opt_name, [p for p in ours.parameters() if p.requires_grad])
         o2 = _optimizer(opt_name, [p for p in ref.parameters() if p.requires_grad])
-        wrapped = hx.DistributedDataParallel(ours, [o1], "allreduce", bucket_size_mb=bucket_mb,
+        wrapped = hx.DistributedDataParallel(ours, optimizers=[o1],
+                                             algorithm="allreduce", bucket_size_mb=bucket_mb,
                                              gradient_as_bucket_view=as_view)
         baseline = TorchDDP(ref, bucket_cap_mb=max(bucket_mb, 0.001))
         _train(wrapped, o1, rt.rank, accumulate)
@@ -106,7 +107,7 @@ def _views_worker(as_view: bool) -> list[bool]:
 
     hx.init()
     torch.manual_seed(0)
-    model = hx.DistributedDataParallel(_make(0), [], gradient_as_bucket_view=as_view)
+    model = hx.DistributedDataParallel(_make(0), gradient_as_bucket_view=as_view)
     x = torch.randn(4, 12)
     out = []
     for _ in range(2):  # the second backward accumulates into the views themselves
@@ -140,7 +141,7 @@ def _unused_worker() -> tuple[float, list[str], list[bool]]:
     ours, ref = Branchy(), Branchy()
     ref.load_state_dict(ours.state_dict())
     o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref))
-    wrapped = hx.DistributedDataParallel(ours, [o1], find_unused_parameters=True)
+    wrapped = hx.DistributedDataParallel(ours, optimizers=[o1], find_unused_parameters=True)
     baseline = TorchDDP(ref, find_unused_parameters=True)
     gen = torch.Generator().manual_seed(rt.rank)
     for step in range(6):
@@ -152,7 +153,7 @@ def _unused_worker() -> tuple[float, list[str], list[bool]]:
             o.zero_grad(set_to_none=False)
     diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters()))
     # Without the flag, a step that leaves a parameter unused is an error that names it.
-    strict = hx.DistributedDataParallel(Branchy(), [], find_unused_parameters=False)
+    strict = hx.DistributedDataParallel(Branchy(), find_unused_parameters=False)
     errors: list[str] = []
     try:
         strict(torch.randn(2, 4), True).sum().backward()

@@ -123,7 +123,8 @@ def _train(algorithm: Any, steps: int = 4, momentum: float = 0.0) -> list[torch.
     net = _Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum,
                           weight_decay=0.01 if momentum else 0.0)
-    ddp = hx.DistributedDataParallel(net, [opt], algorithm=algorithm, bucket_size_mb=0.0005,
+    ddp = hx.DistributedDataParallel(net, optimizers=[opt],
+                                     algorithm=algorithm, bucket_size_mb=0.0005,
                                      first_bucket_mb=0.0005)
     g = torch.Generator().manual_seed(3)  # the same data on every rank
     for _ in range(steps):

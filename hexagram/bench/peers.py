@@ -178,9 +178,9 @@ def wrap(name: str, module: nn.Module, optimizer: torch.optim.Optimizer,
 
     algorithm = hx.algorithms.get(name, **dict(config or {}))
     if bucket_mb is None:  # the engine's own defaults
-        ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm)
+        ddp = hx.DistributedDataParallel(module, optimizers=[optimizer], algorithm=algorithm)
     else:
-        ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm,
+        ddp = hx.DistributedDataParallel(module, optimizers=[optimizer], algorithm=algorithm,
                                          bucket_size_mb=bucket_mb,
                                          first_bucket_mb=min(1.0, bucket_mb))
     return Wrapped(ddp, lambda: None, ddp.bytes_sent, estimated=False, close=ddp.close,

@@ -118,7 +118,7 @@ def attacked_wrap(spec: dict[str, Any], module: nn.Module, optimizer: torch.opti
     algorithm = SentAttacked(inner, attack)
     mb = spec.get("bucket_mb")
     kwargs = {} if mb is None else {"bucket_size_mb": mb, "first_bucket_mb": min(1.0, mb)}
-    ddp = hx.DistributedDataParallel(module, [optimizer], algorithm=algorithm, **kwargs)
+    ddp = hx.DistributedDataParallel(module, optimizers=[optimizer], algorithm=algorithm, **kwargs)
     return Wrapped(ddp, lambda: None, ddp.bytes_sent, estimated=False, close=ddp.close,
                    in_backward=True)
 

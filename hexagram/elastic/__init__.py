@@ -6,7 +6,9 @@
   ``torch.distributed.checkpoint`` with every rank's algorithm state.
 - :mod:`hexagram.elastic.trainer` (:func:`live`) and :mod:`hexagram.elastic.quorum`: live
   mode, in which survivors keep training when a rank dies and a restarted rank rejoins;
-  :mod:`hexagram.elastic.residuals`: error-feedback residuals at a membership change.
+  :mod:`hexagram.elastic.residuals`: error-feedback residuals at a membership change;
+  :mod:`hexagram.elastic.service`: live mode across machines (``hexagram elastic-store``
+  hosts the job's store, ``hexagram elastic-run`` starts and restarts one replica).
 
 See docs/elastic.md.
 """

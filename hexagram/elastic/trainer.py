@@ -24,9 +24,12 @@ has training state (every replica just started) and ``checkpoint_dir`` is given,
 durable checkpoint (:func:`hexagram.load_checkpoint`) is loaded instead.
 
 Launch every replica on its own (a dead replica must not take the others down, as
-``torchrun --nproc-per-node N`` would), all pointing at one store that outlives them:
-``MASTER_ADDR``/``MASTER_PORT`` name it, ``RANK`` is the replica id and ``WORLD_SIZE`` the
-largest membership. See docs/elastic.md.
+``torchrun --nproc-per-node N`` would), all pointing at one store that outlives them: across
+machines, ``hexagram elastic-store`` hosts it and ``hexagram elastic-run`` (or a torchrun of
+one process per replica) starts each replica with ``HEXAGRAM_STORE``/``HEXAGRAM_REPLICA``
+(:mod:`hexagram.elastic.service`); on one machine ``MASTER_ADDR``/``MASTER_PORT`` may name
+it, with ``RANK`` the replica id and ``WORLD_SIZE`` the largest membership. See
+docs/elastic.md.
 
 Example:
     >>> import hexagram as hx
@@ -41,7 +44,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +57,7 @@ from torch import nn
 from hexagram.comm.communicator import abort_all
 from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError, Watcher
 from hexagram.elastic.residuals import check_policy, recenter
+from hexagram.elastic.service import LiveAddress, live_address
 from hexagram.elastic.state import (
     CheckpointError,
     apply_rank_state,
@@ -82,7 +85,8 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
             (``hexagram.algorithms.get(algorithm, **algorithm_config)``; a fresh instance
             per membership).
         min_size: fewest members that may train; below it => :class:`QuorumError`.
-        start_size: members the first epoch waits for (default ``WORLD_SIZE``).
+        start_size: members the first epoch waits for (default: the largest membership,
+            ``HEXAGRAM_MAX_REPLICAS`` or ``WORLD_SIZE``).
         heartbeat_timeout: seconds without a heartbeat before a replica counts as dead
             (the stall after a silent failure; gloo errors are noticed at once).
         join_timeout: how long forming a membership may wait for ``min_size`` replicas.
@@ -98,11 +102,15 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
         ConfigError: bad sizes, an unsupported algorithm or a missing store address.
         QuorumError: fewer than ``min_size`` replicas came within ``join_timeout``.
     """
-    replica, max_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if not 1 <= min_size <= (min_size if start_size is None else start_size):
+        raise ConfigError(f"need 1 <= min_size ({min_size}) <= start_size ({start_size})")
+    address = live_address(timeout=join_timeout)  # sizes first: this may wait for a store
+    replica, max_size = address.replica, address.max_size
     start = max_size if start_size is None else start_size
     if not 1 <= min_size <= start <= max_size:
         raise ConfigError(f"need 1 <= min_size ({min_size}) <= start_size ({start}) <= "
-                          f"WORLD_SIZE ({max_size})")
+                          f"the largest membership ({max_size}: HEXAGRAM_MAX_REPLICAS, the "
+                          "store's --max-replicas or WORLD_SIZE)")
     if not isinstance(algorithm, str):
         raise ConfigError("live mode builds a new algorithm per membership: pass its name "
                           f"and algorithm_config={{...}}, not {type(algorithm).__name__}")
@@ -113,7 +121,8 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
     check_policy(residuals)
     return LiveTrainer(module, list(optimizers), spec, replica, max_size, min_size,
                        start, heartbeat_timeout, join_timeout, timeout, checkpoint_dir,
-                       checkpoint_every, wrapper_kwargs, residuals=residuals)
+                       checkpoint_every, wrapper_kwargs, residuals=residuals,
+                       address=address)
 
 
 def _abort_all_groups() -> None:
@@ -138,15 +147,6 @@ def _abort_all_groups() -> None:
             dist.destroy_process_group()
 
 
-def _store(replica: int) -> tuple[str, int]:
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not addr or not port:
-        raise ConfigError("live mode needs MASTER_ADDR and MASTER_PORT: the address of a "
-                          "c10d store that outlives every replica (torchrun's agent store, "
-                          "or torch.distributed.TCPStore(..., is_master=True) on a host)")
-    return addr, int(port)
-
-
 class LiveTrainer:
     """State of one replica in live mode; create it with :func:`live`.
 
@@ -165,7 +165,8 @@ class LiveTrainer:
                  algorithm: tuple[str, dict[str, Any]], replica: int, max_size: int, min_size: int,
                  start_size: int, heartbeat_timeout: float, join_timeout: float,
                  timeout: float, checkpoint_dir: str | None, checkpoint_every: int,
-                 wrapper_kwargs: dict[str, Any], *, residuals: str = "reset") -> None:
+                 wrapper_kwargs: dict[str, Any], *, residuals: str = "reset",
+                 address: LiveAddress | None = None) -> None:
         self.module, self.optimizers, self.algorithm = module, optimizers, algorithm
         self.replica, self.timeout = replica, timeout
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
@@ -174,8 +175,8 @@ class LiveTrainer:
         self._members: tuple[int, ...] | None = None  # of the last epoch set up
         self.stats: dict[str, Any] = {"failures": 0, "stall_s": [], "heal_s": [],
                                       "epochs": 0, "votes": 0, "memberships": []}
-        host, port = _store(replica)
-        prefix = f"hexagram/live/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/"
+        address = address or live_address(timeout=join_timeout)
+        host, port, prefix = address.host, address.port, address.prefix
         self._root = dist.TCPStore(host, port, is_master=False,
                                    timeout=timedelta(seconds=join_timeout),
                                    wait_for_workers=False)
@@ -353,7 +354,7 @@ class LiveTrainer:
                 own = without_residuals(box[0])  # its residuals are its own debt
         name, config = self.algorithm
         self.model = DistributedDataParallel(
-            self.module, self.optimizers, registry.get(name, **config),
+            self.module, optimizers=self.optimizers, algorithm=registry.get(name, **config),
             **self._wrapper_kwargs)
         if own is not None:
             apply_rank_state(own, self.model, self.optimizers, restore_rng=False)

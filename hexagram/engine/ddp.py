@@ -25,12 +25,12 @@ from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
 from hexagram.comm.device import control_tensor
 from hexagram.engine import join as join_protocol
-from hexagram.engine import lifecycle
+from hexagram.engine import lifecycle, torch_args
 from hexagram.engine.checks import check_runs_on, check_same_model
 from hexagram.engine.optimizers import expose_forward_signature, needs_optimizers, unwrap_optimizers
 from hexagram.engine.reducer import Reducer
 from hexagram.errors import ConfigError
-from hexagram.runtime import get_runtime
+from hexagram.runtime import runtime_for_wrapping
 
 __all__ = ["DistributedDataParallel"]
 
@@ -50,56 +50,104 @@ def _run_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper whose communication is chosen by ``algorithm``.
 
+    Takes every argument of ``torch.nn.parallel.DistributedDataParallel`` (torch 2.13), in
+    its order, so a PyTorch DDP script runs with only its import changed; a process group
+    the script made with ``torch.distributed.init_process_group`` is adopted (no
+    ``hexagram.init()`` needed). Hexagram's own arguments are keyword-only.
+
     Args:
         module: the model (same architecture on every rank; checked at wrap time).
-        optimizers: optimizers of ``module``'s parameters; weight-based algorithms hook
-            their ``step``. Optional: frameworks that create optimizers later call
-            :meth:`attach_optimizers`. Framework wrappers (Accelerate's
+        device_ids: ``None`` (CPU modules, or inputs already on the device) or ``[d]``, the
+            CUDA device holding the module: inputs are moved there before forward.
+        output_device: ``None`` or ``device_ids[0]`` (accepted for torch's sake).
+        dim: must be 0 (each rank passes its own batch; nothing is split).
+        broadcast_buffers: torch's deprecated name of ``forward_sync_buffers``; False also
+            skips the buffers at wrap time (as torch).
+        init_sync: check that every rank holds the same model and broadcast rank 0's
+            parameters and buffers at wrap time; False => the caller guarantees it.
+        process_group: ``None`` or a group of every rank (Hexagram averages over all
+            ranks; a subgroup raises ``ConfigError``).
+        bucket_cap_mb: bucket capacity (MiB, default 25); larger => fewer, bigger
+            messages; 0 => one tensor per bucket. ``bucket_size_mb`` is its alias.
+        find_unused_parameters: allow parameters that get no gradient in some steps.
+        check_reduction: deprecated in torch; no effect (FutureWarning).
+        gradient_as_bucket_view: each ``.grad`` is a view of its bucket. **On by default
+            in Hexagram (PyTorch's default is False)**: reduced gradients need no copy out
+            of the buckets, and with ``zero_grad(set_to_none=False)`` backward accumulates
+            straight into them. A ``.grad`` kept across a backward then changes with it;
+            pass False for gradients of their own, as PyTorch's default.
+        static_graph: a promise that the graph and its unused parameters never change:
+            unused parameters are allowed (as ``find_unused_parameters=True``). A
+            parameter that gets its gradient twice in one backward (reentrant
+            checkpointing) is refused at that backward, with the fix.
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+            skip_all_reduce_unused_params: not supported; anything but the default raises
+            ``ConfigError`` naming the argument and what to do instead.
+        device_mesh: ``None`` or a 1-D mesh of every rank (as ``process_group``).
+        bucket_cap_mb_list: ``[first, rest]`` MiB (the first bucket and all others).
+        batched_grad_copy: a copy-scheduling hint of torch's reducer; no effect here.
+        forward_sync_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before
+            each forward (default True; gradient algorithms only).
+        optimizers: optimizers of ``module``'s parameters (keyword); weight-based
+            algorithms hook their ``step``. Optional: frameworks that create optimizers
+            later call :meth:`attach_optimizers`. Framework wrappers (Accelerate's
             ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are unwrapped.
         algorithm: a registered name (``hexagram.algorithms.names()``) or an instance from
-            ``hexagram.algorithms.get(name, **config)``.
-        bucket_size_mb: bucket capacity; larger => fewer, bigger messages; 0 => one tensor
-            per bucket.
+            ``hexagram.algorithms.get(name, **config)`` (keyword; default "allreduce").
         first_bucket_mb: capacity of the first bucket (small, so communication starts early).
-        find_unused_parameters: allow parameters that get no gradient in some steps.
-        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) before each
-            forward.
-        gradient_as_bucket_view: each ``.grad`` is a view of its bucket (as PyTorch DDP's
-            option of that name, but on by default): reduced gradients need no copy out of
-            the buckets, and with ``zero_grad(set_to_none=False)`` backward accumulates
-            straight into them (no copy in either). A ``.grad`` kept across a backward then
-            changes with it; pass False for gradients of their own, as PyTorch's default.
+
+    Optimizers passed as the 2nd positional argument, or an algorithm as the 3rd (the
+    former signature), still work with a ``FutureWarning``: pass them by keyword.
 
     After wrapping, parameters and buffers equal rank 0's. ``state_dict()`` has no wrapper
     prefix. ``no_sync()`` accumulates gradients locally. ``join()`` lets ranks run out of
     data at different times. ``synchronize()`` brings every rank to the same weights (for
     delayed/decentralized algorithms).
+
+    Example::
+
+        dist.init_process_group("gloo")          # or hexagram.init()
+        model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm="powersgd")
     """
 
-    def __init__(self, module: nn.Module, optimizers: Any = (),
-                 algorithm: str | Algorithm = "allreduce", *, bucket_size_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True) -> None:
+    def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None,
+                 dim: int = 0, broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group: Any = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = True, static_graph: bool = False,
+                 delay_all_reduce_named_params: Any = None,
+                 param_to_hook_all_reduce: Any = None, mixed_precision: Any = None,
+                 device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: list[int] | None = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: bool | None = None, *, optimizers: Any = None,
+                 algorithm: str | Algorithm | None = None, bucket_size_mb: float | None = None,
+                 first_bucket_mb: float = 1.0) -> None:
         super().__init__()
-        runtime = get_runtime()
-        for field, value in (("bucket_size_mb", bucket_size_mb),
-                             ("first_bucket_mb", first_bucket_mb)):
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"{field} must be a number >= 0 (MiB), got {value!r}")
+        device_ids, output_device, optimizers, algorithm = torch_args.legacy_positionals(
+            device_ids, output_device, optimizers, algorithm)
+        runtime = runtime_for_wrapping(torch_args.module_device(module))
+        given = {k: v for k, v in locals().items() if k in torch_args.ARGUMENTS}
+        opts = torch_args.resolve(module, runtime.world_size, **given)
         check_runs_on(module, runtime.device)
         self.module = module
         self.optimizers = unwrap_optimizers(optimizers)
-        self.algorithm = registry.get(algorithm)
+        self.algorithm = registry.get("allreduce" if algorithm is None else algorithm)
         self.runtime = runtime
-        self.find_unused_parameters = find_unused_parameters
-        self.broadcast_buffers = broadcast_buffers
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self._bucket_bytes = int(bucket_size_mb * _MB)
-        self._first_bucket_bytes = int(min(first_bucket_mb, bucket_size_mb) * _MB)
+        self.device_ids, self.output_device, self.dim = \
+            opts.device_ids, opts.output_device, opts.dim
+        self.static_graph = opts.static_graph
+        self._input_device = opts.device
+        self.find_unused_parameters = opts.find_unused_parameters
+        self.broadcast_buffers = opts.forward_sync_buffers
+        self.gradient_as_bucket_view = opts.gradient_as_bucket_view
+        self._bucket_bytes = int(opts.bucket_mb * _MB)
+        self._first_bucket_bytes = int(opts.first_bucket_mb * _MB)
         group = dist.new_group(list(range(runtime.world_size)), timeout=runtime.timeout)
         self.comm = Communicator(group, runtime.timeout, name=f"{self.algorithm.name}")
-        check_same_model(module, group)
-        self._broadcast(list(module.parameters()) + list(module.buffers()))
+        if opts.init_sync:
+            check_same_model(module, group)
+            self._broadcast(list(module.parameters())
+                            + (list(module.buffers()) if opts.init_sync_buffers else []))
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._reducer: Reducer | None = None
         self._rebucketed = False
@@ -170,6 +218,8 @@ class DistributedDataParallel(nn.Module):
         # together at the end of the compiled backward, so buckets launch after it. (No
         # docstring: the exposed forward shows the wrapped module's.)
         self._before_module_forward()
+        if self._input_device is not None:  # device_ids=[d]: inputs go to d, as torch's
+            args, kwargs = torch_args.to_device((args, kwargs), self._input_device)
         return _run_module(self.module, args, kwargs)
 
     @torch.compiler.disable

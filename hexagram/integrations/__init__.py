@@ -38,7 +38,7 @@ def wrapper_and_algorithm_config(config: dict[str, Any]) -> tuple[dict[str, Any]
 
 def wrap(module: nn.Module, algorithm: Any, config: dict[str, Any],
          optimizers: Any = ()) -> nn.Module:
-    """``hexagram.DistributedDataParallel(module, optimizers, algorithm, **options)``, where
+    """``hexagram.DistributedDataParallel(module, optimizers=..., algorithm=..., **options)``:
     ``config`` mixes wrapper options and algorithm fields (e.g. ``rank=2`` for PowerSGD)."""
     from hexagram import runtime
     from hexagram.algorithms import registry
