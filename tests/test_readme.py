@@ -41,7 +41,7 @@ def test_algorithm_table_equals_the_registry(page: str) -> None:
 
 
 def test_command_table_equals_the_cli() -> None:
-    listed = re.findall(r"^\| `hexagram (\w+)` \|", _section(README, "## Commands", "\n## "),
+    listed = re.findall(r"^\| `hexagram ([\w-]+)` \|", _section(README, "## Commands", "\n## "),
                         re.M)
     assert listed == list(COMMANDS)
 
