@@ -66,5 +66,6 @@ class Fp16Algorithm(CompressorAlgorithm):
         16 bits by :func:`hexagram.comm.reduce.reduce_many`: its ``SUM`` route)."""
         if self.config.wire == "fp16":
             check_fp16_range(tensor, 1 / self.ctx.comm.size, f"fp16: gradient of "
-                             f"{', '.join(segment.names)} at step {self.step}")
+                             f"{', '.join(segment.names)} at step {self.step}",
+                             self.ctx.checks)
         return super().encode_segment(segment, tensor, divisor)

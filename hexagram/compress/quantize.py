@@ -56,10 +56,11 @@ from hexagram.compress.chunks import (
     decode_affine,
     decode_table,
     fma_rows,
+    halves,
     robust_norms,
     work_dtype,
 )
-from hexagram.compress.packing import block_size, encode_blocks
+from hexagram.compress.packing import block_size, cpu_fast, encode_blocks
 from hexagram.config import check_float, check_int
 
 __all__ = [
@@ -141,7 +142,8 @@ class MinMax8Compressor(Compressor):
         flat, c, wd = _flat(tensor), self.config.chunk_size, work_dtype(tensor.dtype)
         # amin and amax: 17x faster than aminmax(dim=1), which is not vectorized on CPU
         ext = chunk_reduce(flat, c, lambda r: torch.stack([r.amin(1), r.amax(1)], 1)).to(wd)
-        ensure_finite(flat, ext, self.name)  # NaN/Inf make a chunk's min or max non-finite
+        if self.checks_finite:  # NaN/Inf make a chunk's min or max non-finite
+            ensure_finite(flat, ext, self.name)
         lo, hi = ext[:, 0], ext[:, 1]
         step = (hi / 2 - lo / 2) / 127.5  # (hi - lo) / 255 without overflowing
         codes = _minmax_codes(flat, c, lo, hi, step)
@@ -156,6 +158,10 @@ class MinMax8Compressor(Compressor):
         n = _check_header(payload, c, self.name)
         header, codes = payload.tensors
         lo, step = header[:, 0], header[:, 1]
+        if not cpu_fast(codes):  # chunks spanning beyond the range decode in halves
+            factor, post = halves(~torch.isfinite(step * 255), step.dtype)
+            return decode_affine(codes, 8, n, c, step * factor, lo * factor, payload.dtype,
+                                 out, add, post=post)
         if not bool(torch.isfinite(step * 255).all()):  # a chunk spans beyond the range
             lo, step = lo.double(), step.double()
         return decode_affine(codes, 8, n, c, step, lo, payload.dtype, out, add)
@@ -165,6 +171,8 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
     """uint8 codes ``trunc((x - lo) / step + 0.5)`` in [0, 255], chunk by chunk."""
     inv = torch.where(step > 0, 1 / step, 0.0)
     inv = torch.where(torch.isfinite(inv), inv, 0.0)  # subnormal step: all codes 0 (= lo)
+    if not cpu_fast(flat):
+        return _minmax_codes_device(flat, c, lo, hi, inv)
     # x - lo overflows where a chunk spans more than the dtype's range: use float64 then
     calc = torch.float64 if not bool(torch.isfinite(hi - lo).all()) else lo.dtype
     lo_c, inv_c = lo.to(calc), inv.to(calc)
@@ -174,7 +182,7 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
     fused = calc == lo.dtype and bool((torch.maximum(lo.abs(), hi.abs()) <= 64 * (hi - lo))
                                       .all())
     offset = 0.5 - lo_c * inv_c
-    block = block_size()
+    block = block_size(flat.device)
     tmp = torch.empty(min(block, flat.numel()), dtype=calc, device=flat.device)
     ints = torch.empty(tmp.numel(), dtype=torch.int32, device=flat.device)
 
@@ -191,6 +199,26 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
     return encode_blocks(flat.numel(), 8, fill, flat.device, block)
 
 
+def _minmax_codes_device(flat: Tensor, c: int, lo: Tensor, hi: Tensor, inv: Tensor) -> Tensor:
+    """:func:`_minmax_codes` without reading the device: always the exact form
+    ``(x - lo) * inv + 0.5`` (the CPU's fused form, chosen by a read, may differ by one
+    code within 1e-3 of a step of a rounding boundary), in halves where a chunk's range
+    overflows (the CPU computes those in float64; the codes agree but at such boundaries)."""
+    factor, _ = halves(~torch.isfinite(hi - lo), lo.dtype)
+    sub, mul = lo * factor, inv / factor
+    block = block_size(flat.device)
+    tmp = torch.empty(min(block, flat.numel()), dtype=lo.dtype, device=flat.device)
+    ints = torch.empty(tmp.numel(), dtype=torch.int32, device=flat.device)
+
+    def fill(start: int, stop: int, codes: Tensor) -> None:
+        buf = tmp[: stop - start]
+        fma_rows(buf, flat[start:stop], start, c, factor, None)  # x (exact), or x / 2
+        affine_rows(buf, start, c, sub=sub, mul=mul)
+        truncate_to(codes, buf.add_(0.5), ints)
+
+    return encode_blocks(flat.numel(), 8, fill, flat.device, block)
+
+
 def truncate_to(codes: Tensor, values: Tensor, ints: Tensor) -> Tensor:
     """``codes`` (uint8) := ``trunc(values)`` for values in [0, 256).
 
@@ -199,7 +227,7 @@ def truncate_to(codes: Tensor, values: Tensor, ints: Tensor) -> Tensor:
     so elsewhere it goes through ``ints`` (an int32 buffer at least as long), float ->
     int32 -> uint8 (0.19 ms there). Both truncate toward zero: the same codes.
     """
-    if codes.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
+    if cpu_fast(codes) and values.dtype in (torch.float32, torch.float64):
         np.copyto(codes.numpy(), values.numpy(), casting="unsafe")
         return codes
     return codes.copy_(ints[: values.numel()].copy_(values))
@@ -213,7 +241,7 @@ def random_words(gen: torch.Generator, device: torch.device) -> Callable[[int], 
     dithering; each call advances ``gen`` by that one draw, so checkpoints of ``gen`` still
     resume exactly. Elsewhere (CUDA) ``gen`` draws the words itself.
     """
-    if device.type != "cpu":
+    if not cpu_fast(device):
         return lambda k: torch.empty(k, dtype=torch.int64, device=device).random_(
             -(2**63), None, generator=gen)
     seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=device))
@@ -222,12 +250,14 @@ def random_words(gen: torch.Generator, device: torch.device) -> Callable[[int], 
 
 
 def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
-                     gen: torch.Generator) -> Tensor:
+                     gen: torch.Generator, pre: Tensor | None = None) -> Tensor:
     """Packed codes ``floor(x * scale[chunk] + u) + levels``, ``u ~ U(0, 1)``, clamped to
     ``[0, 2 * levels]``: the unbiased stochastic rounding of ``x * scale`` to an integer
-    in ``[-levels, levels]`` (values beyond are clipped), in ceil(log2(2s + 1)) bits."""
+    in ``[-levels, levels]`` (values beyond are clipped), in ceil(log2(2s + 1)) bits.
+    ``pre`` (per chunk, a power of two) multiplies ``x`` first, for scales beyond
+    ``scale.dtype``'s range split in two without reading which chunks need it."""
     s, n = levels, flat.numel()
-    block = block_size()
+    block = block_size(flat.device)
     tmp = torch.empty(min(block, n), dtype=scale.dtype, device=flat.device)
     shift = torch.full((1,), s + 0.5 + 2.0**-17, dtype=scale.dtype,
                        device=flat.device).expand(scale.numel())
@@ -239,7 +269,11 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
         length = stop - start
         buf = tmp[:length]
         # x * scale + s + 0.5 + 2**-17, with x * scale in [-s, s] (beyond only when clipping)
-        fma_rows(buf, flat[start:stop], start, chunk, scale, shift)
+        if pre is None:
+            fma_rows(buf, flat[start:stop], start, chunk, scale, shift)
+        else:
+            fma_rows(buf, flat[start:stop], start, chunk, pre, None)
+            fma_rows(buf, buf, start, chunk, scale, shift)
         # 16 random bits per element: u = (r + 32768.5) / 65536 in (0, 1), r an int16
         rnd = draw(-(-length // 4))
         dither[:length].copy_(rnd.view(torch.int16)[:length])
@@ -267,15 +301,20 @@ class QSGDCompressor(SeededCompressor):
         check_compressible(tensor, self.name)
         flat, d, wd = _flat(tensor), self.config.bucket_size, work_dtype(tensor.dtype)
         s = self.config.levels
-        norms = robust_norms(flat, d, wd, self.name)
-        if not bool(torch.isfinite(norms).all()):
+        norms = robust_norms(flat, d, wd, self.name, check=self.checks_finite)
+        # an unchecked Inf norm (values too large for wd) decodes to NaN: the caller sees it
+        if self.checks_finite and not bool(torch.isfinite(norms).all()):
             raise ValueError(f"{self.name}: a bucket's L2 norm exceeds the {wd} range; "
                              "scale the tensor down (e.g. divide by the world size) first")
         scale = torch.where(norms > 0, s / norms.double(), 0.0)  # (G,) float64
+        gen = self.generator_for(tensor, generator)
+        if not cpu_fast(flat):  # s / norm beyond wd (subnormal norms): x * 2**64 first
+            pre = torch.where(scale > torch.finfo(wd).max, 2.0**64, 1.0)
+            codes = stochastic_codes(flat, d, (scale / pre).to(wd), s, gen, pre.to(wd))
+            return Payload(tensors=(norms, codes), shape=tensor.shape, dtype=tensor.dtype)
         # s / norm overflows float32 for subnormal norms: compute those tensors in float64
         calc = wd if bool((scale <= torch.finfo(wd).max).all()) else torch.float64
-        codes = stochastic_codes(flat, d, scale.to(calc), s,
-                                 self.generator_for(tensor, generator))
+        codes = stochastic_codes(flat, d, scale.to(calc), s, gen)
         return Payload(tensors=(norms, codes), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
@@ -349,7 +388,11 @@ class TernGradCompressor(TableCodedCompressor, SeededCompressor):
         check_compressible(tensor, self.name)
         flat, wd = _flat(tensor), work_dtype(tensor.dtype)
         lo, hi = torch.aminmax(flat)
-        ensure_finite(flat, torch.stack([lo, hi]), self.name)
+        if self.checks_finite:
+            ensure_finite(flat, torch.stack([lo, hi]), self.name)
+        gen = self.generator_for(tensor, generator)
+        if not cpu_fast(flat):
+            return self._compress_on_device(tensor, flat, lo, hi, gen)
         peak = max(-float(lo), float(hi))
         if self.config.clip:
             peak = min(peak, self.config.clip * _std(flat, wd))
@@ -357,10 +400,26 @@ class TernGradCompressor(TableCodedCompressor, SeededCompressor):
         # 1 / peak overflows float32 for subnormal peaks: scale in float64 then
         calc = wd if inv <= torch.finfo(wd).max else torch.float64
         scale = torch.tensor([inv], dtype=calc, device=flat.device)
-        codes = stochastic_codes(flat, flat.numel(), scale, 1,
-                                 self.generator_for(tensor, generator))
+        codes = stochastic_codes(flat, flat.numel(), scale, 1, gen)
         header = torch.tensor([peak], dtype=wd, device=flat.device)
         return Payload(tensors=(header, codes), shape=tensor.shape, dtype=tensor.dtype)
+
+    def _compress_on_device(self, tensor: Tensor, flat: Tensor, lo: Tensor, hi: Tensor,
+                            gen: torch.Generator) -> Payload:
+        """:meth:`compress` with the scale kept on the device (float64 as the CPU's Python
+        floats; the clip's std from ``Tensor.std``); a NaN/Inf input gives a NaN/Inf
+        header, so every decoded value is NaN."""
+        wd = work_dtype(tensor.dtype)
+        peak = torch.maximum(-lo, hi).double()
+        if self.config.clip:
+            std = (flat if flat.dtype == wd else flat.to(wd)).std(correction=0)
+            peak = torch.minimum(peak, self.config.clip * std.double())
+        inv = torch.where(peak > 0, 1 / peak, 0.0)
+        pre = torch.where(inv > torch.finfo(wd).max, 2.0**64, 1.0)  # subnormal peaks
+        codes = stochastic_codes(flat, flat.numel(), (inv / pre).to(wd).reshape(1), 1, gen,
+                                 pre.to(wd).reshape(1))
+        return Payload(tensors=(peak.to(wd).reshape(1), codes), shape=tensor.shape,
+                       dtype=tensor.dtype)
 
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, codes = payload.tensors
