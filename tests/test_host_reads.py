@@ -6,7 +6,7 @@ waits for the device (or copies host data to it), so one per bucket serializes
 communication with backward. The same code runs
 on the CPU, so counting those calls here counts the syncs the CUDA path would make: 2 ranks
 on gloo, a tiny model whose largest layer passes the approximate top-k threshold, a few
-warm-up steps (PowerSGD's and DGC's warm-ups end), small buckets (three per step, so a
+warm-up steps (PowerSGD's and DGC's warm-ups end), small buckets (two per step, so a
 read per bucket shows), then the reads of forward, backward and
 optimizer step are counted over two steps. The CPU-only numpy fast paths are switched off
 (:data:`hexagram.compress.packing.CPU_FAST_PATHS`) so the count covers the path CUDA takes.
@@ -103,7 +103,7 @@ class _Counter:
             setattr(owner, name, original)
 
 
-def _count(name: str, config: dict[str, Any]) -> list[str]:
+def _count(name: str, config: dict[str, Any]) -> tuple[list[str], int]:
     import hexagram as hx
     from hexagram.compress import packing
 
@@ -113,7 +113,7 @@ def _count(name: str, config: dict[str, Any]) -> list[str]:
     net = _Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(algo, **config),
-                                       bucket_size_mb=0.1, first_bucket_mb=0.01)
+                                       bucket_size_mb=0.1, first_bucket_mb=0.004)
     gen = torch.Generator().manual_seed(hx.get_runtime().rank)
     counter = _Counter()
     counter.install()
@@ -127,29 +127,77 @@ def _count(name: str, config: dict[str, Any]) -> list[str]:
             counter.on = False
     finally:
         counter.uninstall()
+        buckets = len(model.buckets)
         model.close()
-    return counter.sites
+    return counter.sites, buckets
 
 
-def _worker() -> dict[str, list[str]]:
+def _nan_error(name: str, config: dict[str, Any]) -> str:
+    """Two steps, rank 0's input NaN at step 1: the error each rank raised ("" if none)."""
     import hexagram as hx
 
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(name, **config),
+                                       bucket_size_mb=0.1, first_bucket_mb=0.004)
+    error = ""
+    try:
+        for step in range(2):
+            x = torch.randn(16, 200)
+            if step == 1 and hx.get_runtime().rank == 0:
+                x[0, 0] = float("nan")
+            try:
+                model(x).square().mean().backward()
+            except hx.NonFiniteGradientError as exc:
+                error = str(exc)
+            opt.zero_grad()
+    finally:
+        model.close()
+    return error
+
+
+def _worker() -> dict[str, Any]:
+    import hexagram as hx
+    from hexagram.compress import packing
+
     hx.init()
-    return {name: _count(name, config) for name, config in CASES.items()}
+    out: dict[str, Any] = {name: _count(name, config) for name, config in CASES.items()}
+    packing.CPU_FAST_PATHS = False
+    out["nan"] = {name: _nan_error(name, config) for name, config in NAN_CASES.items()}
+    return out
+
+
+#: the pure vote hides a NaN (a sign bit); qsgd's norms carry it to every rank
+NAN_CASES: dict[str, dict[str, Any]] = {"signsgd": {"scaled": False}, "qsgd": {}}
 
 
 @pytest.fixture(scope="module")
-def reads() -> list[dict[str, list[str]]]:
+def reads() -> list[dict[str, Any]]:
     return run_local(_worker, WORLD, timeout=240)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_at_most_one_host_read_per_step(name: str, reads: list[dict[str, list[str]]]) -> None:
+def test_at_most_one_host_read_per_step(name: str, reads: list[dict[str, Any]]) -> None:
     for rank, per_rank in enumerate(reads):
-        sites = per_rank[name]
+        sites, buckets = per_rank[name]
+        assert buckets >= 2, "the model must span several buckets for the count to mean much"
         assert len(sites) <= COUNTED, (
             f"{name} on rank {rank}: {len(sites)} host reads in {COUNTED} steps:\n"
             + "\n".join(sites))
+
+
+def test_nan_is_caught_once_per_step_where_the_compressed_form_hides_it(
+        reads: list[dict[str, Any]]) -> None:
+    hidden = reads[0]["nan"]["signsgd"]
+    assert "step 1" in hidden and "'b.weight'" in hidden and "NaN" in hidden, hidden
+
+
+def test_nan_reaches_every_rank_through_a_propagating_compressor(
+        reads: list[dict[str, Any]]) -> None:
+    for rank in range(WORLD):  # rank 1's own input was finite: the reduced gradient is not
+        message = reads[rank]["nan"]["qsgd"]
+        assert "step 1" in message and "NaN" in message and "parameter '" in message, message
 
 
 def test_the_counter_sees_reads() -> None:

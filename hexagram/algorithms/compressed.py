@@ -70,7 +70,8 @@ class CompressedConfig:
             per layer: usually more accurate); ``"bucket"`` compresses a whole bucket at once
             (whole-model with a large ``bucket_size_mb``: fewer, larger messages).
         on_nonfinite: ``"raise"`` stops with :class:`NonFiniteGradientError` naming the step
-            and parameter, at the end of backward (one host read per step); ``"skip"`` makes
+            and parameter, at the end of backward (one host read per step; the step's
+            error-feedback residuals then hold NaN too: resume from a checkpoint); ``"skip"`` makes
             every rank agree before compressing (one tiny allreduce and one host read per
             bucket, so residuals never see NaN) and apply a zero gradient for that bucket
             instead (the whole step when the model fits one bucket; the optimizer still
