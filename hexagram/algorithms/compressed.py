@@ -179,18 +179,16 @@ class CompressedAlgorithm(Algorithm):
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
         if self.config.on_nonfinite == "raise":
             return self._checked(bucket)
-        # skip: every rank must agree before anything is compressed (one read per bucket)
+        # skip: every rank must agree before anything is compressed, so residuals never see
+        # NaN: host reads per bucket (the check and the agreement), kept off the default
         problem = check_finite(bucket, self.step, self.name)
-        if self.config.on_nonfinite == "skip":
-            if self._any_rank_bad(problem is not None):
-                log.warning("%s: skipping step %d (%s)", self.name, self.step,
-                            problem or "non-finite gradient on another rank")
-                if self._last_skipped != self.step:  # count steps, not buckets
-                    self.skipped_steps += 1
-                    self._last_skipped = self.step
-                return Handle.completed(torch.zeros_like(bucket.flat), f"{self.name}.skip")
-        elif problem is not None:
-            raise NonFiniteGradientError(problem)
+        if self._any_rank_bad(problem is not None):
+            log.warning("%s: skipping step %d (%s)", self.name, self.step,
+                        problem or "non-finite gradient on another rank")
+            if self._last_skipped != self.step:  # count steps, not buckets
+                self.skipped_steps += 1
+                self._last_skipped = self.step
+            return Handle.completed(torch.zeros_like(bucket.flat), f"{self.name}.skip")
         return self.reduce_bucket(bucket)
 
     def _checked(self, bucket: Bucket) -> Handle[Tensor]:
