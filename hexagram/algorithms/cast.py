@@ -11,7 +11,8 @@ levels, indices) do not shrink.
 
 fp16's range ends at 65504: a bucket whose largest magnitude exceeds ``65504 / P`` (its sum
 over P ranks could overflow) raises :class:`~hexagram.errors.NonFiniteGradientError` naming
-the parameters, as the ``fp16`` algorithm does; ``"bf16"`` has float32's range. The
+the parameters at the end of backward (checked on the device, read once per step), as the
+``fp16`` algorithm does; ``"bf16"`` has float32's range. The
 algorithms whose protocol needs full precision are refused at wrap time
 (:data:`INCOMPATIBLE`, each with its reason).
 
