@@ -1,12 +1,16 @@
 """Compressor throughput and wire size on a large gradient, next to a plain tensor copy.
 
-For a float32 gradient of ``--numel`` elements (25M by default) it measures, for every
-registered compressor, the time of ``decompress(compress(x))`` as GB/s of input and as a
-fraction of the throughput of ``x.clone()`` measured in the same rounds (the ratio is what
-stays meaningful on a shared machine), and the wire bytes as a fraction of fp32. It then
-compares approximate top-k at 1% density with ``torch.topk`` (time and kept mass).
+For a float32 gradient of ``--numel`` elements (25M by default) on ``--device`` (cpu or
+cuda) it measures, for every registered compressor, ``compress`` and ``decompress`` apart
+as input bytes per second and as a fraction of those of ``x.clone()`` measured in the same
+rounds (the ratio is what stays meaningful on a shared machine), and the wire bytes as a
+fraction of fp32. It then compares top-k at 1% density (approximate on the CPU; CUDA takes
+the exact ``torch.topk`` itself) with ``torch.topk`` (time and kept mass), and PowerSGD's
+compress + decompress of a square matrix with the three matmuls it is made of.
+``--device-path`` runs the CPU on the code CUDA takes (no numpy fast paths).
 
-Run: ``.venv/bin/python benchmarks/compress_throughput.py [--numel N] [--rounds R]``
+Run: ``.venv/bin/python benchmarks/compress_throughput.py [--numel N] [--rounds R]
+[--device cuda]``
 """
 
 from __future__ import annotations
@@ -14,13 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 import hexagram.compress as hc
+from hexagram.compress import packing
+from hexagram.compress.lowrank import PowerSGDCompressor
 
 __all__ = ["main"]
 
@@ -53,32 +59,35 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _roundtrip(c: hc.Compressor, x: torch.Tensor) -> Callable[[], object]:
-    return lambda: c.decompress(c.compress(x))
+Row = tuple[str, float, float, float, float, float]
 
 
-def throughput(x: torch.Tensor, rounds: int) -> list[tuple[str, float, float, float, float]]:
-    """(name, best seconds, best ratio to copy, median ratio, wire fraction) per compressor."""
+def throughput(x: torch.Tensor, rounds: int) -> list[Row]:
+    """(name, compress s, decompress s, compress x copy, decompress x copy, wire fraction)
+    per compressor: best times, ratios of the best copy to the best time."""
     comps = {name: hc.get(name, **CONFIGS.get(name, {})) for name in hc.names()}
-    times: dict[str, list[float]] = {name: [] for name in ["copy", *comps]}
-    for c in comps.values():  # warm up (allocations, first-call costs)
-        c.decompress(c.compress(x))
-    for _ in range(rounds):  # interleaved, so load changes hit copy and compressors alike
-        times["copy"].append(timed(x.clone, x.device))
-        for name, c in comps.items():
-            times[name].append(timed(_roundtrip(c, x), x.device))
-    copy = times["copy"]
-    rows = [("copy", min(copy), 1.0, 1.0, 1.0)]
+    payloads = {name: c.compress(x) for name, c in comps.items()}  # also warms up
     for name, c in comps.items():
-        ratios = [tc / t for tc, t in zip(copy, times[name])]
-        wire = c.compress(x).nbytes / (4 * x.numel())
-        rows.append((name, min(times[name]), min(copy) / min(times[name]),
-                     statistics.median(ratios), wire))
+        c.decompress(payloads[name])
+    copy: list[float] = []
+    enc: dict[str, list[float]] = {name: [] for name in comps}
+    dec: dict[str, list[float]] = {name: [] for name in comps}
+    for _ in range(rounds):  # interleaved, so load changes hit copy and compressors alike
+        copy.append(timed(x.clone, x.device))
+        for name, c in comps.items():
+            enc[name].append(timed(lambda c=c: c.compress(x), x.device))
+            dec[name].append(timed(lambda c=c, p=payloads[name]: c.decompress(p), x.device))
+    best = min(copy)
+    rows: list[Row] = [("copy", best, best, 1.0, 1.0, 1.0)]
+    for name in comps:
+        wire = payloads[name].nbytes / (4 * x.numel())
+        rows.append((name, min(enc[name]), min(dec[name]), best / min(enc[name]),
+                     best / min(dec[name]), wire))
     return rows
 
 
 def topk_comparison(x: torch.Tensor, rounds: int) -> tuple[float, float, float]:
-    """(torch.topk seconds, approximate compress seconds, kept mass vs exact) at 1%."""
+    """(torch.topk seconds, top-k compress seconds, kept mass vs exact) at 1%."""
     k = x.numel() // 100
     approx = hc.get("topk", density=0.01, approximate=True)
     exact_t = min(timed(lambda: torch.topk(x.abs(), k, sorted=False), x.device)
@@ -89,29 +98,57 @@ def topk_comparison(x: torch.Tensor, rounds: int) -> tuple[float, float, float]:
     return exact_t, approx_t, float(kept.abs().double().sum()) / exact_mass
 
 
+def powersgd_comparison(x: torch.Tensor, rounds: int, rank: int = 4) -> tuple[float, float]:
+    """(matmuls seconds, compress + decompress seconds) of rank-``rank`` PowerSGD on ``x``
+    as a square-ish matrix; the matmuls: ``M Q``, ``P^T M`` and ``P Q^T``."""
+    c = cast(PowerSGDCompressor, hc.get("powersgd", rank=rank))
+    m = c.matrix(x)
+    p = torch.randn(m.shape[0], rank, device=x.device)
+    q = torch.randn(m.shape[1], rank, device=x.device)
+
+    def matmuls() -> object:
+        return m @ q, p.t() @ m, p @ q.t()
+
+    c.decompress(c.compress(x))  # warm up (and the warm start)
+    mm = min(timed(matmuls, x.device) for _ in range(rounds))
+    full = min(timed(lambda: c.decompress(c.compress(x)), x.device) for _ in range(rounds))
+    return mm, full
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=25_000_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--device-path", action="store_true",
+                        help="on the CPU, take the code CUDA takes (no numpy fast paths)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device_path:
+        packing.CPU_FAST_PATHS = False
     device = torch.device(args.device)
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).to(device)
     print(f"machine: {machine()}; device {device}")
     print(f"input: {args.numel:,} float32 elements ({4 * args.numel / 1e6:.0f} MB), "
-          f"{args.rounds} interleaved rounds, compress + decompress")
-    print(f"{'compressor':>10} {'ms':>9} {'GB/s':>7} {'x copy':>7} {'(median)':>9} "
-          f"{'wire/fp32':>10}")
-    for name, t, ratio, median, wire in throughput(x, args.rounds):
-        print(f"{name:>10} {t * 1e3:9.1f} {4 * x.numel() / t / 1e9:7.2f} {ratio:7.2f} "
-              f"{median:9.2f} {wire:10.4f}")
+          f"{args.rounds} interleaved rounds, best of each; GB/s of input"
+          f"{'; CPU on the device path' if args.device_path else ''}")
+    print(f"| {'compressor':<10} | {'compress ms':>11} | {'GB/s':>6} | {'x clone':>7} | "
+          f"{'decompress ms':>13} | {'GB/s':>6} | {'x clone':>7} | {'wire/fp32':>9} |")
+    print(f"|{'-' * 12}|{'-' * 13}:|{'-' * 7}:|{'-' * 8}:|{'-' * 15}:|{'-' * 7}:|"
+          f"{'-' * 8}:|{'-' * 10}:|")
+    gb = 4 * x.numel() / 1e9
+    for name, te, td, re, rd, wire in throughput(x, args.rounds):
+        print(f"| {name:<10} | {te * 1e3:11.1f} | {gb / te:6.2f} | {re:7.2f} | "
+              f"{td * 1e3:13.1f} | {gb / td:6.2f} | {rd:7.2f} | {wire:9.4f} |")
     exact_t, approx_t, mass = topk_comparison(x, args.rounds)
-    print(f"top-k 1%: torch.topk {exact_t * 1e3:.1f} ms, approximate compress "
-          f"{approx_t * 1e3:.1f} ms ({exact_t / approx_t:.1f}x faster), "
+    print(f"top-k 1%: torch.topk {exact_t * 1e3:.1f} ms, top-k compress (approximate=True) "
+          f"{approx_t * 1e3:.1f} ms ({exact_t / approx_t:.2f}x torch.topk's speed), "
           f"kept mass {100 * mass:.2f}% of exact")
+    mm, full = powersgd_comparison(x, args.rounds)
+    print(f"powersgd rank 4: its three matmuls {mm * 1e3:.1f} ms, compress + decompress "
+          f"{full * 1e3:.1f} ms ({full / mm:.2f}x the matmuls)")
 
 
 if __name__ == "__main__":

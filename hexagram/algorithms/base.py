@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from torch import nn
 
+from hexagram.algorithms.finite import StepChecks
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.runtime import Runtime
@@ -60,6 +61,8 @@ class AlgorithmContext:
         comm: communicator over all ranks for this algorithm's traffic.
         named_params: trainable parameters in registration order.
         buckets: the engine's buckets over :meth:`Algorithm.tensors` (rebuilt on reset).
+        checks: non-finite conditions queued on the device during a step, read once at its
+            end (:mod:`hexagram.algorithms.finite`); shared by an algorithm and its wrappers.
     """
 
     module: nn.Module
@@ -68,6 +71,7 @@ class AlgorithmContext:
     comm: Communicator
     named_params: list[tuple[str, nn.Parameter]]
     buckets: list[Bucket] = field(default_factory=list)
+    checks: StepChecks = field(default_factory=StepChecks)
 
 
 class Algorithm:

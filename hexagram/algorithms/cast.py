@@ -11,7 +11,8 @@ levels, indices) do not shrink.
 
 fp16's range ends at 65504: a bucket whose largest magnitude exceeds ``65504 / P`` (its sum
 over P ranks could overflow) raises :class:`~hexagram.errors.NonFiniteGradientError` naming
-the parameters, as the ``fp16`` algorithm does; ``"bf16"`` has float32's range. The
+the parameters at the end of backward (checked on the device, read once per step), as the
+``fp16`` algorithm does; ``"bf16"`` has float32's range. The
 algorithms whose protocol needs full precision are refused at wrap time
 (:data:`INCOMPATIBLE`, each with its reason).
 
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, Forwarding
+from hexagram.algorithms.finite import StepChecks
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
 from hexagram.errors import ConfigError, NonFiniteGradientError
@@ -49,16 +51,25 @@ INCOMPATIBLE = {
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
-def check_fp16_range(tensor: Tensor, scale: float, what: str) -> None:
+def check_fp16_range(tensor: Tensor, scale: float, what: str,
+                     checks: StepChecks | None = None) -> None:
     """Raise :class:`NonFiniteGradientError` when ``tensor``'s largest magnitude times
     ``scale`` passes fp16's 65504: ``1 / P`` where values are divided by the world size
     before the cast (the ``fp16`` algorithm), ``P`` where P of them are summed in fp16
-    (the cast wrapper). ``what`` opens the message."""
+    (the cast wrapper). ``what`` opens the message. With ``checks`` nothing is read: the
+    condition is queued there, and raised when the step's checks are read."""
     lo, hi = torch.aminmax(tensor)  # one pass, no |x| temporary
-    peak = max(-float(lo), float(hi))
-    if peak * scale > _FP16_MAX:
-        raise NonFiniteGradientError(
-            f"{what} reaches {peak:.3g}, x {scale:.3g} on the wire passes fp16's "
+    peak = torch.maximum(-lo, hi)
+    if checks is not None:
+        checks.add(peak.double() * scale > _FP16_MAX,
+                   lambda: _range_message(what, float(peak), scale))
+        return
+    if float(peak) * scale > _FP16_MAX:
+        raise NonFiniteGradientError(_range_message(what, float(peak), scale))
+
+
+def _range_message(what: str, peak: float, scale: float) -> str:
+    return (f"{what} reaches {peak:.3g}, x {scale:.3g} on the wire passes fp16's "
             f"{_FP16_MAX:.0f} and would become Inf. Use bf16 or clip gradients")
 
 
@@ -94,8 +105,14 @@ class Cast(Forwarding):
         if self.dtype == torch.float16:
             check_fp16_range(bucket.flat, self.ctx.comm.size,
                              f"cast='fp16' around {self.inner.name!r}: gradient of "
-                             f"{', '.join(bucket.names)}")
+                             f"{', '.join(bucket.names)}", self.ctx.checks)
         low = bucket.over(bucket.flat.to(self.dtype))
         handle = self.inner.bucket_ready(low) or Handle.completed(low.flat)
         # the result may be the 16-bit buffer or one of the algorithm's own
         return handle.then(lambda result: bucket.flat.copy_(result))
+
+    def after_backward(self) -> None:
+        self.inner.after_backward()  # a compressed algorithm reads the step's checks
+        problem = self.ctx.checks.read()  # the range checks, where the inner reads none
+        if problem is not None:
+            raise NonFiniteGradientError(problem)

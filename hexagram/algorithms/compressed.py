@@ -1,7 +1,9 @@
 """What the compressed-gradient algorithms share: config fields, segments, checks, state.
 
-A compressed-gradient algorithm receives each ready bucket, checks it for NaN/Inf (before
-anything is compressed, naming the step and the parameter), cuts it into *segments* (one per
+A compressed-gradient algorithm receives each ready bucket, checks it for NaN/Inf (on the
+device: the bucket before and after reduction, read once per step at the end of backward,
+naming the step and the parameter; :mod:`hexagram.algorithms.finite`), cuts it into
+*segments* (one per
 tensor with ``granularity="layer"``, the whole bucket with ``granularity="bucket"``: Dutta
 et al.'s layer-wise vs whole-model compression) and reduces them into the bucket's flat
 gradient: :class:`CompressorAlgorithm` through :func:`hexagram.comm.reduce.reduce_many`
@@ -32,6 +34,7 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.algorithms.finite import non_finite, output_problem
 from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
@@ -67,9 +70,12 @@ class CompressedConfig:
             per layer: usually more accurate); ``"bucket"`` compresses a whole bucket at once
             (whole-model with a large ``bucket_size_mb``: fewer, larger messages).
         on_nonfinite: ``"raise"`` stops with :class:`NonFiniteGradientError` naming the step
-            and parameter; ``"skip"`` makes every rank agree (one tiny allreduce per bucket)
-            and apply a zero gradient for that bucket instead (the whole step when the model
-            fits one bucket; the optimizer still steps, so momentum and weight decay act).
+            and parameter, at the end of backward (one host read per step; the step's
+            error-feedback residuals then hold NaN too: resume from a checkpoint); ``"skip"`` makes
+            every rank agree before compressing (one tiny allreduce and one host read per
+            bucket, so residuals never see NaN) and apply a zero gradient for that bucket
+            instead (the whole step when the model fits one bucket; the optimizer still
+            steps, so momentum and weight decay act).
         seed: seeds this algorithm's random generator (stochastic rounding, random-k).
     """
 
@@ -171,18 +177,32 @@ class CompressedAlgorithm(Algorithm):
 
     # -- the hook ------------------------------------------------------------------------
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
+        if self.config.on_nonfinite == "raise":
+            return self._checked(bucket)
+        # skip: every rank must agree before anything is compressed, so residuals never see
+        # NaN: host reads per bucket (the check and the agreement), kept off the default
         problem = check_finite(bucket, self.step, self.name)
-        if self.config.on_nonfinite == "skip":
-            if self._any_rank_bad(problem is not None):
-                log.warning("%s: skipping step %d (%s)", self.name, self.step,
-                            problem or "non-finite gradient on another rank")
-                if self._last_skipped != self.step:  # count steps, not buckets
-                    self.skipped_steps += 1
-                    self._last_skipped = self.step
-                return Handle.completed(torch.zeros_like(bucket.flat), f"{self.name}.skip")
-        elif problem is not None:
-            raise NonFiniteGradientError(problem)
+        if self._any_rank_bad(problem is not None):
+            log.warning("%s: skipping step %d (%s)", self.name, self.step,
+                        problem or "non-finite gradient on another rank")
+            if self._last_skipped != self.step:  # count steps, not buckets
+                self.skipped_steps += 1
+                self._last_skipped = self.step
+            return Handle.completed(torch.zeros_like(bucket.flat), f"{self.name}.skip")
         return self.reduce_bucket(bucket)
+
+    def _checked(self, bucket: Bucket) -> Handle[Tensor]:
+        """Reduce ``bucket``, queueing its NaN/Inf check (input or result) on the device;
+        :meth:`after_backward` reads the step's checks at once."""
+        bad_input, step = non_finite(bucket.flat), self.step
+        names = bucket.names
+
+        def probe(result: Tensor) -> Tensor:
+            self.ctx.checks.add(bad_input | non_finite(result), lambda: output_problem(
+                bucket, result, step, self.name, names))
+            return result
+
+        return self.reduce_bucket(bucket).then(probe)
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
         """Reduce a checked bucket: by default segment by segment, into ``bucket.flat``.
@@ -215,6 +235,9 @@ class CompressedAlgorithm(Algorithm):
 
     def after_backward(self) -> None:
         self.step += 1
+        problem = self.ctx.checks.read()  # the step's one host read (none if none queued)
+        if problem is not None:
+            raise NonFiniteGradientError(problem)
 
     # -- helpers for subclasses ----------------------------------------------------------
     def _feedback(self) -> ErrorFeedback:
@@ -305,6 +328,7 @@ class CompressorAlgorithm(CompressedAlgorithm):
     def use_compressor(self, compressor: Compressor, feedback: bool) -> None:
         """Set the compressor, wrapped in error feedback if ``feedback``."""
         self.compressor = compressor
+        compressor.checks_finite = False  # the buckets are checked once per step instead
         self.error_feedback = ErrorFeedback(compressor) if feedback else None
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:

@@ -123,6 +123,8 @@ class DecentralizedAlgorithm(RoundAlgorithm):
             else:  # uniform weights 1/(k+1) over me and my k peers (k = 0: unchanged)
                 mixed.append(torch.stack([own, *got]).sum(0) / (ex.npeers + 1))
         write_weights(self.ctx.buckets, mixed)
+        # host read (kept, weight algorithm: once per exchange, not per bucket): the count of
+        # active ranks the engine's join and elastic checks need on the host
         return int(ex.control.wait().active)
 
     def _finish_pending(self) -> None:

@@ -137,8 +137,9 @@ class DGCAlgorithm(MomentumCorrection, CompressorAlgorithm):
 
     def _compressor(self, density: float) -> Compressor:
         if density not in self._by_density:
-            self._by_density[density] = compress.get("topk", density=density,
-                                                         approximate=self.config.approximate)
+            topk = compress.get("topk", density=density, approximate=self.config.approximate)
+            topk.checks_finite = False  # buckets are checked once per step instead
+            self._by_density[density] = topk
         return self._by_density[density]
 
     def encode_segment(self, segment: Segment, tensor: Tensor, divisor: int) -> Payload:

@@ -197,6 +197,8 @@ class DiLoCoAlgorithm(RoundAlgorithm):
                 self._apply(exchange)
         self._sync_buffers()
         self.dirty = False
+        # host read (kept, weight algorithm: once per outer step): active ranks, for the
+        # engine's join and elastic checks
         return int(counts.active)
 
     def _start(self, f: int, n: int) -> _InFlight:

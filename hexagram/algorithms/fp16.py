@@ -6,8 +6,10 @@ bytes of ``allreduce``. No error feedback: rounding to 16 bits loses about 3 dec
 far below SGD's noise.
 
 fp16 tops out at 65504: a gradient that would overflow after the division by the world size
-raises :class:`NonFiniteGradientError` naming the parameter instead of becoming Inf on the
-wire (use ``wire="bf16"``, which has float32's range, or gradient clipping).
+raises :class:`NonFiniteGradientError` naming the parameter instead of becoming Inf
+unnoticed (use ``wire="bf16"``, which has float32's range, or gradient clipping). The range
+is checked on the device and read with the step's other checks at the end of backward
+(:mod:`hexagram.algorithms.finite`): no host read per bucket.
 
 Example:
     >>> import hexagram as hx
@@ -66,5 +68,6 @@ class Fp16Algorithm(CompressorAlgorithm):
         16 bits by :func:`hexagram.comm.reduce.reduce_many`: its ``SUM`` route)."""
         if self.config.wire == "fp16":
             check_fp16_range(tensor, 1 / self.ctx.comm.size, f"fp16: gradient of "
-                             f"{', '.join(segment.names)} at step {self.step}")
+                             f"{', '.join(segment.names)} at step {self.step}",
+                             self.ctx.checks)
         return super().encode_segment(segment, tensor, divisor)

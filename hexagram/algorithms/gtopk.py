@@ -88,6 +88,7 @@ class GTopKAlgorithm(CompressedAlgorithm):
         self.config: GTopKConfig
         self.compressor = compress.get("topk", density=self.config.density,
                                        approximate=self.config.approximate)
+        self.compressor.checks_finite = False  # buckets are checked once per step instead
         if self.config.error_feedback:
             self.error_feedback = ErrorFeedback(self.compressor)
 

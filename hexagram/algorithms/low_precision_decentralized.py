@@ -123,6 +123,8 @@ class LowPrecisionDecentralizedAlgorithm(RoundAlgorithm):
                 c.decompress_into(payload, h_peer, add=True)  # as the neighbour did
                 b.flat.add_(torch.sub(h_peer, h_self, out=scratch), alpha=share)
             b.copy_out_weights()
+        # host read (kept, weight algorithm: once per exchange, not per bucket): the count of
+        # active ranks the engine's join and elastic checks need on the host
         n_active = int(control.wait().active)
         self._sync_buffers()
         return n_active

@@ -114,6 +114,7 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         # (warm-start Q per key, initial Q seeded by key: the same on every rank)
         self.compressor = cast(PowerSGDCompressor, compress.get(
             "powersgd", rank=c.rank, warm_start=c.warm_start, seed=c.seed))
+        self.compressor.checks_finite = False  # buckets are checked once per step instead
         if c.error_feedback:
             self.error_feedback = ErrorFeedback(self.compressor)
 

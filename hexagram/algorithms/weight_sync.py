@@ -63,7 +63,11 @@ __all__ = [
 
 def as_compressor(spec: str | Compressor | None) -> Compressor | None:
     """A compressor from a registry name (``hexagram.compress.names()``), an instance, or
-    ``None`` (full precision)."""
+    ``None`` (full precision).
+
+    The weight algorithms keep the compressor's own NaN/Inf check (``checks_finite``):
+    host reads once per exchange of weights, not per gradient bucket, and a NaN weight
+    sent to a peer is worth stopping at once."""
     if spec is None or isinstance(spec, Compressor):
         return spec
     return compress.get(spec)

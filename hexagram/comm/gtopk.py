@@ -166,6 +166,8 @@ def _isin(elements: Tensor, test: Tensor) -> Tensor:
 def _sort_pairs(values: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """(values, indices) in increasing index order, and the permutation used (None: they
     were sorted): later merges of sorted pairs need no sort."""
+    # host read (kept: gTop-k's merge rounds already size their messages on the host): a
+    # sort skipped when the pairs are sorted, which merged pairs always are
     if indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all()):
         return values, indices, None
     indices, order = torch.sort(indices)
@@ -262,6 +264,7 @@ def _check(values: Tensor, indices: Tensor, numel: int) -> None:
     if indices.numel() != values.numel() or values.dim() != 1:
         raise ValueError(f"values and indices must be 1-D of equal length, got "
                          f"{tuple(values.shape)} and {tuple(indices.shape)}")
+    # host reads (kept): an index out of range would corrupt a peer's merge, not fail here
     if values.numel() > 0 and (int(indices.min()) < 0 or int(indices.max()) >= numel):
         raise ValueError(f"indices must lie in [0, {numel}), got [{int(indices.min())}, "
                          f"{int(indices.max())}]")

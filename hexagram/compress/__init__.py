@@ -5,7 +5,8 @@
 
 Modules: ``quantize_fp`` (fp16, bf16), ``quantize`` (minmax8, qsgd, terngrad), ``signs``
 (sign, efsign, onebit), ``sparsify`` (topk, randomk, threshold), ``lowrank`` (powersgd and
-its two-phase step API), ``feedback`` (error feedback), ``packing`` (bit packing). Each
+its two-phase step API), ``feedback`` (error feedback), ``packing`` (bit packing, block
+sizes per device), ``codes`` (truncation, stochastic rounding). Each
 module's docstring gives its wire format (``Payload.nbytes`` as a formula).
 
 Example:

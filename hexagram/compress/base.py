@@ -139,6 +139,12 @@ class Compressor(ABC):
     #: and writes), which the planner prices at the device's memory rate; ``None``: not
     #: declared (the planner does not price algorithms built on it)
     memory_passes: float | None = None
+    #: True: ``compress`` raises :class:`NonFiniteGradientError` on NaN/Inf input (and a
+    #: ValueError where a value overflows the format), which reads the device once per
+    #: call. An algorithm that checks its buckets itself, once per step on the device,
+    #: sets it False: the compressor then reads nothing and lets NaN/Inf through (they
+    #: reach the decoded values, or the algorithm's own probe of its input sees them).
+    checks_finite: bool = True
 
     @abstractmethod
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:

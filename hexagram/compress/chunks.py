@@ -23,6 +23,7 @@ from hexagram.compress.packing import (
     block_size,
     blocks,
     byte_codes,
+    cpu_fast,
     decode_blocks,
     packed_nbytes,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "decode_affine",
     "decode_table",
     "fma_rows",
+    "halves",
     "pieces",
     "robust_norms",
     "work_dtype",
@@ -117,24 +119,29 @@ def fma_rows(dst: Tensor, src: Tensor, start: int, chunk: int, mul: Tensor,
 
 def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
                   offset: Tensor | None, dtype: torch.dtype, out: Tensor | None = None,
-                  add: bool = False) -> Tensor:
-    """Dense ``code * scale[chunk] + offset[chunk]`` of ``n`` packed codes.
+                  add: bool = False, post: Tensor | None = None) -> Tensor:
+    """Dense ``code * scale[chunk] + offset[chunk]`` of ``n`` packed codes (times
+    ``post[chunk]`` when given).
 
     ``scale`` and ``offset`` hold one value per chunk (``expand`` a single value for a
     per-tensor scale); arithmetic runs block by block in ``scale.dtype``. The result is
     written into ``out`` (1-D, ``n`` elements of ``dtype``; allocated when None), or added
-    to it with ``add``; returns ``out``.
+    to it with ``add``; returns ``out``. ``post`` lets the device decode chunks whose
+    values would overflow ``scale.dtype`` as ``2 * (code * scale / 2 + offset / 2)`` (a
+    power of two: exact) without reading which chunks those are (:func:`halves`).
     """
     if out is None:
         out = torch.empty(n, dtype=dtype, device=packed.device)
     direct = out.dtype == scale.dtype and not add  # decode in the output, no temporary
-    block = block_size()
+    block = block_size(packed.device)
     tmp = torch.empty(0 if direct else min(block, n), dtype=scale.dtype, device=packed.device)
 
     def use(start: int, stop: int, codes: Tensor) -> None:
         buf = out[start:stop] if direct else tmp[: stop - start]
         buf.copy_(codes)
         fma_rows(buf, buf, start, chunk, scale, offset)
+        if post is not None:
+            fma_rows(buf, buf, start, chunk, post, None)
         if add:  # round to out's dtype first: the same sum as out + decompress(...)
             out[start:stop].add_(buf if buf.dtype == out.dtype else buf.to(out.dtype))
         elif not direct:
@@ -142,6 +149,14 @@ def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
 
     decode_blocks(packed, bits, n, use, block)
     return out
+
+
+def halves(wide: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per-chunk ``(factor, post)``: (0.5, 2) where ``wide`` (the chunk's values overflow
+    ``dtype`` in some intermediate), else (1, 1): scaling by a power of two is exact, so
+    the other chunks keep their bits, and the device never reads which chunks are wide."""
+    factor = torch.where(wide, 0.5, 1.0).to(dtype)
+    return factor, torch.where(wide, 2.0, 1.0).to(dtype)
 
 
 def code_values(bits: int, scale: Tensor, offset: Tensor, dtype: torch.dtype) -> Tensor:
@@ -164,8 +179,8 @@ def decode_table(packed: Tensor, bits: int, n: int, values: Tensor, out: Tensor,
     """
     per = 8 // bits
     # (256, per): the values of each byte's codes
-    table = values[byte_codes(bits).to(values.device).long()]
-    block = block_size()
+    table = values[byte_codes(bits, values.device).long()]
+    block = block_size(out.device)
     tmp = out.new_empty(min(block, n) + per) if add or n % per else out.new_empty(0)
     for start, stop in blocks(n, block):
         first, length = start * bits // 8, stop - start
@@ -197,18 +212,31 @@ def _lookup(table: Tensor, idx: Tensor, dst: Tensor) -> None:
         torch.index_select(table, 0, idx, out=dst)
 
 
-def robust_norms(flat: Tensor, chunk: int, dtype: torch.dtype, who: str) -> Tensor:
+def robust_norms(flat: Tensor, chunk: int, dtype: torch.dtype, who: str,
+                 check: bool = True) -> Tensor:
     """L2 norm of each chunk in ``dtype``, exact also where squares over/underflow.
 
-    The fast norm squares in ``dtype``; chunks whose norm came out non-finite or below
+    CPU: the fast norm squares in ``dtype``; chunks whose norm came out non-finite or below
     ``sqrt(tiny)`` (squares may have underflowed, e.g. values of 1e-30 in float32) are
-    recomputed in float64 as ``max|x| * ||x / max|x|||``.
-    NaN or Inf in ``flat`` raise :class:`NonFiniteGradientError` (they make a norm
-    non-finite, which triggers the full check).
+    recomputed in float64 as ``max|x| * ||x / max|x|||``. Elsewhere (CUDA) nothing is
+    read back: float32/16 values are squared in float64, whose range holds every square,
+    and float64 values take the scaled form for every chunk.
+    With ``check``, NaN or Inf in ``flat`` raise :class:`NonFiniteGradientError` (they make
+    a norm non-finite, which triggers the full check); without, they give a NaN/Inf norm.
     """
+    if not cpu_fast(flat):
+        if dtype == torch.float64 or flat.dtype == torch.float64:
+            norms = chunk_reduce(flat, chunk, _scaled_norms).to(dtype)
+        else:
+            norms = chunk_reduce(flat, chunk, lambda rows: torch.linalg.vector_norm(
+                rows, dim=1, dtype=torch.float64)).to(dtype)
+        if check:
+            ensure_finite(flat, norms, who)
+        return norms
     norms = chunk_reduce(flat, chunk,
                          lambda rows: torch.linalg.vector_norm(rows, dim=1, dtype=dtype))
-    ensure_finite(flat, norms, who)
+    if check:
+        ensure_finite(flat, norms, who)
     suspect = ~torch.isfinite(norms) | (norms < torch.finfo(dtype).tiny ** 0.5)
     if bool(suspect.any()):  # rare: all-zero, tiny or huge chunks
         full = flat.numel() // chunk

@@ -86,7 +86,7 @@ def _sums(values: list[Tensor], bits: int, finish: Callable[[Tensor], Tensor],
 
 def _spread(bits: int, width: int, rank: int, device: torch.device) -> Tensor:
     """(256,) words: the codes of a packed byte, code i moved to bit ``width i + bits rank``."""
-    codes = byte_codes(bits).to(device=device, dtype=torch.int64)  # (256, 8 // bits)
+    codes = byte_codes(bits, device).to(dtype=torch.int64)  # (256, 8 // bits)
     shifts = width * torch.arange(8 // bits, device=device) + bits * rank
     words = (codes << shifts).sum(1)
     dtype = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
@@ -108,7 +108,7 @@ def _decode_combined(packed: list[Tensor], bits: int, sums: Tensor, out: Tensor)
     # a row of two sums as one element (index_select of single elements is faster)
     wide = None if per_byte == 1 else {2: torch.int16, 4: torch.int32, 8: torch.int64,
                                        16: torch.complex128}[2 * out.element_size()]
-    n, block = out.numel(), block_size()
+    n, block = out.numel(), block_size(out.device)
     tmp = out.new_empty(min(block, n) + 8)
     for start, stop in blocks(n, block):
         first, nbytes = start * bits // 8, packed_nbytes(stop - start, bits)

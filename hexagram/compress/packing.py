@@ -10,7 +10,9 @@ views — no Python loop over elements.
 Compressors encode large tensors block by block (:func:`encode_blocks`,
 :func:`decode_blocks`): the temporaries of a block of :func:`block_size` elements are
 reused and stay in the CPU caches, instead of allocating (and page-faulting) several
-tensors as large as the gradient, which costs more than the arithmetic itself.
+tensors as large as the gradient, which costs more than the arithmetic itself. On CUDA a
+block is the whole tensor (one pass, one kernel per op); lookup tables are cached per
+device.
 
 Example:
     >>> import torch
@@ -24,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 
@@ -32,33 +35,61 @@ from torch import Tensor
 
 __all__ = [
     "BLOCK",
+    "CPU_FAST_PATHS",
+    "ONE_PASS",
     "block_size",
     "blocks",
     "byte_codes",
+    "cpu_fast",
     "decode_blocks",
     "encode_blocks",
     "pack_codes",
     "packed_nbytes",
     "unpack_codes",
+    "unpack_table",
 ]
 
 #: unit of the block-wise loops' block size: 31 * 1024 elements hold whole chunks of the
 #: usual power-of-two chunk sizes up to 1024
 BLOCK = 31 * 1024
 
+#: False sends CPU tensors down the code CUDA tensors take instead of the CPU-only fast
+#: paths (numpy sign packing, code casts, threshold scans and random bits; decisions that
+#: read a tensor, which costs nothing on the CPU): tests flip it (or set the environment
+#: variable HEXAGRAM_CPU_FAST_PATHS=0) to check the device path, its host reads and its
+#: results, on a CPU
+CPU_FAST_PATHS = os.environ.get("HEXAGRAM_CPU_FAST_PATHS", "1") != "0"
 
-def block_size() -> int:
-    """Elements per block of the block-wise loops: 16 * BLOCK (about 500K).
 
-    Temporaries of a block are reused, so they are allocated (and page-faulted) once
+def block_size(device: torch.device | None = None) -> int:
+    """Elements per block of the block-wise loops on ``device``: 16 * BLOCK (about 500K) on
+    the CPU, everything in one pass on an accelerator (:data:`ONE_PASS`).
+
+    CPU: temporaries of a block are reused, so they are allocated (and page-faulted) once
     instead of as large as the gradient, and there are few enough blocks that Python's
     per-op overhead stays small. Measured on 25M float32 values, compress + decompress as a
     fraction of a plain copy on a quiet 2-core machine, BLOCK -> 16 * BLOCK: qsgd 0.20 ->
     0.36 with 2 threads (ops of a block now run on both), 0.46 -> 0.52 with 1 thread.
     (BLOCK-sized blocks kept every op on one thread, which helped only on a machine so
     overloaded that a second thread was often descheduled.)
+    CUDA: no cache to fit and a kernel launch per op per block, while the caching
+    allocator reuses temporaries of any size: one block of the whole tensor.
+    ``None`` means the CPU.
     """
+    if device is not None and torch.device(device).type != "cpu":
+        return ONE_PASS
     return 16 * BLOCK
+
+
+#: a block size larger than any tensor (a multiple of 8, as blocks of packed codes must be)
+ONE_PASS = 1 << 62
+
+
+def cpu_fast(where: Tensor | torch.device) -> bool:
+    """True where a tensor (or a device) may take a CPU-only fast path (numpy, decisions
+    that read a tensor): it is the CPU and :data:`CPU_FAST_PATHS` is on."""
+    device = where.device if isinstance(where, Tensor) else torch.device(where)
+    return CPU_FAST_PATHS and device.type == "cpu"
 
 
 if sys.byteorder != "little":  # the int64 <-> uint8 views below assume little-endian words
@@ -163,10 +194,27 @@ def _unpack_table(bits: int) -> Tensor:
 #: 3-6x faster than shifting and masking every code
 _UNPACK = {bits: _unpack_table(bits) for bits in (1, 2, 4)}
 
+#: (bits, device) -> :data:`_UNPACK`'s table on that device: copied host-to-device once,
+#: not on every decode (a copy of host data waits for the device)
+_UNPACK_ON: dict[tuple[int, str], Tensor] = {}
 
-def byte_codes(bits: int) -> Tensor:
-    """(256, 8 // bits) uint8: the codes packed in each byte value (bits 1, 2 or 4)."""
-    return _UNPACK[bits].view(torch.uint8).view(256, 8 // bits)
+
+def unpack_table(bits: int, device: torch.device | str | None = None) -> Tensor:
+    """The (256,) word table of :func:`unpack_codes` for ``bits`` (1, 2 or 4) on ``device``
+    (cached per device)."""
+    if device is None or torch.device(device).type == "cpu":
+        return _UNPACK[bits]
+    key = (bits, str(torch.device(device)))
+    table = _UNPACK_ON.get(key)
+    if table is None:
+        table = _UNPACK_ON[key] = _UNPACK[bits].to(device)
+    return table
+
+
+def byte_codes(bits: int, device: torch.device | str | None = None) -> Tensor:
+    """(256, 8 // bits) uint8: the codes packed in each byte value (bits 1, 2 or 4), on
+    ``device`` (cached per device; the CPU by default)."""
+    return unpack_table(bits, device).view(torch.uint8).view(256, 8 // bits)
 
 
 def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
@@ -179,7 +227,7 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     if bits == 8:
         return packed.clone()
     if bits in _UNPACK:  # each byte -> the word of its 8 // bits codes, by table lookup
-        table = _UNPACK[bits].to(packed.device)
+        table = unpack_table(bits, packed.device)
         return table.index_select(0, packed.int()).view(torch.uint8)[:n]
     groups = -(-n // 8)
     words = packed.new_zeros(groups, 8)  # each group's bytes, zero-extended to an int64
@@ -206,7 +254,7 @@ def encode_blocks(n: int, bits: int, fill: Callable[[int, int, Tensor], None],
     ``codes`` (a reused buffer). ``block`` (default :func:`block_size`) must be a
     multiple of 8 so every block starts on a byte boundary of the packed output.
     """
-    block = block_size() if block is None else block
+    block = block_size(device) if block is None else block
     if block % 8:
         raise ValueError(f"block must be a multiple of 8, got {block}")
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=device)
@@ -226,7 +274,7 @@ def encode_blocks(n: int, bits: int, fill: Callable[[int, int, Tensor], None],
 def decode_blocks(packed: Tensor, bits: int, n: int, use: Callable[[int, int, Tensor], None],
                   block: int | None = None) -> None:
     """Calls ``use(start, stop, codes)`` with the uint8 codes of each block of elements."""
-    block = block_size() if block is None else block
+    block = block_size(packed.device) if block is None else block
     if block % 8:
         raise ValueError(f"block must be a multiple of 8, got {block}")
     for start, stop in blocks(n, block):

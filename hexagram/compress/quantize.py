@@ -32,10 +32,8 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -57,10 +55,12 @@ from hexagram.compress.chunks import (
     decode_affine,
     decode_table,
     fma_rows,
+    halves,
     robust_norms,
     work_dtype,
 )
-from hexagram.compress.packing import block_size, encode_blocks, packed_nbytes
+from hexagram.compress.codes import random_words, stochastic_codes, truncate_to
+from hexagram.compress.packing import block_size, cpu_fast, encode_blocks, packed_nbytes
 from hexagram.config import check_float, check_int
 
 __all__ = [
@@ -147,7 +147,8 @@ class MinMax8Compressor(Compressor):
         flat, c, wd = _flat(tensor), self.config.chunk_size, work_dtype(tensor.dtype)
         # amin and amax: 17x faster than aminmax(dim=1), which is not vectorized on CPU
         ext = chunk_reduce(flat, c, lambda r: torch.stack([r.amin(1), r.amax(1)], 1)).to(wd)
-        ensure_finite(flat, ext, self.name)  # NaN/Inf make a chunk's min or max non-finite
+        if self.checks_finite:  # NaN/Inf make a chunk's min or max non-finite
+            ensure_finite(flat, ext, self.name)
         lo, hi = ext[:, 0], ext[:, 1]
         step = (hi / 2 - lo / 2) / 127.5  # (hi - lo) / 255 without overflowing
         codes = _minmax_codes(flat, c, lo, hi, step)
@@ -162,6 +163,10 @@ class MinMax8Compressor(Compressor):
         n = _check_header(payload, c, self.name)
         header, codes = payload.tensors
         lo, step = header[:, 0], header[:, 1]
+        if not cpu_fast(codes):  # chunks spanning beyond the range decode in halves
+            factor, post = halves(~torch.isfinite(step * 255), step.dtype)
+            return decode_affine(codes, 8, n, c, step * factor, lo * factor, payload.dtype,
+                                 out, add, post=post)
         if not bool(torch.isfinite(step * 255).all()):  # a chunk spans beyond the range
             lo, step = lo.double(), step.double()
         return decode_affine(codes, 8, n, c, step, lo, payload.dtype, out, add)
@@ -171,6 +176,8 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
     """uint8 codes ``trunc((x - lo) / step + 0.5)`` in [0, 255], chunk by chunk."""
     inv = torch.where(step > 0, 1 / step, 0.0)
     inv = torch.where(torch.isfinite(inv), inv, 0.0)  # subnormal step: all codes 0 (= lo)
+    if not cpu_fast(flat):
+        return _minmax_codes_device(flat, c, lo, hi, inv)
     # x - lo overflows where a chunk spans more than the dtype's range: use float64 then
     calc = torch.float64 if not bool(torch.isfinite(hi - lo).all()) else lo.dtype
     lo_c, inv_c = lo.to(calc), inv.to(calc)
@@ -180,7 +187,7 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
     fused = calc == lo.dtype and bool((torch.maximum(lo.abs(), hi.abs()) <= 64 * (hi - lo))
                                       .all())
     offset = 0.5 - lo_c * inv_c
-    block = block_size()
+    block = block_size(flat.device)
     tmp = torch.empty(min(block, flat.numel()), dtype=calc, device=flat.device)
     ints = torch.empty(tmp.numel(), dtype=torch.int32, device=flat.device)
 
@@ -197,64 +204,24 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
     return encode_blocks(flat.numel(), 8, fill, flat.device, block)
 
 
-def truncate_to(codes: Tensor, values: Tensor, ints: Tensor) -> Tensor:
-    """``codes`` (uint8) := ``trunc(values)`` for values in [0, 256).
-
-    On the CPU numpy casts float32/float64 to uint8 in one vectorized pass (0.08 ms per
-    508K float32 values, one thread); torch's float -> uint8 is not vectorized (0.30 ms),
-    so elsewhere it goes through ``ints`` (an int32 buffer at least as long), float ->
-    int32 -> uint8 (0.19 ms there). Both truncate toward zero: the same codes.
-    """
-    if codes.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
-        np.copyto(codes.numpy(), values.numpy(), casting="unsafe")
-        return codes
-    return codes.copy_(ints[: values.numel()].copy_(values))
-
-
-def random_words(gen: torch.Generator, device: torch.device) -> Callable[[int], Tensor]:
-    """``draw(k)``: ``k`` int64 words of random bits, all determined by ``gen``'s state.
-
-    On the CPU the bits come from numpy's SFC64 seeded with one draw from ``gen``: twice as
-    fast as ``gen``'s own mt19937 (13 vs 27 us per 31,744 16-bit dithers) and as good for
-    dithering; each call advances ``gen`` by that one draw, so checkpoints of ``gen`` still
-    resume exactly. Elsewhere (CUDA) ``gen`` draws the words itself.
-    """
-    if device.type != "cpu":
-        return lambda k: torch.empty(k, dtype=torch.int64, device=device).random_(
-            -(2**63), None, generator=gen)
-    seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=device))
-    bits = np.random.SFC64(seed)
-    return lambda k: torch.from_numpy(bits.random_raw(k).view(np.int64))
-
-
-def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
-                     gen: torch.Generator) -> Tensor:
-    """Packed codes ``floor(x * scale[chunk] + u) + levels``, ``u ~ U(0, 1)``, clamped to
-    ``[0, 2 * levels]``: the unbiased stochastic rounding of ``x * scale`` to an integer
-    in ``[-levels, levels]`` (values beyond are clipped), in ceil(log2(2s + 1)) bits."""
-    s, n = levels, flat.numel()
-    block = block_size()
-    tmp = torch.empty(min(block, n), dtype=scale.dtype, device=flat.device)
-    shift = torch.full((1,), s + 0.5 + 2.0**-17, dtype=scale.dtype,
-                       device=flat.device).expand(scale.numel())
-    dither = torch.empty_like(tmp)
+def _minmax_codes_device(flat: Tensor, c: int, lo: Tensor, hi: Tensor, inv: Tensor) -> Tensor:
+    """:func:`_minmax_codes` without reading the device: always the exact form
+    ``(x - lo) * inv + 0.5`` (the CPU's fused form, chosen by a read, may differ by one
+    code within 1e-3 of a step of a rounding boundary), in halves where a chunk's range
+    overflows (the CPU computes those in float64; the codes agree but at such boundaries)."""
+    factor, _ = halves(~torch.isfinite(hi - lo), lo.dtype)
+    sub, mul = lo * factor, inv / factor
+    block = block_size(flat.device)
+    tmp = torch.empty(min(block, flat.numel()), dtype=lo.dtype, device=flat.device)
     ints = torch.empty(tmp.numel(), dtype=torch.int32, device=flat.device)
-    draw = random_words(gen, flat.device)
 
     def fill(start: int, stop: int, codes: Tensor) -> None:
-        length = stop - start
-        buf = tmp[:length]
-        # x * scale + s + 0.5 + 2**-17, with x * scale in [-s, s] (beyond only when clipping)
-        fma_rows(buf, flat[start:stop], start, chunk, scale, shift)
-        # 16 random bits per element: u = (r + 32768.5) / 65536 in (0, 1), r an int16
-        rnd = draw(-(-length // 4))
-        dither[:length].copy_(rnd.view(torch.int16)[:length])
-        buf.add_(dither[:length], alpha=2.0**-16)
-        # trunc(x * scale + u + s) = floor(x * scale + u) + s; values below 0 only when
-        # clipping (trunc toward 0 is then right too), above 2s only by rounding or clipping
-        truncate_to(codes, buf.clamp_(0, 2 * s), ints)
+        buf = tmp[: stop - start]
+        fma_rows(buf, flat[start:stop], start, c, factor, None)  # x (exact), or x / 2
+        affine_rows(buf, start, c, sub=sub, mul=mul)
+        truncate_to(codes, buf.add_(0.5), ints)
 
-    return encode_blocks(n, (2 * s).bit_length(), fill, flat.device, block)
+    return encode_blocks(flat.numel(), 8, fill, flat.device, block)
 
 
 class QSGDCompressor(SeededCompressor):
@@ -279,15 +246,20 @@ class QSGDCompressor(SeededCompressor):
         check_compressible(tensor, self.name)
         flat, d, wd = _flat(tensor), self.config.bucket_size, work_dtype(tensor.dtype)
         s = self.config.levels
-        norms = robust_norms(flat, d, wd, self.name)
-        if not bool(torch.isfinite(norms).all()):
+        norms = robust_norms(flat, d, wd, self.name, check=self.checks_finite)
+        # an unchecked Inf norm (values too large for wd) decodes to NaN: the caller sees it
+        if self.checks_finite and not bool(torch.isfinite(norms).all()):
             raise ValueError(f"{self.name}: a bucket's L2 norm exceeds the {wd} range; "
                              "scale the tensor down (e.g. divide by the world size) first")
         scale = torch.where(norms > 0, s / norms.double(), 0.0)  # (G,) float64
+        gen = self.generator_for(tensor, generator)
+        if not cpu_fast(flat):  # s / norm beyond wd (subnormal norms): x * 2**64 first
+            pre = torch.where(scale > torch.finfo(wd).max, 2.0**64, 1.0)
+            codes = stochastic_codes(flat, d, (scale / pre).to(wd), s, gen, pre.to(wd))
+            return Payload(tensors=(norms, codes), shape=tensor.shape, dtype=tensor.dtype)
         # s / norm overflows float32 for subnormal norms: compute those tensors in float64
         calc = wd if bool((scale <= torch.finfo(wd).max).all()) else torch.float64
-        codes = stochastic_codes(flat, d, scale.to(calc), s,
-                                 self.generator_for(tensor, generator))
+        codes = stochastic_codes(flat, d, scale.to(calc), s, gen)
         return Payload(tensors=(norms, codes), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
@@ -365,7 +337,11 @@ class TernGradCompressor(TableCodedCompressor, SeededCompressor):
         check_compressible(tensor, self.name)
         flat, wd = _flat(tensor), work_dtype(tensor.dtype)
         lo, hi = torch.aminmax(flat)
-        ensure_finite(flat, torch.stack([lo, hi]), self.name)
+        if self.checks_finite:
+            ensure_finite(flat, torch.stack([lo, hi]), self.name)
+        gen = self.generator_for(tensor, generator)
+        if not cpu_fast(flat):
+            return self._compress_on_device(tensor, flat, lo, hi, gen)
         peak = max(-float(lo), float(hi))
         if self.config.clip:
             peak = min(peak, self.config.clip * _std(flat, wd))
@@ -373,10 +349,26 @@ class TernGradCompressor(TableCodedCompressor, SeededCompressor):
         # 1 / peak overflows float32 for subnormal peaks: scale in float64 then
         calc = wd if inv <= torch.finfo(wd).max else torch.float64
         scale = torch.tensor([inv], dtype=calc, device=flat.device)
-        codes = stochastic_codes(flat, flat.numel(), scale, 1,
-                                 self.generator_for(tensor, generator))
+        codes = stochastic_codes(flat, flat.numel(), scale, 1, gen)
         header = torch.tensor([peak], dtype=wd, device=flat.device)
         return Payload(tensors=(header, codes), shape=tensor.shape, dtype=tensor.dtype)
+
+    def _compress_on_device(self, tensor: Tensor, flat: Tensor, lo: Tensor, hi: Tensor,
+                            gen: torch.Generator) -> Payload:
+        """:meth:`compress` with the scale kept on the device (float64 as the CPU's Python
+        floats; the clip's std from ``Tensor.std``); a NaN/Inf input gives a NaN/Inf
+        header, so every decoded value is NaN."""
+        wd = work_dtype(tensor.dtype)
+        peak = torch.maximum(-lo, hi).double()
+        if self.config.clip:
+            std = (flat if flat.dtype == wd else flat.to(wd)).std(correction=0)
+            peak = torch.minimum(peak, self.config.clip * std.double())
+        inv = torch.where(peak > 0, 1 / peak, 0.0)
+        pre = torch.where(inv > torch.finfo(wd).max, 2.0**64, 1.0)  # subnormal peaks
+        codes = stochastic_codes(flat, flat.numel(), (inv / pre).to(wd).reshape(1), 1, gen,
+                                 pre.to(wd).reshape(1))
+        return Payload(tensors=(peak.to(wd).reshape(1), codes), shape=tensor.shape,
+                       dtype=tensor.dtype)
 
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, codes = payload.tensors

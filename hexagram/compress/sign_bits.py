@@ -20,23 +20,34 @@ import torch
 from torch import Tensor
 
 from hexagram.compress.base import ensure_finite
-from hexagram.compress.packing import block_size, blocks, encode_blocks, packed_nbytes
+from hexagram.compress.packing import (
+    block_size,
+    blocks,
+    cpu_fast,
+    encode_blocks,
+    packed_nbytes,
+)
 
 __all__ = ["encode_signs"]
 
 
-def encode_signs(flat: Tensor, who: str, stats: bool = True) -> tuple[Tensor, Tensor]:
+def encode_signs(flat: Tensor, who: str, stats: bool = True, check: bool = True
+                 ) -> tuple[Tensor, Tensor]:
     """Packed sign bits (1 where ``x >= 0``) and float64 ``[sum |x|, sum x, count(x >= 0)]``.
 
-    With ``stats=False`` only ``sum x`` is computed (it serves as the finiteness probe).
-    Each block's sums are taken in the block's dtype (float32: 3x faster than float64) and
-    accumulated in float64. CPU float32/float64 tensors take the signs in numpy
-    (:func:`_signs_numpy`: the same bits, 4x less CPU time); others through torch.
+    With ``stats=False`` only ``sum x`` is computed (the finiteness probe; on the device not
+    even that when ``check`` is off).
+    On the CPU each block's sums are taken in the block's dtype (float32: 3x faster than
+    float64) and accumulated in float64, and float32/float64 tensors take the signs in
+    numpy (:func:`_signs_numpy`: the same bits, 4x less CPU time). Elsewhere (CUDA) the
+    signs and float64 sums come from one pass each, with nothing read back.
 
-    Raises :class:`NonFiniteGradientError` if ``flat`` holds NaN or Inf (they make the
-    sums non-finite).
+    With ``check``, raises :class:`NonFiniteGradientError` if ``flat`` holds NaN or Inf
+    (they make the sums non-finite); without, NaN/Inf give non-finite sums.
     """
-    block = block_size()
+    if not cpu_fast(flat):
+        return _encode_on_device(flat, who, stats, check)
+    block = block_size(flat.device)
     nblocks = -(-flat.numel() // block)
     sums = torch.zeros(nblocks, 3, dtype=flat.dtype, device=flat.device)
     counts = torch.zeros(nblocks, dtype=torch.int64, device=flat.device)
@@ -48,7 +59,7 @@ def encode_signs(flat: Tensor, who: str, stats: bool = True) -> tuple[Tensor, Te
         if stats:
             torch.sum(torch.abs(blk, out=tmp[: stop - start]), 0, out=sums[row, 0])
 
-    if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
+    if flat.dtype in (torch.float32, torch.float64):
         packed = _signs_numpy(flat, block, block_sums, counts if stats else None)
     else:
         def fill(start: int, stop: int, codes: Tensor) -> None:
@@ -60,9 +71,33 @@ def encode_signs(flat: Tensor, who: str, stats: bool = True) -> tuple[Tensor, Te
         packed = encode_blocks(flat.numel(), 1, fill, flat.device, block)
     total = sums.sum(0, dtype=torch.float64)
     total[2] = counts.sum()
-    ensure_finite(flat, total, who)  # raises on NaN/Inf in flat
+    if check:
+        ensure_finite(flat, total, who)  # raises on NaN/Inf in flat
     if not bool(torch.isfinite(total).all()):  # finite values overflowed a block's sum
         total[0], total[1] = flat.abs().sum(dtype=torch.float64), flat.sum(dtype=torch.float64)
+    return packed, total
+
+
+def _encode_on_device(flat: Tensor, who: str, stats: bool, check: bool
+                      ) -> tuple[Tensor, Tensor]:
+    """:func:`encode_signs` without host reads: sums taken in float64 (no overflow, so no
+    fallback to decide), the count from the 0/1 sign bytes."""
+    count = torch.zeros((), dtype=torch.int64, device=flat.device)
+
+    def fill(start: int, stop: int, codes: Tensor) -> None:
+        torch.ge(flat[start:stop], 0, out=codes.view(torch.bool))  # 0/1 bytes in place
+        if stats:
+            count.add_(codes.sum(dtype=torch.int64))
+
+    packed = encode_blocks(flat.numel(), 1, fill, flat.device, block_size(flat.device))
+    total = flat.new_zeros(3, dtype=torch.float64)
+    if stats or check:  # unchecked and without stats nobody reads it: spare the pass
+        total[1] = flat.sum(dtype=torch.float64)
+    if stats:
+        total[0] = torch.linalg.vector_norm(flat, 1, dtype=torch.float64)
+        total[2] = count
+    if check:
+        ensure_finite(flat, total, who)
     return packed, total
 
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hexagram.compress.chunks import decode_affine, work_dtype
+from hexagram.compress.chunks import decode_affine, halves, work_dtype
+from hexagram.compress.packing import cpu_fast
 from hexagram.compress.sign_bits import encode_signs  # the same bits as without blocks
 
 __all__ = ["decode_blocked", "encode_blocked", "header_shape"]
@@ -66,13 +67,16 @@ def _block_sums(flat: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor, Tenso
     return tuple(torch.cat(t) for t in (abs_sum, total, pos, count))  # type: ignore[return-value]
 
 
-def encode_blocked(flat: Tensor, block: int, kind: str, who: str) -> tuple[Tensor, Tensor]:
+def encode_blocked(flat: Tensor, block: int, kind: str, who: str, check: bool = True
+                   ) -> tuple[Tensor, Tensor]:
     """The header (see the module doc) and the packed sign bits of the 1-D ``flat``.
 
-    Raises :class:`~hexagram.compress.base.NonFiniteGradientError` on NaN/Inf (through the
-    shared sign encoder) and ValueError when a header value overflows its dtype.
+    With ``check``, raises :class:`~hexagram.compress.base.NonFiniteGradientError` on
+    NaN/Inf (through the shared sign encoder) and ValueError when a header value overflows
+    its dtype; without, reads nothing: NaN/Inf reach the header (their block decodes to
+    NaN/Inf) and an overflowing header value is Inf.
     """
-    bits, _ = encode_signs(flat, who, stats=False)
+    bits, _ = encode_signs(flat, who, stats=False, check=check)
     abs_sum, total, pos, count = _block_sums(flat, block)
     if kind == "efsign":
         values = abs_sum / count
@@ -81,7 +85,7 @@ def encode_blocked(flat: Tensor, block: int, kind: str, who: str) -> tuple[Tenso
         values = torch.stack([((total - abs_sum) / 2 / neg.clamp(min=1)),
                               ((total + abs_sum) / 2 / pos.clamp(min=1))], dim=1)
     header = values.to(work_dtype(flat.dtype))
-    if not bool(torch.isfinite(header).all()):
+    if check and not bool(torch.isfinite(header).all()):
         raise ValueError(f"{who}: a block's reconstruction value overflows {header.dtype}; "
                          "scale the tensor down first")
     return header, bits
@@ -91,6 +95,10 @@ def decode_blocked(header: Tensor, bits: Tensor, n: int, block: int, kind: str,
                    dtype: torch.dtype, out: Tensor | None = None, add: bool = False) -> Tensor:
     """Dense values of a blocked payload: bit 1 -> the block's positive value, bit 0 -> its
     negative one (``efsign``: +- scale); into (or added to, ``add``) ``out`` if given."""
+    if kind == "efsign" and not cpu_fast(bits):  # -s + bit * 2 s; halves where 2 s overflows
+        factor, post = halves(~torch.isfinite(header * 2), header.dtype)
+        h = header * factor
+        return decode_affine(bits, 1, n, block, h * 2, -h, dtype, out, add, post=post)
     h = header.double() if kind == "efsign" and not bool(torch.isfinite(header * 2).all()) \
         else header
     if kind == "efsign":  # -s + bit * 2 s

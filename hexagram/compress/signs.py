@@ -48,7 +48,7 @@ from hexagram.compress.base import (
     check_compressible,
 )
 from hexagram.compress.chunks import TableCodedCompressor, code_values, work_dtype
-from hexagram.compress.packing import packed_nbytes
+from hexagram.compress.packing import cpu_fast, packed_nbytes
 from hexagram.compress.sign_bits import encode_signs
 from hexagram.compress.sign_blocks import decode_blocked, encode_blocked, header_shape
 from hexagram.config import check_choice, check_int
@@ -113,9 +113,22 @@ def _rms(flat: Tensor) -> float:
     return norm / math.sqrt(flat.numel())
 
 
-def _header(values: list[float], tensor: Tensor, who: str) -> Tensor:
-    header = torch.tensor(values, dtype=work_dtype(tensor.dtype), device=tensor.device)
-    if not bool(torch.isfinite(header).all()):
+def _rms_on_device(flat: Tensor) -> Tensor:
+    """:func:`_rms` as a one-element float64 tensor, the squares summed in float64 (no
+    overflow to fall back from, nothing read back)."""
+    norm = torch.linalg.vector_norm(flat, dtype=torch.float64)
+    return (norm / math.sqrt(flat.numel())).reshape(1)
+
+
+def _header(values: list[float] | Tensor, tensor: Tensor, who: str, check: bool = True
+            ) -> Tensor:
+    """The header in the work dtype from Python floats (CPU) or a float64 tensor (CUDA:
+    nothing read back); ``check``: a ValueError when a value overflows it."""
+    if isinstance(values, Tensor):
+        header = values.to(work_dtype(tensor.dtype))
+    else:
+        header = torch.tensor(values, dtype=work_dtype(tensor.dtype), device=tensor.device)
+    if check and not bool(torch.isfinite(header).all()):
         raise ValueError(f"{who}: the reconstruction values {values} overflow "
                          f"{header.dtype}; scale the tensor down first")
     return header
@@ -139,10 +152,13 @@ class SignCompressor(TableCodedCompressor):
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
         flat = tensor.detach().reshape(-1)
-        bits, _ = encode_signs(flat, self.name, stats=False)  # raises on NaN/Inf
+        # raises on NaN/Inf (checks_finite); unchecked, a NaN/Inf input makes the rms
+        # header non-finite (scaled), or the caller's probe of its input sees it
+        bits, _ = encode_signs(flat, self.name, stats=False, check=self.checks_finite)
         if not self.config.scaled:
             return Payload(tensors=(bits,), shape=tensor.shape, dtype=tensor.dtype)
-        header = _header([_rms(flat)], tensor, self.name)
+        rms = [_rms(flat)] if cpu_fast(flat) else _rms_on_device(flat)
+        header = _header(rms, tensor, self.name, self.checks_finite)
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
@@ -197,9 +213,10 @@ class _ScaledSignCompressor(TableCodedCompressor):
         check_compressible(tensor, self.name)
         flat = tensor.detach().reshape(-1)
         if self.config.block:
-            header, bits = encode_blocked(flat, self.config.block, self.name, self.name)
+            header, bits = encode_blocked(flat, self.config.block, self.name, self.name,
+                                          self.checks_finite)
         else:
-            bits, stats = encode_signs(flat, self.name)
+            bits, stats = encode_signs(flat, self.name, check=self.checks_finite)
             header = self._header_of(tensor, stats)
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
@@ -226,11 +243,16 @@ class EFSignCompressor(_ScaledSignCompressor):
     name = "efsign"
 
     def _header_of(self, tensor: Tensor, stats: Tensor) -> Tensor:
+        if not cpu_fast(tensor):  # the same float64 division, on the device
+            return _header((stats[0] / tensor.numel()).reshape(1), tensor, self.name,
+                           self.checks_finite)
         return _header([float(stats[0]) / tensor.numel()], tensor, self.name)
 
     def _table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, bits = payload.tensors
-        if not bool(torch.isfinite(header * 2).all()):  # 2 * scale overflows: use float64
+        # 2 * scale overflows: float64. The two table values are +-scale either way (exact
+        # in both dtypes), so the device takes float64 without reading which applies
+        if not cpu_fast(header) or not bool(torch.isfinite(header * 2).all()):
             header = header.double()
         return 1, _sign_values(payload, header), bits
 
@@ -242,6 +264,9 @@ class OneBitCompressor(_ScaledSignCompressor):
     header_values = 2
 
     def _header_of(self, tensor: Tensor, stats: Tensor) -> Tensor:
+        if not cpu_fast(tensor):
+            return _header(_onebit_means(stats, tensor.numel()), tensor, self.name,
+                           self.checks_finite)
         abs_sum, total, n_pos = (float(v) for v in stats)
         n_neg = tensor.numel() - n_pos
         # sum over x >= 0 is (sum x + sum |x|) / 2, over x < 0 (sum x - sum |x|) / 2
@@ -253,3 +278,14 @@ class OneBitCompressor(_ScaledSignCompressor):
         header, bits = payload.tensors
         # bit 0 -> the negative half's mean, bit 1 -> the non-negative half's
         return 1, header.to(payload.dtype), bits
+
+
+def _onebit_means(stats: Tensor, n: int) -> Tensor:
+    """float64 ``[mean of x < 0, mean of x >= 0]`` from ``[sum |x|, sum x, count(x >= 0)]``
+    on the device: the float64 arithmetic of :meth:`OneBitCompressor._header_of` (0 for
+    an empty half)."""
+    abs_sum, total, n_pos = stats.unbind()
+    n_neg = n - n_pos
+    pos = torch.where(n_pos > 0, (total + abs_sum) / 2 / n_pos.clamp(min=1), 0.0)
+    neg = torch.where(n_neg > 0, (total - abs_sum) / 2 / n_neg.clamp(min=1), 0.0)
+    return torch.stack([neg, pos])

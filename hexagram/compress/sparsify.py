@@ -48,7 +48,7 @@ from hexagram.compress.base import (
     ensure_finite,
 )
 from hexagram.compress.chunks import work_dtype
-from hexagram.compress.packing import BLOCK, block_size, blocks
+from hexagram.compress.packing import BLOCK, block_size, blocks, cpu_fast
 from hexagram.config import check_float, check_int
 
 __all__ = [
@@ -110,7 +110,9 @@ class TopKConfig(KeepConfig):
 
     Attributes:
         approximate: estimate the threshold from a sample (DGC); much faster on large
-            tensors, same selection unless it must fall back to the exact top-k.
+            CPU tensors, same selection unless it must fall back to the exact top-k. On
+            CUDA the exact ``torch.topk`` (a radix select) is used instead: the sampled
+            path's variable-size candidate scan would read the device (a sync) per tensor.
         sample: fraction of elements sampled to estimate the threshold (at least 4096;
             0.1% as in DGC). More => a tighter threshold and a rarer fallback, slower
             sampling.
@@ -158,9 +160,9 @@ def above(flat: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
     """
     if flat.numel() == 0:
         return torch.zeros(0, dtype=torch.int64, device=flat.device), flat[:0]
-    if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
+    if cpu_fast(flat) and flat.dtype in (torch.float32, torch.float64):
         return _above_numpy(flat, threshold)
-    size = min(flat.numel(), block_size())
+    size = min(flat.numel(), block_size(flat.device))
     magnitude = flat.new_empty(size)
     mask = torch.empty(size, dtype=torch.bool, device=flat.device)
     found, values = [], []
@@ -237,13 +239,16 @@ class TopKCompressor(SeededCompressor):
         flat = tensor.detach().reshape(-1)
         k = self.config.count(flat.numel())
         chosen = None
-        if self.config.approximate and flat.numel() > BLOCK:
+        # the sampled threshold saves CPU time; on a GPU torch.topk's radix select is the
+        # fast path, and the sample's count of candidates would be a host read (a sync)
+        if self.config.approximate and flat.numel() > BLOCK and cpu_fast(flat):
             chosen = self._approximate(flat, k, self.generator_for(tensor, generator))
         if chosen is None:
             idx = torch.topk(flat.abs(), k, sorted=False).indices
             chosen = idx, flat[idx]
         idx, values = chosen
-        ensure_finite(flat, values, self.name)  # topk ranks NaN and Inf first
+        if self.checks_finite:  # topk ranks NaN and Inf first: the values carry them
+            ensure_finite(flat, values, self.name)
         return Payload(tensors=(values, idx.to(_index_dtype(flat.numel()))),
                        shape=tensor.shape, dtype=tensor.dtype)
 
@@ -317,7 +322,8 @@ class RandomKCompressor(SeededCompressor):
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
         flat = tensor.detach().reshape(-1)
-        ensure_finite(flat, flat.sum(), self.name)  # NaN/Inf: whole input (exact if it overflows)
+        if self.checks_finite:  # NaN/Inf: whole input (exact if the sum overflows)
+            ensure_finite(flat, flat.sum(), self.name)
         n = flat.numel()
         u = torch.rand(self.config.count(n), dtype=torch.float64, generator=self.generator_for(
             tensor, generator), device=flat.device)
@@ -333,7 +339,9 @@ class RandomKCompressor(SeededCompressor):
         if self.config.rescale:  # x_i / P(i kept): the stratum size, recomputed from k and n
             _, size = self._strata(payload.shape.numel(), values.numel(), values.device)
             values = values.to(work_dtype(payload.dtype)) * size
-            if not bool(torch.isfinite(values.to(payload.dtype)).all()):
+            # an overflow decodes to Inf where the caller checks its result (one read per
+            # step, not one per payload)
+            if self.checks_finite and not bool(torch.isfinite(values.to(payload.dtype)).all()):
                 raise ValueError(f"{self.name}: rescaled values overflow {payload.dtype}; "
                                  "use rescale=False or a wider dtype")
         return _scatter(payload, values, indices, out, add)

@@ -167,6 +167,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         the non-zero means of its group, so it too gets a bounded step."""
         for group in self.param_groups:
             hats = [self.state[p]["v_hat"] for p in group["params"] if "v_hat" in self.state[p]]
+            # host reads (kept): once, when the variance freezes after the warm-up
             means = [float(h.mean()) if h.numel() > 0 else 0.0 for h in hats]
             nonzero = [m for m in means if m > 0]
             fallback = sum(nonzero) / len(nonzero) if nonzero else 0.0

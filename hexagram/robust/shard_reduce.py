@@ -126,6 +126,9 @@ def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
     n = rows.shape[0]
     if not _needs_gram(spec):
         ok = agg.finite_rows(rows)
+        # host reads (kept, robust: per bucket): which ranks' rows are finite decides how
+        # many rows the aggregator sees and its lowered f; the robust rules sort and select
+        # on those counts anyway
         kept = rows if bool(ok.all()) else rows[ok]  # no copy in the usual case
         return _aggregate(kept, None, _lowered(spec.f, n, ok), spec, kept.shape[0])
     cc = spec.aggregator == "centered_clip"
@@ -135,7 +138,7 @@ def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
         x = torch.cat([rows, c0[None]])
     g, ok = _global_gram(x, sync or (lambda t: t))
     ok[n:] = True  # the center is ours, not a rank's: never dropped
-    keep = ok.nonzero().squeeze(1)
+    keep = ok.nonzero().squeeze(1)  # host read (kept): the rows finite on every shard
     x, g = x[keep], g[keep][:, keep]
     f = _lowered(spec.f, n, ok[:n])
     if spec.pre is not None:
@@ -144,7 +147,7 @@ def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
 
 
 def _lowered(f: int, n: int, ok: Tensor) -> int:
-    return max(0, f - (n - int(ok.sum())))
+    return max(0, f - (n - int(ok.sum())))  # host read (kept): f is a host integer
 
 
 def _global_gram(x: Tensor, sync: Sync) -> tuple[Tensor, Tensor]:
@@ -152,6 +155,7 @@ def _global_gram(x: Tensor, sync: Sync) -> tuple[Tensor, Tensor]:
     n = x.shape[0]
     bad = ~agg.finite_rows(x)
     clean = x.to(torch.float64, copy=True)
+    # host read (kept, robust): skips the masked fill in the usual all-finite case
     if bool(bad.any()):  # in place on the float64 copy: no second copy
         clean.masked_fill_(bad[:, None], 0.0)
     packed = torch.cat([(clean @ clean.T).reshape(-1), bad.double()])

@@ -1,0 +1,216 @@
+"""Host reads of tensor data per training step: at most one, for every hot-path algorithm.
+
+On a GPU every ``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``, ``.tolist()``, ``.cpu()``,
+``.numpy()``, ``nonzero()`` (its size is data) or ``torch.tensor(host data, device=...)``
+waits for the device (or copies host data to it), so one per bucket serializes
+communication with backward. The same code runs
+on the CPU, so counting those calls here counts the syncs the CUDA path would make: 2 ranks
+on gloo, a tiny model whose largest layer passes the approximate top-k threshold, a few
+warm-up steps (PowerSGD's and DGC's warm-ups end), small buckets (two per step, so a
+read per bucket shows), then the reads of forward, backward and
+optimizer step are counted over two steps. The CPU-only numpy fast paths are switched off
+(:data:`hexagram.compress.packing.CPU_FAST_PATHS`) so the count covers the path CUDA takes.
+
+The one read a step may make is the non-finite check before the optimizer reads the
+gradients. gTop-k, QAdam, robust and the weight algorithms are not held to it (each read
+they keep is commented where it is made).
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hexagram.launch import run_local
+
+WORLD = 2
+WARMUP = 3
+COUNTED = 2
+
+#: algorithm -> config (warm-ups shortened so the counted steps compress)
+CASES: dict[str, dict[str, Any]] = {
+    "allreduce": {},
+    "fp16": {},
+    "bf16": {"wire": "bf16"},
+    "powersgd": {"start_iter": 1},
+    "topk": {"density": 0.01},
+    "topk_exact": {"density": 0.01, "approximate": False},
+    "randomk": {"density": 0.01},
+    "dgc": {"density": 0.01},
+    "qsgd": {},
+    "terngrad": {},
+    "onebit": {},
+    "efsign": {},
+    "signsgd": {},
+    "bytegrad": {},
+    "topk+fp16": {"cast": "fp16"},
+}
+
+_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy",
+          "nonzero")
+_TORCH_READS = ("tensor", "nonzero", "masked_select", "unique")
+
+
+class _Net(nn.Module):
+    """Two layers; the first (40 000 weights) passes approximate top-k's sample threshold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(200, 200)
+        self.b = nn.Linear(200, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _Counter:
+    """Counts calls of the host-read methods of ``torch.Tensor`` (and ``torch.tensor``)
+    while ``on``; keeps where each came from."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.sites: list[str] = []
+        self.saved: dict[tuple[Any, str], Any] = {}
+
+    def _wrap(self, owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+        self.saved[(owner, name)] = original
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.on:
+                self.on = False  # reads made while recording this one are not counted
+                try:
+                    frame = traceback.extract_stack(limit=2)[0]
+                    self.sites.append(f"{name} at {frame.filename}:{frame.lineno}")
+                finally:
+                    self.on = True
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    def install(self) -> None:
+        for name in _READS:
+            self._wrap(torch.Tensor, name)
+        for name in _TORCH_READS:
+            self._wrap(torch, name)
+
+    def uninstall(self) -> None:
+        for (owner, name), original in self.saved.items():
+            setattr(owner, name, original)
+
+
+def _count(name: str, config: dict[str, Any]) -> tuple[list[str], int]:
+    import hexagram as hx
+    from hexagram.compress import packing
+
+    packing.CPU_FAST_PATHS = False
+    algo = name.split("+")[0].replace("_exact", "").replace("bf16", "fp16")
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(algo, **config),
+                                       bucket_size_mb=0.1, first_bucket_mb=0.004)
+    gen = torch.Generator().manual_seed(hx.get_runtime().rank)
+    counter = _Counter()
+    counter.install()
+    try:
+        for step in range(WARMUP + COUNTED):
+            x = torch.randn(16, 200, generator=gen)
+            counter.on = step >= WARMUP
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            counter.on = False
+    finally:
+        counter.uninstall()
+        buckets = len(model.buckets)
+        model.close()
+    return counter.sites, buckets
+
+
+def _nan_error(name: str, config: dict[str, Any]) -> str:
+    """Two steps, rank 0's input NaN at step 1: the error each rank raised ("" if none)."""
+    import hexagram as hx
+
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(name, **config),
+                                       bucket_size_mb=0.1, first_bucket_mb=0.004)
+    error = ""
+    try:
+        for step in range(2):
+            x = torch.randn(16, 200)
+            if step == 1 and hx.get_runtime().rank == 0:
+                x[0, 0] = float("nan")
+            try:
+                model(x).square().mean().backward()
+            except hx.NonFiniteGradientError as exc:
+                error = str(exc)
+            opt.zero_grad()
+    finally:
+        model.close()
+    return error
+
+
+def _worker() -> dict[str, Any]:
+    import hexagram as hx
+    from hexagram.compress import packing
+
+    hx.init()
+    out: dict[str, Any] = {name: _count(name, config) for name, config in CASES.items()}
+    packing.CPU_FAST_PATHS = False
+    out["nan"] = {name: _nan_error(name, config) for name, config in NAN_CASES.items()}
+    return out
+
+
+#: the pure vote hides a NaN (a sign bit); qsgd's norms carry it to every rank
+NAN_CASES: dict[str, dict[str, Any]] = {"signsgd": {"scaled": False}, "qsgd": {}}
+
+
+@pytest.fixture(scope="module")
+def reads() -> list[dict[str, Any]]:
+    return run_local(_worker, WORLD, timeout=240)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_at_most_one_host_read_per_step(name: str, reads: list[dict[str, Any]]) -> None:
+    for rank, per_rank in enumerate(reads):
+        sites, buckets = per_rank[name]
+        assert buckets >= 2, "the model must span several buckets for the count to mean much"
+        assert len(sites) <= COUNTED, (
+            f"{name} on rank {rank}: {len(sites)} host reads in {COUNTED} steps:\n"
+            + "\n".join(sites))
+
+
+def test_nan_is_caught_once_per_step_where_the_compressed_form_hides_it(
+        reads: list[dict[str, Any]]) -> None:
+    hidden = reads[0]["nan"]["signsgd"]
+    assert "step 1" in hidden and "'b.weight'" in hidden and "NaN" in hidden, hidden
+
+
+def test_nan_reaches_every_rank_through_a_propagating_compressor(
+        reads: list[dict[str, Any]]) -> None:
+    for rank in range(WORLD):  # rank 1's own input was finite: the reduced gradient is not
+        message = reads[rank]["nan"]["qsgd"]
+        assert "step 1" in message and "NaN" in message and "parameter '" in message, message
+
+
+def test_the_counter_sees_reads() -> None:
+    counter = _Counter()
+    counter.install()
+    try:
+        counter.on = True
+        t = torch.ones(3)
+        _ = t.sum().item(), bool(t[0]), float(t[1]), t.tolist(), torch.tensor([1.0])
+        _ = t.nonzero(), torch.nonzero(t)
+    finally:
+        counter.on = False
+        counter.uninstall()
+    assert [s.split()[0] for s in counter.sites] == ["item", "__bool__", "__float__",
+                                                     "tolist", "tensor", "nonzero", "nonzero"]
+    assert torch.Tensor.item.__name__ == "item"  # uninstalled
