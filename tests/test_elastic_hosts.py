@@ -23,10 +23,10 @@ from hexagram.bench.lab import (
     LabConfig,
     NetworkLab,
     cleanup_stale,
-    die_with_parent,
     unavailable_reason,
 )
 from hexagram.bench.live import replay
+from hexagram.launch import die_with_parent
 
 PREFIX = "hxe"
 PORT = 29411
