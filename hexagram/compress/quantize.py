@@ -1,5 +1,6 @@
-"""Quantizers: ``minmax8`` (BAGUA's ByteGrad), ``qsgd`` (Alistarh et al. 2017) and
-``terngrad`` (Wen et al. 2017; per-tensor scale, see :class:`TernGradCompressor`).
+"""Quantizers: ``minmax8`` (BAGUA's ByteGrad) and its 4-bit form ``minmax4``, ``qsgd``
+(Alistarh et al. 2017) and ``terngrad`` (Wen et al. 2017; per-tensor scale, see
+:class:`TernGradCompressor`).
 
 ``minmax8`` and ``qsgd`` cut the flat tensor into chunks of a configured size, each with
 its own scale, so the payload layout depends only on ``numel``: they are
@@ -13,6 +14,8 @@ float64 inputs):
   ``x ~ min + code * step`` with ``step = (max - min) / 255``, rounding to nearest
   (error <= step / 2 per element, plus < 1e-3 step of float rounding; deterministic,
   biased).
+- ``minmax4``: the same with 4-bit codes packed two to a byte and 15 steps per chunk
+  (``step = (max - min) / 15``; default chunk 128): ``ceil(n / 2) + 2*h*G`` bytes.
 - ``qsgd``: header (G,) L2 norms + codes of ``b = ceil(log2(2s + 1))`` bits, bit-packed:
   ``ceil(n * b / 8) + h*G`` bytes. ``x ~ norm * l / s`` with ``l`` in ``[-s, s]`` the
   stochastic rounding of ``s * x / norm`` (unbiased; the variance of a chunk is at most
@@ -63,6 +66,8 @@ from hexagram.compress.packing import block_size, encode_blocks
 from hexagram.config import check_float, check_int
 
 __all__ = [
+    "MinMax4Compressor",
+    "MinMax4Config",
     "MinMax8Compressor",
     "MinMax8Config",
     "QSGDCompressor",
@@ -87,6 +92,19 @@ class MinMax8Config:
 
     def __post_init__(self) -> None:
         check_int(self, "chunk_size", low=1, high=1 << 24)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MinMax4Config(MinMax8Config):
+    """Settings of ``minmax4``.
+
+    Attributes:
+        chunk_size: elements sharing one (min, step) pair. Smaller => smaller error
+            (range of a chunk / 30), more header bytes (8 per chunk: 0.5 bit per element
+            at the default 128).
+    """
+
+    chunk_size: int = 128
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +150,8 @@ class MinMax8Compressor(Compressor):
     name = "minmax8"
     aggregation = Aggregation.SCATTER_GATHER
     unbiased = False
+    #: bits per code; ``2**bits - 1`` steps between a chunk's min and max
+    bits = 8
 
     def __init__(self, config: MinMax8Config | None = None) -> None:
         self.config = config or MinMax8Config()
@@ -143,8 +163,9 @@ class MinMax8Compressor(Compressor):
         ext = chunk_reduce(flat, c, lambda r: torch.stack([r.amin(1), r.amax(1)], 1)).to(wd)
         ensure_finite(flat, ext, self.name)  # NaN/Inf make a chunk's min or max non-finite
         lo, hi = ext[:, 0], ext[:, 1]
-        step = (hi / 2 - lo / 2) / 127.5  # (hi - lo) / 255 without overflowing
-        codes = _minmax_codes(flat, c, lo, hi, step)
+        # (hi - lo) / (2**bits - 1) without overflowing
+        step = (hi / 2 - lo / 2) / (((1 << self.bits) - 1) / 2)
+        codes = _minmax_codes(flat, c, lo, hi, step, self.bits)
         return Payload(tensors=(torch.stack([lo, step], 1), codes), shape=tensor.shape,
                        dtype=tensor.dtype)
 
@@ -156,13 +177,27 @@ class MinMax8Compressor(Compressor):
         n = _check_header(payload, c, self.name)
         header, codes = payload.tensors
         lo, step = header[:, 0], header[:, 1]
-        if not bool(torch.isfinite(step * 255).all()):  # a chunk spans beyond the range
+        top = (1 << self.bits) - 1
+        if not bool(torch.isfinite(step * top).all()):  # a chunk spans beyond the range
             lo, step = lo.double(), step.double()
-        return decode_affine(codes, 8, n, c, step, lo, payload.dtype, out, add)
+        return decode_affine(codes, self.bits, n, c, step, lo, payload.dtype, out, add)
 
 
-def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) -> Tensor:
-    """uint8 codes ``trunc((x - lo) / step + 0.5)`` in [0, 255], chunk by chunk."""
+class MinMax4Compressor(MinMax8Compressor):
+    """4-bit min-max quantization per chunk: ``minmax8``'s format with 15 steps per chunk
+    (codes packed two to a byte). Deterministic, so a scatter-gather sum (decoded and summed
+    in float32) gives every rank the same bits; see the module docstring."""
+
+    name = "minmax4"
+    bits = 4
+
+    def __init__(self, config: MinMax8Config | None = None) -> None:
+        super().__init__(config or MinMax4Config())
+
+
+def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor,
+                  bits: int = 8) -> Tensor:
+    """Packed codes ``trunc((x - lo) / step + 0.5)`` in [0, 2**bits - 1], chunk by chunk."""
     inv = torch.where(step > 0, 1 / step, 0.0)
     inv = torch.where(torch.isfinite(inv), inv, 0.0)  # subnormal step: all codes 0 (= lo)
     # x - lo overflows where a chunk spans more than the dtype's range: use float64 then
@@ -188,7 +223,7 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
             buf.add_(0.5)
         truncate_to(codes, buf, ints)
 
-    return encode_blocks(flat.numel(), 8, fill, flat.device, block)
+    return encode_blocks(flat.numel(), bits, fill, flat.device, block)
 
 
 def truncate_to(codes: Tensor, values: Tensor, ints: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ dtype: float32, float64 for float64 input):
 | compressor | payload tensors |
 |---|---|
 | fp16, bf16 | the input's shape in the wire dtype |
-| minmax8 | (G, 2) h, G = ceil(n / chunk_size); (n,) uint8 |
+| minmax8, minmax4 | (G, 2) h, G = ceil(n / chunk_size); (ceil(n b / 8),) uint8, b = 8, 4 |
 | qsgd | (G,) h, G = ceil(n / bucket_size); (ceil(n b / 8),) uint8, b = bit_length(2 levels) |
 | terngrad | (1,) h; (ceil(n / 4),) uint8 |
 | sign | ((1,) h if scaled); (ceil(n / 8),) uint8 |
@@ -44,7 +44,12 @@ import torch
 from hexagram.compress.base import Compressor, Payload
 from hexagram.compress.lowrank import PowerSGDCompressor, matrix_shape
 from hexagram.compress.packing import packed_nbytes
-from hexagram.compress.quantize import MinMax8Compressor, QSGDCompressor, TernGradCompressor
+from hexagram.compress.quantize import (
+    MinMax4Compressor,
+    MinMax8Compressor,
+    QSGDCompressor,
+    TernGradCompressor,
+)
 from hexagram.compress.quantize_fp import BF16Compressor, HalfCompressor
 from hexagram.compress.sign_blocks import header_shape
 from hexagram.compress.signs import EFSignCompressor, OneBitCompressor, SignCompressor
@@ -73,9 +78,10 @@ def _cast(c: Compressor, shape: tuple[int, ...], n: int, dtype: torch.dtype) -> 
     return ((shape, c.wire_dtype),)  # type: ignore[attr-defined]
 
 
-def _minmax8(c: Compressor, shape: tuple[int, ...], n: int, dtype: torch.dtype) -> Layout:
+def _minmax(c: Compressor, shape: tuple[int, ...], n: int, dtype: torch.dtype) -> Layout:
     chunks = -(-n // c.config.chunk_size)
-    return (((chunks, 2), _header(dtype)), ((n,), _U8))
+    bits = c.bits  # type: ignore[attr-defined]
+    return (((chunks, 2), _header(dtype)), ((packed_nbytes(n, bits),), _U8))
 
 
 def _qsgd(c: Compressor, shape: tuple[int, ...], n: int, dtype: torch.dtype) -> Layout:
@@ -118,7 +124,8 @@ def _powersgd(c: Compressor, shape: tuple[int, ...], n: int, dtype: torch.dtype)
 
 #: the rule of each compressor class (exact type: a subclass may change the format)
 RULES: dict[type[Compressor], Rule] = {
-    HalfCompressor: _cast, BF16Compressor: _cast, MinMax8Compressor: _minmax8,
+    HalfCompressor: _cast, BF16Compressor: _cast, MinMax8Compressor: _minmax,
+    MinMax4Compressor: _minmax,
     QSGDCompressor: _qsgd, TernGradCompressor: _terngrad, SignCompressor: _signs(-1),
     EFSignCompressor: _signs(1), OneBitCompressor: _signs(2), TopKCompressor: _pairs,
     RandomKCompressor: _pairs, ThresholdCompressor: _threshold, PowerSGDCompressor: _powersgd,
