@@ -151,6 +151,9 @@ _ENTRIES: tuple[Entry, ...] = (
           "average weights every H steps, optional warm-up and compression (post-local SGD)"),
     Entry("diloco", "hexagram.algorithms.diloco", "DiLoCoConfig", "DiLoCoAlgorithm",
           "inner optimizer for H steps, outer Nesterov on averaged pseudo-gradients; streaming"),
+    Entry("sparseloco", "hexagram.algorithms.sparseloco", "SparseLoCoConfig",
+          "SparseLoCoAlgorithm", "DiLoCo with chunked top-k, 2-bit pseudo-gradients and error "
+          "feedback in place of outer momentum; streaming"),
     Entry("async", "hexagram.algorithms.async_model_average", "AsyncConfig",
           "AsyncModelAverageAlgorithm", "background thread averages weights every N ms"),
     Entry("qadam", "hexagram.algorithms.qadam", "QAdamConfig", "QAdamAlgorithm",
