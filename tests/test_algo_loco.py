@@ -128,9 +128,11 @@ def _rounds_identical(algo: str, cfg: dict[str, Any]) -> tuple[bool, int, int]:
     return ok, sent, 0
 
 
-def _resume_error(algo: str, cfg: dict[str, Any]) -> float:
-    """Max |run straight - run resumed from a checkpoint at step 3| after 8 steps."""
+def _resume_error(algo: str, cfg: dict[str, Any]) -> tuple[float, list[str]]:
+    """Max |run straight - run resumed from a checkpoint at step 3| after 8 steps, and the
+    residuals live mode's policies re-centre in the checkpoint."""
     import hexagram as hx
+    from hexagram.elastic.state import residual_tensors
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
         net = _net()
@@ -146,10 +148,11 @@ def _resume_error(algo: str, cfg: dict[str, Any]) -> float:
     opt2.load_state_dict(saved[1])
     model2.load_algorithm_state_dict(saved[2])
     _train(model2, opt2, range(3, 8), 20)
-    err = max(float((a - b).abs().max()) for a, b in zip(net.parameters(), net2.parameters()))
+    err = max(float((a - b).detach().abs().max())
+              for a, b in zip(net.parameters(), net2.parameters()))
     model.close()
     model2.close()
-    return err
+    return err, sorted(residual_tensors(saved[2]))
 
 
 ROUNDS = {
@@ -183,7 +186,10 @@ def test_sparseloco_and_4bit_rounds(world_size: int) -> None:
             assert identical, f"rank {rank} {label}: ranks differ after a round"
             assert sent > 0, f"rank {rank} {label}: no bytes counted"
         for key in ("resume/sparseloco/streaming", "resume/diloco+minmax4"):
-            assert result[key] == 0.0, f"rank {rank} {key}: resumed run differs"
+            assert result[key][0] == 0.0, f"rank {rank} {key}: resumed run differs"
+        names = [f"feedback/residuals/{i}.{p}" for i in (0, 2) for p in ("bias", "weight")]
+        assert result["resume/sparseloco/streaming"][1] == names  # error buffers, per tensor
+        assert result["resume/diloco+minmax4"][1] == []
 
 
 def test_sparseloco_bad_config_and_residual_state() -> None:

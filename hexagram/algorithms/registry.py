@@ -139,6 +139,9 @@ _ENTRIES: tuple[Entry, ...] = (
           "global top-k by gTopKAllReduce on a tree, error feedback (Shi et al. 2019)"),
     Entry("dgc", "hexagram.algorithms.dgc", "DGCConfig", "DGCAlgorithm",
           "Deep Gradient Compression: top-k, momentum correction, clipping, warm-up"),
+    Entry("decoupled_momentum", "hexagram.algorithms.decoupled_momentum", "DeMoConfig",
+          "DeMoAlgorithm", "DeMo: local momenta, top-k of their chunked DCT by allgather, "
+          "sign update scaled by its RMS; takes SGD momentum over"),
     Entry("randomk", "hexagram.algorithms.randomk", "RandomKAlgorithmConfig", "RandomKAlgorithm",
           "random-k with positions shared by all ranks, error feedback"),
     Entry("decentralized", "hexagram.algorithms.decentralized", "DecentralizedConfig",

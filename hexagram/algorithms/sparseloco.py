@@ -40,8 +40,12 @@ import torch
 
 from hexagram.algorithms.base import AlgorithmContext
 from hexagram.algorithms.diloco import DiLoCoAlgorithm, DiLoCoConfig, _InFlight
-from hexagram.algorithms.weight_sync import flats_from_named, named_from_flats, read_weights
-from hexagram.comm.reduce import reduce
+from hexagram.algorithms.weight_sync import (
+    compressed_sum,
+    flats_from_named,
+    named_from_flats,
+    read_weights,
+)
 from hexagram.compress.base import Payload
 from hexagram.compress.chunk_topk import ChunkTopKCompressor, ChunkTopKConfig
 from hexagram.config import check_float, check_int
@@ -99,6 +103,7 @@ class SparseLoCoAlgorithm(DiLoCoAlgorithm):
     """DiLoCo with chunked top-k, quantized pseudo-gradients and error feedback."""
 
     name = "sparseloco"
+    exact_local = True
 
     def __init__(self, config: SparseLoCoConfig | None = None) -> None:
         cfg = config or SparseLoCoConfig()
@@ -117,15 +122,18 @@ class SparseLoCoAlgorithm(DiLoCoAlgorithm):
         comp, beta = self.compressor, self.config.error_decay
         assert comp is not None
         sums = []
-        for a, x, e in zip(self.anchor[f], read_weights(self.fragments[f]), self.errors[f]):
+        for b, a, x, e in zip(self.fragments[f], self.anchor[f], read_weights(self.fragments[f]),
+                              self.errors[f]):
             e.mul_(beta).add_(a - x)
+            parts = [e[p.offset : p.offset + p.numel] for p in b.entries]
 
-            def encode(i: int, t: torch.Tensor, divisor: int, e: torch.Tensor = e) -> Payload:
-                payload = comp.compress(t)
-                e.sub_(comp.decompress(payload).view_as(e))  # e -= s_i: the unsent rest
+            def encode(i: int, t: torch.Tensor, divisor: int,
+                       parts: list[torch.Tensor] = parts) -> Payload:
+                payload = comp.compress(t)  # t is parts[i]: one tensor's error buffer
+                parts[i].sub_(comp.decompress(payload).reshape(-1))  # e -= s_i: the rest
                 return payload
 
-            sums.append(reduce(self.ctx.comm, e, comp, reduction="sum", encode=encode))
+            sums.append(compressed_sum(self.ctx.comm, e, comp, b.entries, encode))
         return _InFlight(f, self.step, self.step + self.outer.overlap_steps, n, sums)
 
     def state_dict(self) -> dict[str, Any]:

@@ -42,9 +42,10 @@ __all__ = ["BUCKET_MARGIN", "BUCKET_MB", "DEFAULT", "DELAYED", "applicable", "be
 #: digits accuracy is the same without them: 91.1 % vs 91.3 %, allreduce 91.5 %)
 DEFAULT = ("allreduce", "allreduce:hierarchical=true", "fp16", "fp16:wire=bf16", "bytegrad",
            "qsgd", "terngrad", "onebit", "efsign", "topk", "gtopk", "dgc",
-           "powersgd:start_iter=0")
+           "powersgd:start_iter=0", "decoupled_momentum")
 #: added by ``allow_delay=True``
-DELAYED = ("local_sgd", "diloco", "decentralized", "low_precision_decentralized", "async")
+DELAYED = ("local_sgd", "diloco", "sparseloco", "decentralized", "low_precision_decentralized",
+           "async")
 #: bucket capacities (MB) the model compares; the best few are then timed
 BUCKET_MB = (1.0, 4.0, 25.0, 100.0)
 #: bucket sizes predicted within this fraction of a candidate's fastest count as equal and
@@ -126,13 +127,19 @@ def lr_note(algorithm: Algorithm, optimizers: Sequence[torch.optim.Optimizer] = 
 def lr_flags(candidates: Sequence[tuple[str, Algorithm]],
              optimizers: Sequence[torch.optim.Optimizer] = ()) -> dict[str, str]:
     """``{label: "needs lr x0.015"}`` for each candidate that is not a drop-in with
-    ``optimizers``; auto excludes them (an lr change the user did not make).
+    ``optimizers``; auto excludes them (an lr change the user did not make), and those
+    whose ``refuses(optimizers)`` gives a reason (an optimizer they cannot run on).
 
     >>> lr_flags([("signsgd:scaled=false", make("signsgd:scaled=false"))])
     {'signsgd:scaled=false': 'needs lr x0.015'}
     """
     out = {}
     for label, algorithm in candidates:
+        refusal = getattr(algorithm, "refuses", None)  # e.g. DeMo with Adam
+        why = refusal(optimizers) if callable(refusal) else None
+        if why:
+            out[label] = why
+            continue
         note = lr_note(algorithm, optimizers)
         if note is not None and note.factor != 1.0:
             out[label] = f"needs lr x{note.factor:g}"

@@ -123,7 +123,9 @@ class ChunkTopKCompressor(Compressor):
         rows[:n].copy_(tensor.detach().reshape(-1))
         rows = rows.view(g, c)
         mags, pos = rows.abs().topk(k, dim=1)  # (G, k); sorted: deterministic order
-        scale = mags[:, 0].contiguous()  # (G,) the largest kept magnitude
+        # (G,) the largest kept magnitude; a fresh dense tensor (a (1,) column view keeps
+        # its stride, which the wire's byte view cannot take)
+        scale = torch.empty(g, dtype=mags.dtype, device=mags.device).copy_(mags[:, 0])
         ensure_finite(tensor, scale, self.name)  # NaN sorts first: a non-finite scale
         m = 1 << (self.config.bits - 1)
         inv = torch.where(scale > 0, m / scale, 0.0)
@@ -133,6 +135,15 @@ class ChunkTopKCompressor(Compressor):
         return Payload(tensors=(scale, pack_codes(codes.reshape(-1), self.config.bits),
                                 pack_positions(pos, b)),
                        shape=tensor.shape, dtype=tensor.dtype)
+
+    def layout(self, n: int, dtype: torch.dtype) -> tuple[tuple[tuple[int, ...], torch.dtype],
+                                                          ...]:
+        """Shape and dtype of each payload tensor for ``n`` elements of ``dtype`` (the wire
+        format of the module doc, without compressing anything)."""
+        _, g, k, b = chunk_layout(self.config, n)
+        return (((g,), work_dtype(dtype)),
+                ((packed_nbytes(g * k, self.config.bits),), torch.uint8),
+                ((packed_nbytes(g * k, b),), torch.uint8))
 
     def values(self, payload: Payload) -> tuple[Tensor, Tensor]:
         """``(flat positions, values)`` of the kept entries, (G k,) each; positions index

@@ -263,23 +263,27 @@ def amortized(algorithm: Algorithm, compute: ComputeProfile, network: NetworkPro
     weights = sum(t.numel * t.itemsize for t in compute.tensors)
     period = max(1, int(getattr(c, "period", getattr(c, "interval", 1))))
     name, hidden, note = algorithm.name, 0.0, ""
-    msg = Message("allreduce", _ring(weights, world))
+    msgs = [Message("allreduce", _ring(weights, world))]
     comp = _compressor(algorithm)
     peers = getattr(c, "peers", "all")
-    if comp is not None:  # compressed weights (differences) to both ring neighbours
-        sent = sum(payload_of(comp, t.shape).nbytes for t in compute.tensors)
-        msg = Message("p2p", min(2, world - 1) * sent)
+    own = getattr(algorithm, "round_messages", None)  # the DiLoCo family's exchange
+    if callable(own):
+        msgs = [Message(op, sent) for op, sent in own([t.shape for t in compute.tensors],
+                                                       world)]
+    elif comp is not None:  # compressed weights (differences) to both ring neighbours
+        msgs = [Message("p2p", min(2, world - 1) * sum(
+            payload_of(comp, t.shape).nbytes for t in compute.tensors))]
     elif peers != "all":
-        msg = Message("p2p", (2 if peers == "ring" else 1) * weights)
-    t = network.fit(msg.op).time(msg.sent) / period
+        msgs = [Message("p2p", (2 if peers == "ring" else 1) * weights)]
+    t = sum(network.fit(m.op).time(m.sent) for m in msgs) / period if world > 1 else 0.0
     if name == "decentralized":
         hidden = compute.forward_s
     if name == "async" or getattr(c, "overlap_steps", 0) > 0:
         hidden, note = t, "background exchange: bytes per step estimated"
     exposed = max(0.0, t - hidden)
     return Prediction(label or name, compute.step_s + exposed, compute.step_s, 0.0, exposed,
-                      msg.sent // period if world > 1 else 0, 0,
-                      [[msg]] if world > 1 else [], note)
+                      sum(m.sent for m in msgs) // period if world > 1 else 0, 0,
+                      [msgs] if world > 1 else [], note)
 
 
 def predict_any(algorithm: Algorithm, compute: ComputeProfile, network: NetworkProfile,

@@ -20,6 +20,7 @@ dtype: float32, float64 for float64 input):
 | topk, randomk | (k,) input dtype; (k,) int32 (int64 from 2**31 elements), k = config.count(n) |
 | threshold | (1,) int32; (c,) input dtype; (c,) index dtype, c = capacity(n) |
 | powersgd | (rows, r) h; (cols, r) h: the matrix view of the input, r = min(rank, rows, cols) |
+| chunktopk, dcttopk (SparseLoCo's, DeMo's) | their own ``layout(n, dtype)`` |
 
 A compressor class without a rule here (a user's own, or a subclass that may change the
 format) gets ``None``: the caller then sizes it by compressing, as before.
@@ -42,6 +43,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hexagram.compress.base import Compressor, Payload
+from hexagram.compress.chunk_topk import ChunkTopKCompressor
+from hexagram.compress.dct import DCTTopKCompressor
 from hexagram.compress.lowrank import PowerSGDCompressor, matrix_shape
 from hexagram.compress.packing import packed_nbytes
 from hexagram.compress.quantize import (
@@ -122,6 +125,11 @@ def _powersgd(c: Compressor, shape: tuple[int, ...], n: int, dtype: torch.dtype)
     return (((rows, r), _header(dtype)), ((cols, r), _header(dtype)))
 
 
+def _own(c: Compressor, shape: tuple[int, ...], n: int, dtype: torch.dtype) -> Layout:
+    """Compressors that state their own layout (``layout(n, dtype)``)."""
+    return c.layout(n, dtype)  # type: ignore[attr-defined, no-any-return]
+
+
 #: the rule of each compressor class (exact type: a subclass may change the format)
 RULES: dict[type[Compressor], Rule] = {
     HalfCompressor: _cast, BF16Compressor: _cast, MinMax8Compressor: _minmax,
@@ -129,6 +137,7 @@ RULES: dict[type[Compressor], Rule] = {
     QSGDCompressor: _qsgd, TernGradCompressor: _terngrad, SignCompressor: _signs(-1),
     EFSignCompressor: _signs(1), OneBitCompressor: _signs(2), TopKCompressor: _pairs,
     RandomKCompressor: _pairs, ThresholdCompressor: _threshold, PowerSGDCompressor: _powersgd,
+    ChunkTopKCompressor: _own, DCTTopKCompressor: _own,
 }
 
 
