@@ -25,36 +25,39 @@ LR = 0.05
 
 
 def _hand_quantize(e: torch.Tensor, chunk: int, k: int, bits: int) -> torch.Tensor:
-    """The sent update of one flat tensor: per chunk the k largest |e|, each rounded to the
-    nearest of sign * s * (j + 1) / 2**(bits - 1), s the chunk's largest |e|."""
+    """The sent update of one flat tensor: per chunk the k largest |e|, each replaced by
+    its sign times the mean magnitude of its bin, bins splitting [0, s] into 2**(bits - 1)
+    equal parts, s the chunk's largest |e|."""
     out, m = torch.zeros_like(e), 2 ** (bits - 1)
     for start in range(0, e.numel(), chunk):
-        part = e[start : start + chunk]
-        order = sorted(range(part.numel()), key=lambda i: -abs(float(part[i])))[:k]
-        s = abs(float(part[order[0]]))
+        part = [float(v) for v in e[start : start + chunk]]
+        order = sorted(range(len(part)), key=lambda i: -abs(part[i]))[:k]
+        s = abs(part[order[0]])
+        bins = {i: min(int(abs(part[i]) * m / s), m - 1) if s else 0 for i in order}
         for i in order:
-            j = min(max(round(abs(float(part[i])) * m / s) - 1, 0), m - 1) if s else 0
-            out[start + i] = (1 if part[i] >= 0 else -1) * s * (j + 1) / m
+            mates = [abs(part[j]) for j in order if bins[j] == bins[i]]
+            out[start + i] = (1 if part[i] >= 0 else -1) * sum(mates) / len(mates)
     return out
 
 
 def test_chunk_topk_format_by_hand() -> None:
     comp = ChunkTopKCompressor(ChunkTopKConfig(chunk=8, density=0.25, bits=2))
-    x = torch.tensor([0.1, -4.0, 0.0, 1.1, 0.0, 0.2, 0.0, 0.3,   # chunk 1: -4, 1.1 -> -4, 2
-                      5.0, 0.0, 0.0, 0.0, 0.0, -3.0, 0.0, 0.0,    # chunk 2: 5, -3 -> 5, -2.5
-                      7.0, 1.0])                                  # padded chunk: 7, 1 -> 7, 3.5
+    x = torch.tensor([0.1, -4.0, 0.0, 1.1, 0.0, 0.2, 0.0, 0.3,   # bins of [0, 4]: 4 | 1.1
+                      5.0, 0.0, 0.0, 0.0, 0.0, -3.0, 0.0, 0.0,    # both in [2.5, 5]: mean 4
+                      7.0, 1.0])                                  # padded chunk: 7 | 1
     p = comp.compress(x)
     want = torch.zeros(18)
-    want[[1, 3, 8, 13, 16, 17]] = torch.tensor([-4.0, 2.0, 5.0, -2.5, 7.0, 3.5])
+    want[[1, 3, 8, 13, 16, 17]] = torch.tensor([-4.0, 1.1, 4.0, -4.0, 7.0, 1.0])
     assert torch.equal(comp.decompress(p), want)
-    assert torch.equal(_hand_quantize(x, 8, 2, 2), want)
-    # 3 float32 scales + 6 values of 2 bits + 6 positions of 3 bits
-    assert p.nbytes == 3 * 4 + 2 + 3
+    assert torch.allclose(_hand_quantize(x, 8, 2, 2), want)
+    # 3 chunks x 2 float32 bin means + 6 values of 2 bits + 6 positions of 3 bits
+    assert p.nbytes == 3 * 2 * 4 + 2 + 3
     wide = ChunkTopKCompressor(ChunkTopKConfig(chunk=4096, density=64 / 4096, bits=2))
     y = torch.randn(3 * 4096)
-    assert wide.compress(y).nbytes == 3 * 4 + 3 * 64 * 2 // 8 + 3 * 64 * 12 // 8
+    assert wide.compress(y).nbytes == 3 * 2 * 4 + 3 * 64 * 2 // 8 + 3 * 64 * 12 // 8
     back = wide.decompress(wide.compress(y))
-    assert int((back != 0).sum()) == 3 * 64 and torch.equal(back, _hand_quantize(y, 4096, 64, 2))
+    assert int((back != 0).sum()) == 3 * 64
+    assert torch.allclose(back, _hand_quantize(y, 4096, 64, 2), rtol=1e-6, atol=0)
 
 
 def _batch(rank: int, step: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

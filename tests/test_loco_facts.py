@@ -33,8 +33,8 @@ def test_stated_layout_equals_the_payload(comp: object) -> None:
 def test_diloco_family_round_messages_by_hand() -> None:
     shapes, world = [(4096,), (100,)], 4
     sparse = registry.get("sparseloco", period=10)  # chunk 4096 (100: one chunk of 100)
-    per = [4 + math.ceil(64 * 2 / 8) + math.ceil(64 * 12 / 8),
-           4 + math.ceil(2 * 2 / 8) + math.ceil(2 * 7 / 8)]  # k = round(100 / 64) = 2
+    per = [8 + math.ceil(64 * 2 / 8) + math.ceil(64 * 12 / 8),  # 2 bin means per chunk
+           8 + math.ceil(2 * 2 / 8) + math.ceil(2 * 7 / 8)]  # k = round(100 / 64) = 2
     assert sparse.round_messages(shapes, world) == [("allgather", 3 * sum(per))]
     dense = registry.get("diloco", period=10)
     assert dense.round_messages(shapes, world) == [("allreduce", 2 * 3 * 4 * 4196 // 4)]

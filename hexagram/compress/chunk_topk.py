@@ -3,34 +3,36 @@
 The flat tensor of ``n`` elements is cut into ``G = ceil(n / c)`` chunks of ``c =
 min(chunk, n)`` elements (the last one zero-padded); in each chunk the ``k = max(1,
 round(density * c))`` entries of largest magnitude are kept, their values quantized to
-``bits`` bits against the chunk's scale ``s = max |kept|`` (deterministic: round to the
-nearest level), their positions in the chunk packed in ``b = bit_length(c - 1)`` bits
-(at least 1): the fewest that can name every position of a chunk.
+``bits`` bits (deterministic), their positions in the chunk packed in ``b =
+bit_length(c - 1)`` bits (at least 1): the fewest that can name every position of a chunk.
 
-Value code (sign-magnitude, ``m = 2**(bits - 1)`` magnitudes): bit ``bits - 1`` is the
-sign (1: negative), the low bits ``j`` in ``[0, m)`` the magnitude ``s * (j + 1) / m``,
-``j = clamp(round(|v| m / s) - 1, 0, m - 1)``. ``bits = 2`` gives ``+-s/2, +-s``;
-``bits = 1`` the scaled sign ``+-s``. Every kept value is at least the chunk's k-th
-largest magnitude, so no zero level is needed.
+Value code (sign-magnitude, ``m = 2**(bits - 1)`` magnitude bins per chunk): bit ``bits -
+1`` is the sign (1: negative), the low bits the bin ``j = min(floor(|v| m / s), m - 1)`` of
+the magnitude on ``[0, s]``, ``s = max |kept|`` of the chunk. A bin decodes to the mean
+magnitude of the chunk's kept values in it, sent per chunk (SparseLoCo's quantizer decodes
+through the mean of each bin as well): no value is pushed to the top of its bin, and the
+error of a bin sums to zero. ``bits = 1``: one bin, the sign scaled by the mean kept
+magnitude. Every kept value is at least the chunk's k-th largest magnitude, so no zero
+level is needed.
 
 Wire format (``h`` = 4 bytes, 8 for float64 input):
 
-- scales: (G,) of ``h`` bytes;
+- levels: (G, m) of ``h`` bytes;
 - values: ``ceil(G k bits / 8)`` bytes (codes packed as ``pack_codes`` does);
 - positions: ``ceil(G k b / 8)`` bytes: for ``b <= 8`` packed codes; for ``b`` in 9..16
   the ``G k`` low bytes, then the high ``b - 8`` bits packed.
 
-``nbytes = h G + ceil(G k bits / 8) + ceil(G k b / 8)``. Payloads do not sum
+``nbytes = h G m + ceil(G k bits / 8) + ceil(G k b / 8)``. Payloads do not sum
 (``Aggregation.GATHER``): every rank decodes every rank's payload in rank order, so all
 receive the same bits.
 
 Example:
     >>> import torch
     >>> c = ChunkTopKCompressor(ChunkTopKConfig(chunk=8, density=0.25, bits=2))
-    >>> x = torch.tensor([0.0, 4.0, 0.0, -1.0, 0.0, 0.0, 0.0, 2.0])
-    >>> p = c.compress(x)
-    >>> c.decompress(p).tolist(), p.nbytes   # 4 + 1 + 1 bytes
-    ([0.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0], 6)
+    >>> x = torch.tensor([0.0, 4.0, 0.0, -1.0, 0.0, 0.0, 0.0, 1.5])
+    >>> p = c.compress(x)   # 4 in the upper bin of [0, 4], 1.5 in the lower one
+    >>> c.decompress(p).tolist(), p.nbytes   # 2 * 4 + 1 + 1 bytes
+    ([0.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.5], 10)
 """
 
 from __future__ import annotations
@@ -123,16 +125,19 @@ class ChunkTopKCompressor(Compressor):
         rows[:n].copy_(tensor.detach().reshape(-1))
         rows = rows.view(g, c)
         mags, pos = rows.abs().topk(k, dim=1)  # (G, k); sorted: deterministic order
-        # (G,) the largest kept magnitude; a fresh dense tensor (a (1,) column view keeps
-        # its stride, which the wire's byte view cannot take)
-        scale = torch.empty(g, dtype=mags.dtype, device=mags.device).copy_(mags[:, 0])
-        ensure_finite(tensor, scale, self.name)  # NaN sorts first: a non-finite scale
+        ensure_finite(tensor, mags[:, 0], self.name)  # NaN sorts first: non-finite
         m = 1 << (self.config.bits - 1)
-        inv = torch.where(scale > 0, m / scale, 0.0)
-        level = (mags * inv[:, None]).round_().sub_(1).clamp_(0, m - 1)
+        inv = torch.where(mags[:, :1] > 0, m / mags[:, :1], 0.0)  # (G, 1): m / s
+        level = (mags * inv).floor_().clamp_(0, m - 1).to(torch.uint8)  # (G, k) bins
+        # mean magnitude per (chunk, bin): sums of a one-hot (G, k, m), no atomics, so the
+        # same bits on every run and device
+        onehot = level[..., None] == torch.arange(m, device=level.device, dtype=torch.uint8)
+        counts = onehot.sum(1)  # (G, m)
+        sums = (onehot * mags[..., None]).sum(1)
+        levels = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).contiguous()
         negative = rows.gather(1, pos) < 0
-        codes = (level + negative * m).to(torch.uint8)
-        return Payload(tensors=(scale, pack_codes(codes.reshape(-1), self.config.bits),
+        codes = level + negative.to(torch.uint8) * m
+        return Payload(tensors=(levels, pack_codes(codes.reshape(-1), self.config.bits),
                                 pack_positions(pos, b)),
                        shape=tensor.shape, dtype=tensor.dtype)
 
@@ -141,7 +146,7 @@ class ChunkTopKCompressor(Compressor):
         """Shape and dtype of each payload tensor for ``n`` elements of ``dtype`` (the wire
         format of the module doc, without compressing anything)."""
         _, g, k, b = chunk_layout(self.config, n)
-        return (((g,), work_dtype(dtype)),
+        return (((g, 1 << (self.config.bits - 1)), work_dtype(dtype)),
                 ((packed_nbytes(g * k, self.config.bits),), torch.uint8),
                 ((packed_nbytes(g * k, b),), torch.uint8))
 
@@ -151,15 +156,15 @@ class ChunkTopKCompressor(Compressor):
         magnitudes of no data)."""
         n = payload.shape.numel()
         c, g, k, b = chunk_layout(self.config, n)
-        scale, packed, packed_pos = payload.tensors
-        if scale.numel() != g or packed_pos.numel() != packed_nbytes(g * k, b):
+        levels, packed, packed_pos = payload.tensors
+        if levels.shape[0] != g or packed_pos.numel() != packed_nbytes(g * k, b):
             raise ValueError(f"{self.name}: payload does not match {g} chunks of {c} with "
                              f"k={k}; was it compressed with another config?")
         m = 1 << (self.config.bits - 1)
         codes = unpack_codes(packed, self.config.bits, g * k).view(g, k)
-        mag = ((codes % m).to(scale.dtype) + 1) * (scale / m)[:, None]
+        mag = levels.gather(1, (codes % m).long())  # (G, k): each bin's mean magnitude
         vals = torch.where(codes >= m, -mag, mag)
-        base = torch.arange(g, device=scale.device)[:, None] * c
+        base = torch.arange(g, device=levels.device)[:, None] * c
         pos = unpack_positions(packed_pos, b, g * k).view(g, k) + base
         return pos.reshape(-1), vals.reshape(-1)
 
