@@ -158,6 +158,33 @@ def _resume_error(algo: str, cfg: dict[str, Any]) -> tuple[float, list[str]]:
     return err, sorted(residual_tensors(saved[2]))
 
 
+def _muon_inner(algo: str, cfg: dict[str, Any]) -> tuple[bool, float, float]:
+    """Muon for the 2-D weights and AdamW for the rest, the user's two optimizers stepped
+    one after the other: (shared weights identical after every round, loss before, after)."""
+    import hexagram as hx
+
+    net = _net()
+    matrices = [p for p in net.parameters() if p.ndim == 2]
+    rest = [p for p in net.parameters() if p.ndim != 2]
+    muon = torch.optim.Muon(matrices, lr=0.02)
+    adamw = torch.optim.AdamW(rest, lr=1e-2)
+    model = hx.DistributedDataParallel(net, [muon, adamw], hx.algorithms.get(algo, **cfg))
+    x, y = _batch(99, 0, 20)
+    before, ok = float(nn.functional.cross_entropy(net(x), y)), True
+    for step in range(12):
+        xb, yb = _batch(dist.get_rank(), step, 20)
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+        if (step + 1) % cfg["period"] == 0:
+            ok = ok and _identical(net)
+    after = float(nn.functional.cross_entropy(net(x), y))
+    model.close()
+    return ok, before, after
+
+
 ROUNDS = {
     "diloco+minmax4": ("diloco", {"period": 2, "compressor": "minmax4"}),
     "local_sgd+minmax4": ("local_sgd", {"period": 3, "compressor": "minmax4"}),
@@ -172,6 +199,9 @@ def _worker() -> dict[str, Any]:
     out: dict[str, Any] = {"hand": _hand_error()}
     for label, (algo, cfg) in ROUNDS.items():
         out[f"rounds/{label}"] = _rounds_identical(algo, cfg)
+    for algo in ("diloco", "sparseloco"):
+        out[f"muon/{algo}"] = _muon_inner(algo, {"period": 3, "density": 0.25, "chunk": 64}
+                                          if algo == "sparseloco" else {"period": 3})
     for label, (algo, cfg) in {
             "sparseloco/streaming": ("sparseloco", {"period": 4, "fragments": 2,
                                                     "overlap_steps": 1, "chunk": 64}),
@@ -193,6 +223,10 @@ def test_sparseloco_and_4bit_rounds(world_size: int) -> None:
         names = [f"feedback/residuals/{i}.{p}" for i in (0, 2) for p in ("bias", "weight")]
         assert result["resume/sparseloco/streaming"][1] == names  # error buffers, per tensor
         assert result["resume/diloco+minmax4"][1] == []
+        for algo in ("diloco", "sparseloco"):
+            identical, before, after = result[f"muon/{algo}"]
+            assert identical, f"rank {rank} {algo} with Muon + AdamW: ranks differ"
+            assert after < before, f"rank {rank} {algo} with Muon: loss {before} -> {after}"
 
 
 def test_sparseloco_bad_config_and_residual_state() -> None:

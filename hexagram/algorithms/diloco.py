@@ -10,8 +10,9 @@ outer SGD step with Nesterov momentum updates the shared weights::
     anchor = anchor - outer_lr * (d + outer_momentum * m)
     x_i = anchor                      # every rank restarts from the new shared weights
 
-The outer step runs in ``after_step`` (after the first optimizer's ``step()`` number
-``k * period``), so the next forward pass uses the new shared weights.
+The outer step runs in ``after_step`` (once every optimizer has taken its ``step()`` number
+``k * period``: e.g. Muon for the matrices and AdamW for the rest), so the next forward
+pass uses the new shared weights.
 
 Streaming DiLoCo (2025) with ``fragments = F > 1``: the tensors are split into F contiguous
 fragments of similar size; fragment ``r mod F`` is synchronised (same formula, its own

@@ -188,8 +188,8 @@ class RoundAlgorithm(Algorithm):
     """Base of weight algorithms that communicate in collective rounds (see module doc).
 
     Subclasses implement :meth:`_round` (one collective round) and may override
-    :meth:`_finish_pending` and :meth:`_after_consensus`. ``self.step`` counts steps of the
-    first optimizer; ``self.rounds`` counts rounds (identical on every rank);
+    :meth:`_finish_pending` and :meth:`_after_consensus`. ``self.step`` counts steps that
+    every optimizer took; ``self.rounds`` counts rounds (identical on every rank);
     ``self.dirty`` is True when local steps were taken since the last round.
     """
 
@@ -204,9 +204,16 @@ class RoundAlgorithm(Algorithm):
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
         self._optimizer = require_optimizers(ctx, self.name)
+        self._counts = {id(o): self.step for o in ctx.optimizers}
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if optimizer is self._optimizer:
+        """A step is counted once every optimizer has stepped (Muon for the matrices and
+        AdamW for the rest, stepped one after the other: the round follows the last one,
+        so no parameter moves between the round and the next forward pass)."""
+        if id(optimizer) not in self._counts:
+            return
+        self._counts[id(optimizer)] += 1
+        if min(self._counts.values()) > self.step:
             self.step += 1
             self.dirty = True
             self._on_step()
@@ -255,3 +262,4 @@ class RoundAlgorithm(Algorithm):
     def _load_base_state(self, state: dict[str, Any]) -> None:
         self.step, self.rounds = int(state["step"]), int(state["rounds"])
         self.dirty = bool(state["dirty"])
+        self._counts = {k: self.step for k in getattr(self, "_counts", {})}
