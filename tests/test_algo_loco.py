@@ -210,9 +210,9 @@ def _worker() -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_sparseloco_and_4bit_rounds(world_size: int) -> None:
-    for rank, result in enumerate(run_local(_worker, world_size, timeout=120)):
+def test_sparseloco_and_4bit_rounds() -> None:
+    # 3 ranks: an odd size also pads scatter-gather's chunks
+    for rank, result in enumerate(run_local(_worker, 3, timeout=150)):
         assert result["hand"] <= 1e-6, f"rank {rank}: SparseLoCo off the paper's update"
         for label in ROUNDS:
             identical, sent, _ = result[f"rounds/{label}"]
