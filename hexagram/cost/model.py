@@ -251,8 +251,10 @@ def amortized(algorithm: Algorithm, compute: ComputeProfile, network: NetworkPro
               label: str | None = None) -> Prediction:
     """A weight algorithm's step, its periodic exchange spread over its period.
 
-    local SGD / DiLoCo: an allreduce of the weights every ``period`` steps, after the
-    optimizer (DiLoCo's ``overlap_steps`` > 0 hides it behind the next steps);
+    local SGD / DiLoCo / SparseLoCo: the messages of their ``round_messages`` (the
+    exchange's route: an allreduce in full precision, all-to-all + allgather for 8- and
+    4-bit, an allgather for SparseLoCo's sparse payloads) every ``period`` steps, after the
+    optimizer (``overlap_steps`` > 0 hides them behind the next steps);
     decentralized: the weights to its peers (an allreduce for ``peers="all"``) every
     ``interval`` steps, overlapped with the forward pass; low-precision decentralized:
     compressed weights to both ring neighbours every step; async: a background thread,
