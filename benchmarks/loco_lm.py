@@ -100,7 +100,14 @@ def _worker(methods: list[str], seeds: list[int], args: argparse.Namespace
 
     torch.set_num_threads(1)
     hx.init(timeout=600)
-    return [_run(m, s, args) for s in seeds for m in methods]
+    out = []
+    for s in seeds:
+        for m in methods:
+            out.append(_run(m, s, args))
+            if dist.get_rank() == 0:  # progress, flushed: long runs are otherwise silent
+                print(f"done {m} seed {s}: {out[-1]['curve'][-1]} in "
+                      f"{out[-1]['seconds']:.0f} s", flush=True)
+    return out
 
 
 def main() -> None:
