@@ -5,16 +5,20 @@ bundled character corpus (:mod:`hexagram.data.text`), 4 ranks on loopback (gloo)
 same initial weights, data order, batch and step budget for every method:
 
 - ``ddp``: allreduce every step, AdamW;
-- ``diloco-H50``, ``diloco-H100``: AdamW inner, outer Nesterov (lr 0.7, momentum 0.9);
+- ``diloco-H10``, ``diloco-H50``, ``diloco-H100``: AdamW inner, outer Nesterov (lr 0.7, momentum 0.9);
 - ``streaming-4bit``: DiLoCo H=50 in 5 fragments, one inner step of overlap, 4-bit
   (``minmax4``) outer gradients;
 - ``sparseloco``: H=50, the paper's defaults (chunks of 4096, 1.56 %, 2 bits, beta 0.95);
-- ``demo`` and ``ddp-sgd``: DeMo on the user's SGD (momentum 0.9, taken over) and the
-  allreduce baseline with that same SGD (DeMo cannot run on AdamW).
+  ``sparseloco-H10``: the same, syncing every 10 steps;
+- ``demo`` (the paper's chunk 64, top-k 32) and ``demo-k2`` (top-2 of 64) on the user's SGD
+  (momentum 0.9, taken over), and ``ddp-sgd``: the allreduce baseline with that same SGD
+  (DeMo cannot run on AdamW).
 
 Validation loss is the mean over ranks of each rank's current model on fixed validation
 windows (between syncs the replicas differ), and at the end on the shared weights after
-``synchronize()``. Bytes are each rank's ``bytes_sent()`` (what it put on the wire).
+``synchronize()``. Bytes are each rank's ``bytes_sent()`` (what it put on the wire) before
+that final full-precision average of the weight algorithms (reported apart as
+``final_sync_bytes``: one model's allreduce, the same for each of them).
 The lab at 10 Mbit/s (time to a target loss) is not part of this script.
 
 Example (the reduced run of docs/benchmarks/loco.md):
@@ -36,13 +40,16 @@ from torch import nn
 
 METHODS: dict[str, tuple[str, dict[str, Any], str]] = {
     "ddp": ("allreduce", {}, "adamw"),
+    "diloco-H10": ("diloco", {"period": 10}, "adamw"),
     "diloco-H50": ("diloco", {"period": 50}, "adamw"),
     "diloco-H100": ("diloco", {"period": 100}, "adamw"),
     "streaming-4bit": ("diloco", {"period": 50, "fragments": 5, "overlap_steps": 1,
                                   "compressor": "minmax4"}, "adamw"),
     "sparseloco": ("sparseloco", {"period": 50}, "adamw"),
+    "sparseloco-H10": ("sparseloco", {"period": 10}, "adamw"),
     "ddp-sgd": ("allreduce", {}, "sgd"),
     "demo": ("decoupled_momentum", {}, "sgd"),
+    "demo-k2": ("decoupled_momentum", {"k": 2}, "sgd"),
 }
 
 
@@ -86,8 +93,10 @@ def _run(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         if step % args.eval_every == 0 and step < args.steps:
             curve.append({"step": step, "val": _val_loss(net, val),
                           "bytes": model.bytes_sent()})
+    sent = model.bytes_sent()  # the method's own traffic, before the final average
     model.synchronize()
-    curve.append({"step": args.steps, "val": _val_loss(net, val), "bytes": model.bytes_sent()})
+    curve.append({"step": args.steps, "val": _val_loss(net, val), "bytes": sent,
+                  "final_sync_bytes": model.bytes_sent() - sent})
     seconds = time.perf_counter() - start
     model.close()
     return {"method": method, "seed": seed, "params": sum(p.numel() for p in net.parameters()),
@@ -133,7 +142,7 @@ def main() -> None:
     for r in results:
         last = r["curve"][-1]
         print(f"{r['method']:>15} {r['seed']:>4} {last['val']:9.4f} "
-              f"{last['bytes'] / 1e6:12.3f} {r['seconds']:6.0f}")
+              f"{last['bytes'] / 1e6:12.4f} {r['seconds']:6.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
