@@ -5,7 +5,8 @@ bundled character corpus (:mod:`hexagram.data.text`), 4 ranks on loopback (gloo)
 same initial weights, data order, batch and step budget for every method:
 
 - ``ddp``: allreduce every step, AdamW;
-- ``diloco-H10``, ``diloco-H50``, ``diloco-H100``: AdamW inner, outer Nesterov (lr 0.7, momentum 0.9);
+- ``diloco-H10``, ``diloco-H50``, ``diloco-H100``: AdamW inner, outer Nesterov (lr 0.7,
+  momentum 0.9);
 - ``streaming-4bit``: DiLoCo H=50 in 5 fragments, one inner step of overlap, 4-bit
   (``minmax4``) outer gradients;
 - ``sparseloco``: H=50, the paper's defaults (chunks of 4096, 1.56 %, 2 bits, beta 0.95);
@@ -22,8 +23,8 @@ that final full-precision average of the weight algorithms (reported apart as
 The lab at 10 Mbit/s (time to a target loss) is not part of this script.
 
 Example (the reduced run of docs/benchmarks/loco.md):
-    $ python benchmarks/loco_lm.py --steps 200 --eval-every 50 --seeds 0 \\
-        --json loco_lm.json
+    $ python benchmarks/loco_lm.py --width 128 --layers 4 --batch 8 --steps 200 \\
+        --eval-every 50 --seeds 0 --json loco_lm.json
 """
 
 from __future__ import annotations
