@@ -19,6 +19,7 @@ __all__ = ["CONFIGS", "config_for", "optimizer_for", "small_model", "train_steps
 CONFIGS: dict[str, dict[str, Any]] = {
     "local_sgd": {"period": 2},
     "diloco": {"period": 2},
+    "sparseloco": {"period": 2},
     "async": {"interval_ms": 5.0},
     "qadam": {},
     # 2 ranks admit no Byzantine rank (2f + 1 <= world size); the all-to-all of shards and

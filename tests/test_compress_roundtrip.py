@@ -54,14 +54,16 @@ def test_casts_equal_the_cast(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 7, 1000, 3000])
 @pytest.mark.parametrize("offset", [0.0, 1e4])  # 1e4: chunks far from 0 (exact path)
-def test_minmax8_error_at_most_half_a_step(dtype: torch.dtype, n: int, offset: float) -> None:
+@pytest.mark.parametrize("name", ["minmax8", "minmax4"])
+def test_minmax_error_at_most_half_a_step(dtype: torch.dtype, n: int, offset: float,
+                                          name: str) -> None:
     chunk = 512
     x = (_x((n,), torch.float64, seed=n) + offset).to(dtype)
-    y = hc.get("minmax8", chunk_size=chunk).decompress(hc.get("minmax8", chunk_size=chunk)
-                                                       .compress(x))
+    y = hc.get(name, chunk_size=chunk).decompress(hc.get(name, chunk_size=chunk).compress(x))
     xd = x.double()
     pad = torch.cat([xd, xd[-1:].expand(-(-n // chunk) * chunk - n)]).view(-1, chunk)
-    step = (pad.amax(1) - pad.amin(1)) / 255  # per chunk
+    steps = {"minmax8": 255, "minmax4": 15}[name]
+    step = (pad.amax(1) - pad.amin(1)) / steps  # per chunk
     bound = step.repeat_interleave(chunk)[:n] / 2 * (1 + 1e-4) + 2 * _ulp(x) + 1e-30
     assert bool(((y.double() - xd).abs() <= bound).all())
 

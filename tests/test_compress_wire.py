@@ -22,6 +22,7 @@ def _formula(name: str, n: int, itemsize: int) -> int:
         "fp16": 2 * n,
         "bf16": 2 * n,
         "minmax8": n + 8 * math.ceil(n / 1024),
+        "minmax4": math.ceil(n / 2) + 8 * math.ceil(n / 128),
         "qsgd": math.ceil(n * 4 / 8) + 4 * math.ceil(n / 512),  # 7 levels: 4 bits
         "terngrad": math.ceil(n * 2 / 8) + 4,
         "sign": math.ceil(n / 8),
@@ -85,7 +86,7 @@ def test_pack_layout_by_hand() -> None:
 
 def test_aggregation_of_each_compressor() -> None:
     want = {"fp16": "sum", "bf16": "sum", "powersgd": "sum", "minmax8": "scatter_gather",
-            "qsgd": "scatter_gather"}
+            "minmax4": "scatter_gather", "qsgd": "scatter_gather"}
     for name in hc.names():
         assert hc.get(name).aggregation.value == want.get(name, "gather"), name
 

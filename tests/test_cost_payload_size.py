@@ -38,6 +38,7 @@ SHAPES = [(1,), (7,), (1000,), (33, 17), (5, 3, 7), (40_001,), (2, 1)]
 CONFIGS: dict[str, list[dict[str, object]]] = {
     "fp16": [{}], "bf16": [{}],
     "minmax8": [{}, {"chunk_size": 1}, {"chunk_size": 7}],
+    "minmax4": [{}, {"chunk_size": 1}, {"chunk_size": 7}],
     "qsgd": [{}, {"levels": 1}, {"levels": 3, "bucket_size": 5}, {"levels": 127}],
     "terngrad": [{}, {"clip": 2.5}],
     "onebit": [{}, {"block": 512}, {"block": 7}], "efsign": [{}, {"block": 512}, {"block": 7}],

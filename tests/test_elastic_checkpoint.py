@@ -25,6 +25,7 @@ K, N = 7, 12
 CONFIGS: dict[str, dict[str, Any]] = {
     "powersgd": {"start_iter": 3}, "local_sgd": {"period": 3},
     "diloco": {"period": 4, "fragments": 2, "overlap_steps": 1},
+    "sparseloco": {"period": 4, "fragments": 2, "overlap_steps": 1},
     "decentralized": {"peers": "random"}, "dgc": {"warmup_steps": 2},
     # auto: decided before the save (profile 2 steps, one 2-step trial); a save during its
     # exploration resumes by exploring again, whose timed choice cannot be bitwise-repeated

@@ -1,7 +1,8 @@
 """Error-feedback residuals at a membership change (hexagram.elastic.residuals).
 
-Three real ranks on gloo (run_local, with a timeout) wrap a small net with PowerSGD, take a
-step on different data (so their residuals differ) and apply each policy of
+Three real ranks on gloo (run_local, with a timeout) wrap a small net with PowerSGD (its
+residuals), SparseLoCo (its error buffers) or DeMo (its local momenta), take a step on
+different data (so their residuals differ) and apply each policy of
 :func:`recenter` for hand-made epochs: a join (replica 2 healed: its residuals must not
 count), a loss, and the ``own`` policy that changes nothing.
 """
@@ -29,7 +30,13 @@ def _flat(model: Any) -> torch.Tensor:
     return torch.cat([t.reshape(-1).double() for t in found.values()])
 
 
-def _rank() -> dict[str, Any]:
+#: algorithm -> (config, SGD momentum): every one holds per-rank state after one step
+ALGORITHMS = {"powersgd": ({"rank": 1, "start_iter": 0}, 0.0),
+              "sparseloco": ({"period": 1, "density": 0.25, "chunk": 64}, 0.0),
+              "decoupled_momentum": ({"chunk": 8, "k": 2}, 0.9)}
+
+
+def _rank(algo: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import hexagram as hx
@@ -39,11 +46,13 @@ def _rank() -> dict[str, Any]:
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    model = hx.DistributedDataParallel(
-        net, optimizers=[opt], algorithm=hx.algorithms.get("powersgd", rank=1, start_iter=0))
+    config, momentum = ALGORITHMS[algo]
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum)
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(algo, **config))
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
     model(x).square().mean().backward()
+    opt.step()  # SparseLoCo's round (period 1) fills its error buffers
     saved = model.algorithm_state_dict()
     before, out = _flat(model), {}
     cases = {"join": (JOIN, {0: (0, 1), 1: (0, 1), 2: None}, "reset"),
@@ -59,8 +68,9 @@ def _rank() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_recenter_policies_on_real_ranks() -> None:
-    ranks = run_local(_rank, 3, timeout=90)
+@pytest.mark.parametrize("algo", list(ALGORITHMS))
+def test_recenter_policies_on_real_ranks(algo: str) -> None:
+    ranks = run_local(_rank, 3, args=(algo,), timeout=90)
     before = [r["before"] for r in ranks]
     assert before[0].abs().sum() > 0 and not torch.equal(before[0], before[1])
     up_to_date_mean = (before[0] + before[1]) / 2  # replica 2's residuals do not count

@@ -112,7 +112,8 @@ def _count(name: str, config: dict[str, Any]) -> tuple[list[str], int]:
     torch.manual_seed(0)
     net = _Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(algo, **config),
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(algo, **config),
                                        bucket_size_mb=0.1, first_bucket_mb=0.004)
     gen = torch.Generator().manual_seed(hx.get_runtime().rank)
     counter = _Counter()
@@ -139,7 +140,8 @@ def _nan_error(name: str, config: dict[str, Any]) -> str:
     torch.manual_seed(0)
     net = _Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    model = hx.DistributedDataParallel(net, [opt], hx.algorithms.get(name, **config),
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(name, **config),
                                        bucket_size_mb=0.1, first_bucket_mb=0.004)
     error = ""
     try:

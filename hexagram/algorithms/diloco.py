@@ -10,8 +10,9 @@ outer SGD step with Nesterov momentum updates the shared weights::
     anchor = anchor - outer_lr * (d + outer_momentum * m)
     x_i = anchor                      # every rank restarts from the new shared weights
 
-The outer step runs in ``after_step`` (after the first optimizer's ``step()`` number
-``k * period``), so the next forward pass uses the new shared weights.
+The outer step runs in ``after_step`` (once every optimizer has taken its ``step()`` number
+``k * period``: e.g. Muon for the matrices and AdamW for the rest), so the next forward
+pass uses the new shared weights.
 
 Streaming DiLoCo (2025) with ``fragments = F > 1``: the tensors are split into F contiguous
 fragments of similar size; fragment ``r mod F`` is synchronised (same formula, its own
@@ -42,6 +43,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +63,10 @@ from hexagram.algorithms.weight_sync import (
 )
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
+from hexagram.comm.reduce import Route, route
 from hexagram.compress.base import Compressor
 from hexagram.config import check_float, check_int
+from hexagram.cost.payload_size import payload_nbytes
 from hexagram.errors import ConfigError
 
 __all__ = ["DiLoCoAlgorithm", "DiLoCoConfig"]
@@ -126,6 +131,12 @@ class _InFlight:
     sums: list[Handle[torch.Tensor]]
 
 
+def _nbytes(comp: Compressor, shape: tuple[int, ...]) -> int:
+    """Wire bytes of ``comp``'s payload of a float32 tensor of ``shape``."""
+    sized = payload_nbytes(comp, shape)
+    return sized if sized is not None else comp.compress(torch.zeros(shape)).nbytes
+
+
 def _split(buckets: list[Bucket], parts: int) -> list[list[Bucket]]:
     """The tensors of ``buckets`` in ``parts`` contiguous groups of similar size."""
     if parts == 1:
@@ -153,6 +164,8 @@ class DiLoCoAlgorithm(RoundAlgorithm):
     """Inner steps locally, outer Nesterov step on averaged pseudo-gradients."""
 
     name = "diloco"
+    #: True where the exchange encodes itself (error feedback): no scatter-gather route
+    exact_local = False
 
     def __init__(self, config: DiLoCoConfig | None = None) -> None:
         super().__init__(config or DiLoCoConfig())
@@ -207,7 +220,8 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         deltas = [a - x if self.fresh[f] else torch.zeros_like(x)
                   for a, x in zip(self.anchor[f], local)]
         self.fresh[f] = False
-        sums = [compressed_sum(self.ctx.comm, d, self.compressor) for d in deltas]
+        sums = [compressed_sum(self.ctx.comm, d, self.compressor, b.entries)
+                for b, d in zip(self.fragments[f], deltas)]
         return _InFlight(f, self.step, self.step + self.outer.overlap_steps, n, sums)
 
     def _apply(self, exchange: _InFlight) -> None:
@@ -229,6 +243,30 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         else:
             write_weights(buckets, anchor)
             self.fresh[f] = False
+
+    def round_messages(self, shapes: Sequence[tuple[int, ...]], world: int
+                       ) -> list[tuple[str, int]]:
+        """``(collective, bytes this rank sends)`` of one period (every fragment synced
+        once) for tensors of ``shapes``, as the exchange routes them
+        (:func:`hexagram.comm.reduce.route`); each tensor sized on its own (the engine's
+        buckets join tensors, which changes only chunk headers and padding)."""
+        if world < 2:
+            return []
+        comp, way = self.compressor, route(self.compressor, exact_local=self.exact_local)
+        total = {"allreduce": 0, "alltoall": 0, "allgather": 0}
+        for shape in shapes:
+            n = math.prod(shape)
+            if comp is None or way is Route.ALLREDUCE:
+                total["allreduce"] += 2 * (world - 1) * 4 * n // world
+            elif way is Route.SUM:
+                total["allreduce"] += 2 * (world - 1) * _nbytes(comp, (n,)) // world
+            elif way is Route.SCATTER_GATHER:
+                chunk = _nbytes(comp, (-(-n // world),))
+                total["alltoall"] += (world - 1) * chunk
+                total["allgather"] += (world - 1) * chunk
+            else:
+                total["allgather"] += (world - 1) * _nbytes(comp, (n,))
+        return [(op, sent) for op, sent in total.items() if sent]
 
     def _finish_pending(self) -> None:
         while self.inflight:

@@ -1,6 +1,6 @@
 """Local SGD / post-local SGD: train locally, average weights every ``period`` steps.
 
-After the first optimizer's ``step()`` number ``s`` (counted from 1), weights are averaged
+After ``step()`` number ``s`` (counted from 1) of every optimizer, weights are averaged
 over all ranks when ``s <= warmup_steps`` (post-local SGD's synchronous warm-up: one average
 per step) or when ``(s - warmup_steps) % period == 0``. The average lands in the parameters
 before ``step()`` returns, so every rank starts the next step from identical weights.

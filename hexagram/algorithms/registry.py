@@ -188,6 +188,10 @@ _ENTRIES: tuple[Entry, ...] = (
     Entry("dgc", "hexagram.algorithms.dgc", "DGCConfig", "DGCAlgorithm",
           "Deep Gradient Compression: top-k, momentum correction, clipping, warm-up",
           auto=Candidacy(("dgc",))),
+    Entry("decoupled_momentum", "hexagram.algorithms.decoupled_momentum", "DeMoConfig",
+          "DeMoAlgorithm", "DeMo: local momenta, top-k of their chunked DCT by allgather, "
+          "sign update scaled by its RMS; takes SGD momentum over",
+          auto=Candidacy(("decoupled_momentum",))),
     Entry("randomk", "hexagram.algorithms.randomk", "RandomKAlgorithmConfig", "RandomKAlgorithm",
           "random-k with positions shared by all ranks, error feedback"),
     Entry("decentralized", "hexagram.algorithms.decentralized", "DecentralizedConfig",
@@ -204,6 +208,10 @@ _ENTRIES: tuple[Entry, ...] = (
     Entry("diloco", "hexagram.algorithms.diloco", "DiLoCoConfig", "DiLoCoAlgorithm",
           "inner optimizer for H steps, outer Nesterov on averaged pseudo-gradients; streaming",
           auto=Candidacy(("diloco",), delayed=True)),
+    Entry("sparseloco", "hexagram.algorithms.sparseloco", "SparseLoCoConfig",
+          "SparseLoCoAlgorithm", "DiLoCo with chunked top-k, 2-bit pseudo-gradients and error "
+          "feedback in place of outer momentum; streaming",
+          auto=Candidacy(("sparseloco",), delayed=True)),
     Entry("async", "hexagram.algorithms.async_model_average", "AsyncConfig",
           "AsyncModelAverageAlgorithm", "background thread averages weights every N ms",
           auto=Candidacy(("async",), delayed=True)),

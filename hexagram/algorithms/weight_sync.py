@@ -37,11 +37,11 @@ from torch import Tensor
 
 from hexagram import compress
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
-from hexagram.buckets import Bucket
+from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.control import count_flags
-from hexagram.comm.reduce import reduce
+from hexagram.comm.reduce import Encoder, reduce, reduce_many
 from hexagram.compress.base import Compressor
 from hexagram.errors import ConfigError
 
@@ -83,16 +83,26 @@ def check_compressor_spec(obj: Any, field: str, allow_none: bool) -> None:
                           f"(see hexagram.compress.names()), got {value!r}")
 
 
-def compressed_sum(comm: Communicator, tensor: Tensor, compressor: Compressor | None
+def compressed_sum(comm: Communicator, tensor: Tensor, compressor: Compressor | None,
+                   entries: Sequence[BucketEntry] = (), encode: Encoder | None = None
                    ) -> Handle[Tensor]:
     """Sum of ``tensor`` over the ranks of ``comm`` (a new tensor; input untouched).
 
-    :func:`hexagram.comm.reduce.reduce` with ``reduction="sum"``: the collective follows the
-    compressor's aggregation (full-precision allreduce for ``None``, compressed allreduce,
-    scatter-gather, or allgather and a decode-and-sum into the output). Every rank receives
-    the same result bit for bit (same payloads, same order of summation).
+    :func:`hexagram.comm.reduce.reduce_many` with ``reduction="sum"``: the collective follows
+    the compressor's aggregation (full-precision allreduce for ``None``, compressed allreduce,
+    scatter-gather, or allgather and a decode-and-sum into the output). With ``entries`` (a
+    bucket's tensors; ``tensor`` is its flat buffer) each tensor is compressed on its own
+    (layer-wise scales and top-k), all in one message per leg. ``encode``: the caller's
+    encoder of tensor ``i`` (error feedback; see :mod:`hexagram.comm.reduce`). Every rank
+    receives the same result bit for bit (same payloads, same order of summation).
     """
-    return reduce(comm, tensor.detach(), compressor, reduction="sum")
+    flat = tensor.detach()
+    if compressor is None or not entries:
+        return reduce(comm, flat, compressor, reduction="sum", encode=encode)
+    out = torch.empty_like(flat)
+    parts = [slice(e.offset, e.offset + e.numel) for e in entries]
+    return reduce_many(comm, [flat[p] for p in parts], compressor, reduction="sum",
+                       outs=[out[p] for p in parts], encode=encode).then(lambda _: out)
 
 
 def require_optimizers(ctx: AlgorithmContext, name: str) -> torch.optim.Optimizer:
@@ -182,8 +192,8 @@ class RoundAlgorithm(Algorithm):
     """Base of weight algorithms that communicate in collective rounds (see module doc).
 
     Subclasses implement :meth:`_round` (one collective round) and may override
-    :meth:`_finish_pending` and :meth:`_after_consensus`. ``self.step`` counts steps of the
-    first optimizer; ``self.rounds`` counts rounds (identical on every rank);
+    :meth:`_finish_pending` and :meth:`_after_consensus`. ``self.step`` counts steps that
+    every optimizer took; ``self.rounds`` counts rounds (identical on every rank);
     ``self.dirty`` is True when local steps were taken since the last round.
     """
 
@@ -198,9 +208,16 @@ class RoundAlgorithm(Algorithm):
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
         self._optimizer = require_optimizers(ctx, self.name)
+        self._counts = {id(o): self.step for o in ctx.optimizers}
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if optimizer is self._optimizer:
+        """A step is counted once every optimizer has stepped (Muon for the matrices and
+        AdamW for the rest, stepped one after the other: the round follows the last one,
+        so no parameter moves between the round and the next forward pass)."""
+        if id(optimizer) not in self._counts:
+            return
+        self._counts[id(optimizer)] += 1
+        if min(self._counts.values()) > self.step:
             self.step += 1
             self.dirty = True
             self._on_step()
@@ -249,3 +266,4 @@ class RoundAlgorithm(Algorithm):
     def _load_base_state(self, state: dict[str, Any]) -> None:
         self.step, self.rounds = int(state["step"]), int(state["rounds"])
         self.dirty = bool(state["dirty"])
+        self._counts = {k: self.step for k in getattr(self, "_counts", {})}

@@ -122,13 +122,19 @@ def lr_note(algorithm: Algorithm, optimizers: Sequence[torch.optim.Optimizer] = 
 def lr_flags(candidates: Sequence[tuple[str, Algorithm]],
              optimizers: Sequence[torch.optim.Optimizer] = ()) -> dict[str, str]:
     """``{label: "needs lr x0.015"}`` for each candidate that is not a drop-in with
-    ``optimizers``; auto excludes them (an lr change the user did not make).
+    ``optimizers``; auto excludes them (an lr change the user did not make), and those
+    whose ``refuses(optimizers)`` gives a reason (an optimizer they cannot run on).
 
     >>> lr_flags([("signsgd:scaled=false", make("signsgd:scaled=false"))])
     {'signsgd:scaled=false': 'needs lr x0.015'}
     """
     out = {}
     for label, algorithm in candidates:
+        refusal = getattr(algorithm, "refuses", None)  # e.g. DeMo with Adam
+        why = refusal(optimizers) if callable(refusal) else None
+        if why:
+            out[label] = why
+            continue
         note = lr_note(algorithm, optimizers)
         if note is not None and note.factor != 1.0:
             out[label] = f"needs lr x{note.factor:g}"

@@ -54,6 +54,8 @@ _ENTRIES: dict[str, _Entry] = {
                    "bfloat16, 16 bits/element, summable"),
     "minmax8": _Entry("hexagram.compress.quantize", "MinMax8Config", "MinMax8Compressor",
                       "8-bit min-max per chunk (BAGUA ByteGrad), scatter-gather"),
+    "minmax4": _Entry("hexagram.compress.quantize", "MinMax4Config", "MinMax4Compressor",
+                      "4-bit min-max per chunk (deterministic), scatter-gather"),
     "qsgd": _Entry("hexagram.compress.quantize", "QSGDConfig", "QSGDCompressor",
                    "QSGD: s levels, stochastic, unbiased, ceil(log2(2s+1)) bits/element"),
     "terngrad": _Entry("hexagram.compress.quantize", "TernGradConfig", "TernGradCompressor",

@@ -1,5 +1,6 @@
-"""Quantizers: ``minmax8`` (BAGUA's ByteGrad), ``qsgd`` (Alistarh et al. 2017) and
-``terngrad`` (Wen et al. 2017; per-tensor scale, see :class:`TernGradCompressor`).
+"""Quantizers: ``minmax8`` (BAGUA's ByteGrad) and its 4-bit form ``minmax4``, ``qsgd``
+(Alistarh et al. 2017) and ``terngrad`` (Wen et al. 2017; per-tensor scale, see
+:class:`TernGradCompressor`).
 
 ``minmax8`` and ``qsgd`` cut the flat tensor into chunks of a configured size, each with
 its own scale, so the payload layout depends only on ``numel``: they are
@@ -13,6 +14,8 @@ float64 inputs):
   ``x ~ min + code * step`` with ``step = (max - min) / 255``, rounding to nearest
   (error <= step / 2 per element, plus < 1e-3 step of float rounding; deterministic,
   biased).
+- ``minmax4``: the same with 4-bit codes packed two to a byte and 15 steps per chunk
+  (``step = (max - min) / 15``; default chunk 128): ``ceil(n / 2) + 2*h*G`` bytes.
 - ``qsgd``: header (G,) L2 norms + codes of ``b = ceil(log2(2s + 1))`` bits, bit-packed:
   ``ceil(n * b / 8) + h*G`` bytes. ``x ~ norm * l / s`` with ``l`` in ``[-s, s]`` the
   stochastic rounding of ``s * x / norm`` (unbiased; the variance of a chunk is at most
@@ -64,6 +67,8 @@ from hexagram.compress.packing import block_size, cpu_fast, encode_blocks, packe
 from hexagram.config import check_float, check_int
 
 __all__ = [
+    "MinMax4Compressor",
+    "MinMax4Config",
     "MinMax8Compressor",
     "MinMax8Config",
     "QSGDCompressor",
@@ -88,6 +93,19 @@ class MinMax8Config:
 
     def __post_init__(self) -> None:
         check_int(self, "chunk_size", low=1, high=1 << 24)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MinMax4Config(MinMax8Config):
+    """Settings of ``minmax4``.
+
+    Attributes:
+        chunk_size: elements sharing one (min, step) pair. Smaller => smaller error
+            (range of a chunk / 30), more header bytes (8 per chunk: 0.5 bit per element
+            at the default 128).
+    """
+
+    chunk_size: int = 128
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,14 +151,18 @@ class MinMax8Compressor(Compressor):
     name = "minmax8"
     aggregation = Aggregation.SCATTER_GATHER
     unbiased = False
+    #: bits per code; ``2**bits - 1`` steps between a chunk's min and max
+    bits = 8
 
     def __init__(self, config: MinMax8Config | None = None) -> None:
         self.config = config or MinMax8Config()
 
     def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
-        """(G, 2) header (min, step), G = ceil(n / chunk_size); (n,) uint8 codes."""
+        """(G, 2) header (min, step), G = ceil(n / chunk_size); the ``bits``-bit codes, packed
+        (``n`` bytes at 8 bits, ``ceil(n / 2)`` at 4)."""
         n = math.prod(shape)
-        return (((-(-n // self.config.chunk_size), 2), work_dtype(dtype)), ((n,), torch.uint8))
+        return (((-(-n // self.config.chunk_size), 2), work_dtype(dtype)),
+                ((packed_nbytes(n, self.bits),), torch.uint8))
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
@@ -150,8 +172,9 @@ class MinMax8Compressor(Compressor):
         if self.checks_finite:  # NaN/Inf make a chunk's min or max non-finite
             ensure_finite(flat, ext, self.name)
         lo, hi = ext[:, 0], ext[:, 1]
-        step = (hi / 2 - lo / 2) / 127.5  # (hi - lo) / 255 without overflowing
-        codes = _minmax_codes(flat, c, lo, hi, step)
+        # (hi - lo) / (2**bits - 1) without overflowing
+        step = (hi / 2 - lo / 2) / (((1 << self.bits) - 1) / 2)
+        codes = _minmax_codes(flat, c, lo, hi, step, self.bits)
         return Payload(tensors=(torch.stack([lo, step], 1), codes), shape=tensor.shape,
                        dtype=tensor.dtype)
 
@@ -163,21 +186,35 @@ class MinMax8Compressor(Compressor):
         n = _check_header(payload, c, self.name)
         header, codes = payload.tensors
         lo, step = header[:, 0], header[:, 1]
+        top = (1 << self.bits) - 1
         if not cpu_fast(codes):  # chunks spanning beyond the range decode in halves
-            factor, post = halves(~torch.isfinite(step * 255), step.dtype)
-            return decode_affine(codes, 8, n, c, step * factor, lo * factor, payload.dtype,
-                                 out, add, post=post)
-        if not bool(torch.isfinite(step * 255).all()):  # a chunk spans beyond the range
+            factor, post = halves(~torch.isfinite(step * top), step.dtype)
+            return decode_affine(codes, self.bits, n, c, step * factor, lo * factor,
+                                 payload.dtype, out, add, post=post)
+        if not bool(torch.isfinite(step * top).all()):  # a chunk spans beyond the range
             lo, step = lo.double(), step.double()
-        return decode_affine(codes, 8, n, c, step, lo, payload.dtype, out, add)
+        return decode_affine(codes, self.bits, n, c, step, lo, payload.dtype, out, add)
 
 
-def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) -> Tensor:
-    """uint8 codes ``trunc((x - lo) / step + 0.5)`` in [0, 255], chunk by chunk."""
+class MinMax4Compressor(MinMax8Compressor):
+    """4-bit min-max quantization per chunk: ``minmax8``'s format with 15 steps per chunk
+    (codes packed two to a byte). Deterministic, so a scatter-gather sum (decoded and summed
+    in float32) gives every rank the same bits; see the module docstring."""
+
+    name = "minmax4"
+    bits = 4
+
+    def __init__(self, config: MinMax8Config | None = None) -> None:
+        super().__init__(config or MinMax4Config())
+
+
+def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor,
+                  bits: int = 8) -> Tensor:
+    """Packed codes ``trunc((x - lo) / step + 0.5)`` in [0, 2**bits - 1], chunk by chunk."""
     inv = torch.where(step > 0, 1 / step, 0.0)
     inv = torch.where(torch.isfinite(inv), inv, 0.0)  # subnormal step: all codes 0 (= lo)
     if not cpu_fast(flat):
-        return _minmax_codes_device(flat, c, lo, hi, inv)
+        return _minmax_codes_device(flat, c, lo, hi, inv, bits)
     # x - lo overflows where a chunk spans more than the dtype's range: use float64 then
     calc = torch.float64 if not bool(torch.isfinite(hi - lo).all()) else lo.dtype
     lo_c, inv_c = lo.to(calc), inv.to(calc)
@@ -201,10 +238,11 @@ def _minmax_codes(flat: Tensor, c: int, lo: Tensor, hi: Tensor, step: Tensor) ->
             buf.add_(0.5)
         truncate_to(codes, buf, ints)
 
-    return encode_blocks(flat.numel(), 8, fill, flat.device, block)
+    return encode_blocks(flat.numel(), bits, fill, flat.device, block)
 
 
-def _minmax_codes_device(flat: Tensor, c: int, lo: Tensor, hi: Tensor, inv: Tensor) -> Tensor:
+def _minmax_codes_device(flat: Tensor, c: int, lo: Tensor, hi: Tensor, inv: Tensor,
+                         bits: int = 8) -> Tensor:
     """:func:`_minmax_codes` without reading the device: always the exact form
     ``(x - lo) * inv + 0.5`` (the CPU's fused form, chosen by a read, may differ by one
     code within 1e-3 of a step of a rounding boundary), in halves where a chunk's range
@@ -221,7 +259,7 @@ def _minmax_codes_device(flat: Tensor, c: int, lo: Tensor, hi: Tensor, inv: Tens
         affine_rows(buf, start, c, sub=sub, mul=mul)
         truncate_to(codes, buf.add_(0.5), ints)
 
-    return encode_blocks(flat.numel(), 8, fill, flat.device, block)
+    return encode_blocks(flat.numel(), bits, fill, flat.device, block)
 
 
 class QSGDCompressor(SeededCompressor):

@@ -247,8 +247,10 @@ def amortized(algorithm: Priced, compute: ComputeProfile, network: NetworkProfil
               label: str | None = None) -> Prediction:
     """A weight algorithm's step, its periodic exchange spread over its period.
 
-    local SGD / DiLoCo: an allreduce of the weights every ``period`` steps, after the
-    optimizer (DiLoCo's ``overlap_steps`` > 0 hides it behind the next steps);
+    local SGD / DiLoCo / SparseLoCo: the messages of their ``round_messages`` (the
+    exchange's route: an allreduce in full precision, all-to-all + allgather for 8- and
+    4-bit, an allgather for SparseLoCo's sparse payloads) every ``period`` steps, after the
+    optimizer (``overlap_steps`` > 0 hides them behind the next steps);
     decentralized: the weights to its peers (an allreduce for ``peers="all"``) every
     ``interval`` steps, overlapped with the forward pass; low-precision decentralized:
     compressed weights to both ring neighbours every step; async: a background thread,
@@ -259,23 +261,27 @@ def amortized(algorithm: Priced, compute: ComputeProfile, network: NetworkProfil
     weights = sum(t.numel * t.itemsize for t in compute.tensors)
     period = max(1, int(getattr(c, "period", getattr(c, "interval", 1))))
     name, hidden, note = algorithm.name, 0.0, ""
-    msg = Message("allreduce", _ring(weights, world))
+    msgs = [Message("allreduce", _ring(weights, world))]
     comp = compressor_of(algorithm)
     peers = getattr(c, "peers", "all")
-    if comp is not None:  # compressed weights (differences) to both ring neighbours
-        sent = sum(payload_of(comp, t.shape).nbytes for t in compute.tensors)
-        msg = Message("p2p", min(2, world - 1) * sent)
+    own = getattr(algorithm, "round_messages", None)  # the DiLoCo family's exchange
+    if callable(own):
+        msgs = [Message(op, sent) for op, sent in own([t.shape for t in compute.tensors],
+                                                       world)]
+    elif comp is not None:  # compressed weights (differences) to both ring neighbours
+        msgs = [Message("p2p", min(2, world - 1) * sum(
+            payload_of(comp, t.shape).nbytes for t in compute.tensors))]
     elif peers != "all":
-        msg = Message("p2p", (2 if peers == "ring" else 1) * weights)
-    t = network.fit(msg.op).time(msg.sent) / period
+        msgs = [Message("p2p", (2 if peers == "ring" else 1) * weights)]
+    t = sum(network.fit(m.op).time(m.sent) for m in msgs) / period if world > 1 else 0.0
     if algorithm.exchange_overlap == "forward":
         hidden = compute.forward_s
     if algorithm.exchange_overlap == "background" or getattr(c, "overlap_steps", 0) > 0:
         hidden, note = t, "background exchange: bytes per step estimated"
     exposed = max(0.0, t - hidden)
     return Prediction(label or name, compute.step_s + exposed, compute.step_s, 0.0, exposed,
-                      msg.sent // period if world > 1 else 0, 0,
-                      [[msg]] if world > 1 else [], note)
+                      sum(m.sent for m in msgs) // period if world > 1 else 0, 0,
+                      [msgs] if world > 1 else [], note)
 
 
 def predict_any(algorithm: Priced, compute: ComputeProfile, network: NetworkProfile,

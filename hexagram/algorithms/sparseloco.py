@@ -1,0 +1,152 @@
+"""SparseLoCo (Sarfi, Therien, Lidin, Belilovsky 2025, arXiv 2508.15706): DiLoCo whose
+pseudo-gradient is sent as a chunked top-k with 2-bit values, error feedback in place of
+the outer momentum.
+
+Every rank runs the wrapped (inner) optimizer for ``period`` steps from the shared weights
+``anchor``; then, with ``e_i`` its error-feedback buffer (the paper's Algorithm 1)::
+
+    delta_i = anchor - x_i                      # pseudo-gradient
+    e_i     = error_decay * e_i + delta_i       # beta, 0.95 in the paper
+    s_i     = Q(TopK_chunk(e_i))                # k per chunk of `chunk`, `bits`-bit values
+    e_i     = e_i - s_i                         # what was not sent stays local
+    anchor  = anchor - outer_lr * sum_i s_i / n # alpha = 1 in the paper
+    x_i     = anchor
+
+``Q(TopK_chunk(.))`` is :class:`~hexagram.compress.chunk_topk.ChunkTopKCompressor` (its
+module doc gives the wire format: per-chunk scale, sign-magnitude value codes, positions in
+``bit_length(chunk - 1)`` bits); payloads are allgathered and every rank decodes them in
+rank order, so the shared weights stay bit-identical. The paper's defaults: chunks of 4096
+(it tiles matrices in 64 x 64 blocks; here chunks are contiguous runs of the flat tensor),
+k = 64 per chunk (density 1.56 %), 2 bits, ``beta = 0.95``, ``alpha = 1``.
+
+The schedule, fragments (streaming), overlap, the join protocol of uneven ends,
+``synchronize()`` and checkpoints are DiLoCo's (this class is a
+:class:`~hexagram.algorithms.diloco.DiLoCoAlgorithm` without outer momentum); only the
+exchange differs. The error buffers are saved under ``state["feedback"]["residuals"]``, so
+live elastic mode re-centres them with its named residual policy
+(:mod:`hexagram.elastic.residuals`) as it does PowerSGD's.
+
+Example:
+    >>> SparseLoCoConfig(period=30, density=0.02).error_decay
+    0.95
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hexagram.algorithms.base import AlgorithmContext
+from hexagram.algorithms.diloco import DiLoCoAlgorithm, DiLoCoConfig, _InFlight
+from hexagram.algorithms.weight_sync import (
+    compressed_sum,
+    flats_from_named,
+    named_from_flats,
+    read_weights,
+)
+from hexagram.compress.base import Payload
+from hexagram.compress.chunk_topk import ChunkTopKCompressor, ChunkTopKConfig
+from hexagram.config import check_float, check_int
+
+__all__ = ["SparseLoCoAlgorithm", "SparseLoCoConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseLoCoConfig:
+    """Config of :class:`SparseLoCoAlgorithm`.
+
+    Attributes:
+        period: inner steps between synchronisations of a fragment (H); larger => less
+            traffic, more drift.
+        density: fraction of each chunk sent; smaller => fewer bytes, more left in the
+            error buffer.
+        bits: bits per sent value (1 to 8); fewer => fewer bytes, coarser values.
+        chunk: elements per top-k chunk (at most 65536); larger => fewer scales, one more
+            position bit per doubling.
+        error_decay: beta, decay of the error buffer in [0, 1]; larger => more memory of
+            what was not sent (it plays the outer momentum's part).
+        outer_lr: alpha, step of the shared weights along the averaged sparse update.
+        fragments, overlap_steps, overlap_mix: streaming, as in
+            :class:`~hexagram.algorithms.diloco.DiLoCoConfig`.
+    """
+
+    period: int = 50
+    density: float = 64 / 4096
+    bits: int = 2
+    chunk: int = 4096
+    error_decay: float = 0.95
+    outer_lr: float = 1.0
+    fragments: int = 1
+    overlap_steps: int = 0
+    overlap_mix: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_float(self, "error_decay", low=0.0, high=1.0)
+        check_int(self, "period", low=1)
+        self.compressor_config()  # checks density, bits, chunk
+        self.outer()  # checks the schedule
+
+    def compressor_config(self) -> ChunkTopKConfig:
+        return ChunkTopKConfig(chunk=self.chunk, density=self.density, bits=self.bits)
+
+    def outer(self) -> DiLoCoConfig:
+        """The DiLoCo config of the schedule and outer step (no outer momentum)."""
+        return DiLoCoConfig(period=self.period, outer_lr=self.outer_lr, outer_momentum=0.0,
+                            compressor=ChunkTopKCompressor(self.compressor_config()),
+                            fragments=self.fragments, overlap_steps=self.overlap_steps,
+                            overlap_mix=self.overlap_mix)
+
+
+class SparseLoCoAlgorithm(DiLoCoAlgorithm):
+    """DiLoCo with chunked top-k, quantized pseudo-gradients and error feedback."""
+
+    name = "sparseloco"
+    exact_local = True
+
+    def __init__(self, config: SparseLoCoConfig | None = None) -> None:
+        cfg = config or SparseLoCoConfig()
+        super().__init__(cfg.outer())
+        self.config = cfg
+
+    def setup(self, ctx: AlgorithmContext) -> None:
+        super().setup(ctx)
+        self.errors = [[torch.zeros_like(b.flat) for b in f] for f in self.fragments]
+
+    def _start(self, f: int, n: int) -> _InFlight:
+        """Start the sum over ranks of the fragment's sparse, quantized updates ``s_i``."""
+        if not self.fresh[f]:  # nothing new since the last sync: contribute zeros
+            return super()._start(f, n)
+        self.fresh[f] = False
+        comp, beta = self.compressor, self.config.error_decay
+        assert comp is not None
+        sums = []
+        for b, a, x, e in zip(self.fragments[f], self.anchor[f], read_weights(self.fragments[f]),
+                              self.errors[f]):
+            e.mul_(beta).add_(a - x)
+            parts = [e[p.offset : p.offset + p.numel] for p in b.entries]
+
+            def encode(i: int, t: torch.Tensor, divisor: int,
+                       parts: list[torch.Tensor] = parts) -> Payload:
+                payload = comp.compress(t)  # t is parts[i]: one tensor's error buffer
+                parts[i].sub_(comp.decompress(payload).reshape(-1))  # e -= s_i: the rest
+                return payload
+
+            sums.append(compressed_sum(self.ctx.comm, e, comp, b.entries, encode))
+        return _InFlight(f, self.step, self.step + self.outer.overlap_steps, n, sums)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        residuals: dict[str, torch.Tensor] = {}
+        for f, buckets in enumerate(self.fragments):
+            residuals.update(named_from_flats(buckets, self.errors[f]))
+        state["feedback"] = {"residuals": residuals}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        named = state["feedback"]["residuals"]
+        self.errors = [flats_from_named(b, named, "sparseloco error feedback")
+                       for b in self.fragments]
+
