@@ -5,12 +5,12 @@ bundled character corpus (:mod:`hexagram.data.text`), 4 ranks on loopback (gloo)
 same initial weights, data order, batch and step budget for every method:
 
 - ``ddp``: allreduce every step, AdamW;
-- ``diloco-H10``, ``diloco-H50``, ``diloco-H100``: AdamW inner, outer Nesterov (lr 0.7,
+- ``diloco-H=10``, ``diloco-H=50``, ``diloco-H=100``: AdamW inner, outer Nesterov (lr 0.7,
   momentum 0.9);
 - ``streaming-4bit``: DiLoCo H=50 in 5 fragments, one inner step of overlap, 4-bit
   (``minmax4``) outer gradients;
 - ``sparseloco``: H=50, the paper's defaults (chunks of 4096, 1.56 %, 2 bits, beta 0.95);
-  ``sparseloco-H10``: the same, syncing every 10 steps;
+  ``sparseloco-H=10``: the same, syncing every 10 steps;
 - ``demo`` (the paper's chunk 64, top-k 32) and ``demo-k2`` (top-2 of 64) on the user's SGD
   (momentum 0.9, taken over), and ``ddp-sgd``: the allreduce baseline with that same SGD
   (DeMo cannot run on AdamW).
@@ -41,13 +41,13 @@ from torch import nn
 
 METHODS: dict[str, tuple[str, dict[str, Any], str]] = {
     "ddp": ("allreduce", {}, "adamw"),
-    "diloco-H10": ("diloco", {"period": 10}, "adamw"),
-    "diloco-H50": ("diloco", {"period": 50}, "adamw"),
-    "diloco-H100": ("diloco", {"period": 100}, "adamw"),
+    "diloco-H=10": ("diloco", {"period": 10}, "adamw"),
+    "diloco-H=50": ("diloco", {"period": 50}, "adamw"),
+    "diloco-H=100": ("diloco", {"period": 100}, "adamw"),
     "streaming-4bit": ("diloco", {"period": 50, "fragments": 5, "overlap_steps": 1,
                                   "compressor": "minmax4"}, "adamw"),
     "sparseloco": ("sparseloco", {"period": 50}, "adamw"),
-    "sparseloco-H10": ("sparseloco", {"period": 10}, "adamw"),
+    "sparseloco-H=10": ("sparseloco", {"period": 10}, "adamw"),
     "ddp-sgd": ("allreduce", {}, "sgd"),
     "demo": ("decoupled_momentum", {}, "sgd"),
     "demo-k2": ("decoupled_momentum", {"k": 2}, "sgd"),
