@@ -1,7 +1,8 @@
 """What the compressed-gradient algorithms share: config fields, segments, checks, state.
 
-A compressed-gradient algorithm receives each ready bucket, checks it for NaN/Inf (before
-anything is compressed, naming the step and the parameter), cuts it into *segments* (one per
+A compressed-gradient algorithm receives each ready bucket (already checked for NaN/Inf by
+the engine, once per step: :class:`hexagram.engine.checks.FiniteGuard`), cuts it into
+*segments* (one per
 tensor with ``granularity="layer"``, the whole bucket with ``granularity="bucket"``: Dutta
 et al.'s layer-wise vs whole-model compression) and reduces them into the bucket's flat
 gradient: :class:`CompressorAlgorithm` through :func:`hexagram.comm.reduce.reduce_many`
@@ -33,13 +34,11 @@ from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.buckets import Bucket, BucketEntry
-from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
 from hexagram.comm.reduce import reduce_many
 from hexagram.compress.base import Compressor, Payload, all_finite
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.config import check_choice, check_int
-from hexagram.errors import NonFiniteGradientError
 
 __all__ = [
     "GRANULARITIES",
@@ -66,10 +65,13 @@ class CompressedConfig:
         granularity: ``"layer"`` compresses each tensor on its own (scales, norms and top-k
             per layer: usually more accurate); ``"bucket"`` compresses a whole bucket at once
             (whole-model with a large ``bucket_size_mb``: fewer, larger messages).
-        on_nonfinite: ``"raise"`` stops with :class:`NonFiniteGradientError` naming the step
-            and parameter; ``"skip"`` makes every rank agree (one tiny allreduce per bucket)
-            and apply a zero gradient for that bucket instead (the whole step when the model
-            fits one bucket; the optimizer still steps, so momentum and weight decay act).
+        on_nonfinite: a NaN/Inf gradient on any rank (found by the engine once per step,
+            read at the optimizer step): ``"raise"`` stops every rank with
+            :class:`NonFiniteGradientError` naming the step and parameter; ``"skip"``
+            applies a zero gradient for the whole step instead (the optimizer still
+            steps, so momentum and weight decay act). Either way every rank's reduced
+            gradient holds Inf, so a ``torch.amp.GradScaler`` skips the step on every rank
+            (the optimizer step, and this policy, never run) and lowers its scale.
         seed: seeds this algorithm's random generator (stochastic rounding, random-k).
     """
 
@@ -156,7 +158,6 @@ class CompressedAlgorithm(Algorithm):
         self.generator = torch.Generator()
         self.reduce_generator = torch.Generator()
         self._generator_loaded = False
-        self._last_skipped = -1
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -171,17 +172,9 @@ class CompressedAlgorithm(Algorithm):
 
     # -- the hook ------------------------------------------------------------------------
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
-        problem = check_finite(bucket, self.step, self.name)
-        if self.config.on_nonfinite == "skip":
-            if self._any_rank_bad(problem is not None):
-                log.warning("%s: skipping step %d (%s)", self.name, self.step,
-                            problem or "non-finite gradient on another rank")
-                if self._last_skipped != self.step:  # count steps, not buckets
-                    self.skipped_steps += 1
-                    self._last_skipped = self.step
-                return Handle.completed(torch.zeros_like(bucket.flat), f"{self.name}.skip")
-        elif problem is not None:
-            raise NonFiniteGradientError(problem)
+        # NaN/Inf never get here: the engine's once-per-step check (engine/checks.py
+        # FiniteGuard) flags them on the device, makes the bucket finite and applies
+        # ``on_nonfinite`` at the optimizer step (counting ``skipped_steps``)
         return self.reduce_bucket(bucket)
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
@@ -203,10 +196,6 @@ class CompressedAlgorithm(Algorithm):
             return bucket.flat
 
         return Handle.gather(handles, self.name).then(join)
-
-    def _any_rank_bad(self, bad: bool) -> bool:
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.ctx.runtime.device)
-        return bool(primitives.allreduce(self.ctx.comm, flag, average=False).wait().item() > 0)
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
         """Start reducing one segment (1-D view of the bucket); the handle gives the mean."""

@@ -26,7 +26,14 @@ from hexagram.comm.communicator import Communicator
 from hexagram.comm.device import control_tensor
 from hexagram.engine import join as join_protocol
 from hexagram.engine import lifecycle
-from hexagram.engine.checks import check_runs_on, check_same_model
+from hexagram.engine.checks import (
+    agree_finite_grads,
+    at_end_of_backward,
+    check_model_device,
+    check_runs_on,
+    check_same_model,
+    fp16_autocast,
+)
 from hexagram.engine.optimizers import expose_forward_signature, needs_optimizers, unwrap_optimizers
 from hexagram.engine.reducer import Reducer
 from hexagram.errors import ConfigError
@@ -45,6 +52,14 @@ def _run_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     This frame is Hexagram's, so Dynamo traces it and inlines the whole module.
     """
     return module(*args, **kwargs)
+
+
+def _has_step_hooks(algorithm: Algorithm) -> bool:
+    """True when ``algorithm`` acts at optimizer steps (a rank that skips one would fall
+    out of step): local SGD, DiLoCo, decentralized; not the time-driven async averager."""
+    kind = type(algorithm)
+    return kind.after_step is not Algorithm.after_step \
+        or kind.before_step is not Algorithm.before_step
 
 
 class DistributedDataParallel(nn.Module):
@@ -87,6 +102,7 @@ class DistributedDataParallel(nn.Module):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{field} must be a number >= 0 (MiB), got {value!r}")
         check_runs_on(module, runtime.device)
+        check_model_device(module, runtime.device)
         self.module = module
         self.optimizers = unwrap_optimizers(optimizers)
         self.algorithm = registry.get(algorithm)
@@ -97,7 +113,8 @@ class DistributedDataParallel(nn.Module):
         self._bucket_bytes = int(bucket_size_mb * _MB)
         self._first_bucket_bytes = int(min(first_bucket_mb, bucket_size_mb) * _MB)
         group = dist.new_group(list(range(runtime.world_size)), timeout=runtime.timeout)
-        self.comm = Communicator(group, runtime.timeout, name=f"{self.algorithm.name}")
+        self.comm = Communicator(group, runtime.timeout, name=f"{self.algorithm.name}",
+                                 owns_group=True)
         check_same_model(module, group)
         self._broadcast(list(module.parameters()) + list(module.buffers()))
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -170,7 +187,18 @@ class DistributedDataParallel(nn.Module):
         # together at the end of the compiled backward, so buckets launch after it. (No
         # docstring: the exposed forward shows the wrapped module's.)
         self._before_module_forward()
-        return _run_module(self.module, args, kwargs)
+        output = _run_module(self.module, args, kwargs)
+        amp = fp16_autocast(self.runtime.device.type)
+        if self._reducer is not None and self._reducer.guard is not None:  # ranks agree?
+            self._reducer.guard.collective = amp or \
+                getattr(self.algorithm.config, "on_nonfinite", "raise") == "skip"
+        if self.algorithm.kind == "weight" and self.comm.size > 1 and torch.is_grad_enabled() \
+                and _has_step_hooks(self.algorithm) and amp:  # keep GradScalers in step
+            at_end_of_backward(output, lifecycle.weak_method(self._agree_finite_grads))
+        return output
+
+    def _agree_finite_grads(self) -> None:
+        agree_finite_grads(self.comm, [p for _, p in self._named])
 
     @torch.compiler.disable
     def _before_module_forward(self) -> None:
@@ -205,6 +233,13 @@ class DistributedDataParallel(nn.Module):
         self.algorithm.before_forward()
 
     def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        reducer = self._reducer
+        if reducer is not None and reducer.guard is not None:  # the step's one host read
+            policy = getattr(self.algorithm.config, "on_nonfinite", "raise")
+            if reducer.guard.check_step(reducer.backward_count - 1, policy):
+                skipped = getattr(self.algorithm, "skipped_steps", None)
+                if isinstance(skipped, int):
+                    self.algorithm.skipped_steps = skipped + 1  # type: ignore[attr-defined]
         self.algorithm.before_step(optimizer)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
