@@ -41,12 +41,18 @@ def _helper_in_threads() -> dict[str, Any]:
         "plain thread", str(device.group_device(None))))
     plain.start()
     plain.join()
+    try:  # the wrapper refuses a model left on another device, naming both
+        hx.DistributedDataParallel(torch.nn.Linear(2, 2))
+    except hx.ConfigError as exc:
+        seen["wrong device"] = str(exc)
     runtime._RUNTIME = rt
     return seen
 
 
 def test_collective_tensors_take_the_runtimes_device_in_every_thread() -> None:
     seen = run_local(_helper_in_threads, 1, timeout=60)[0]
+    error = seen.pop("wrong device")
+    assert "'weight' is on cpu" in error and "communicates on meta" in error, error
     assert set(seen.values()) == {"meta"}, seen
 
 
