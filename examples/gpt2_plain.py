@@ -21,7 +21,7 @@ from hexagram.integrations.gpt2 import example_parser, parse_config, report, tex
 def main() -> None:
     args = example_parser(__doc__.splitlines()[0]).parse_args()
     rt = hx.init()
-    net = tiny_gpt2(seed=0, block=args.block)
+    net = tiny_gpt2(seed=0, block=args.block).to(rt.device)  # the device hx.init() chose
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
     model: torch.nn.Module
     if args.algorithm == "ddp":
@@ -37,7 +37,8 @@ def main() -> None:
         for micro in range(args.accumulate):
             last = micro == args.accumulate - 1
             with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
-                loss = model(**next(batches)).loss / args.accumulate
+                batch = {k: v.to(rt.device) for k, v in next(batches).items()}
+                loss = model(**batch).loss / args.accumulate
                 loss.backward()
             total += float(loss.detach())
         opt.step()

@@ -30,7 +30,8 @@ def main() -> None:
     rt = hx.init()
     data = load(args.dataset)
     x, y = shard(data.x_train, data.y_train, rt.rank, rt.world_size)
-    model = mlp(data.x_train[0].numel(), 256, 2, data.classes)
+    x, y = x.to(rt.device), y.to(rt.device)  # the device hx.init() chose (a GPU with NCCL)
+    model = mlp(data.x_train[0].numel(), 256, 2, data.classes).to(rt.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model_dp = hx.DistributedDataParallel(model, [opt], algorithm=args.algorithm)
     steps = len(data.y_train) // rt.world_size // args.batch  # equal on every rank
@@ -44,7 +45,8 @@ def main() -> None:
             opt.zero_grad()
         model_dp.synchronize()
         with torch.no_grad():
-            acc = (model(data.x_test).argmax(1) == data.y_test).float().mean().item()
+            test_x, test_y = data.x_test.to(rt.device), data.y_test.to(rt.device)
+            acc = (model(test_x).argmax(1) == test_y).float().mean().item()
         if rt.rank == 0:
             print(f"epoch {epoch + 1}: test accuracy {100 * acc:.2f}%, "
                   f"sent {model_dp.bytes_sent() / 1e6:.1f} MB so far")
