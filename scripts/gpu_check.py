@@ -49,6 +49,22 @@ MULTI_BLOCK = 1 << 22  # elements of the large bucket: past every compressor's b
 
 
 # -- workers (run on spawned ranks) --------------------------------------------------------
+def _algorithm(name: str) -> Any:
+    """``name``'s algorithm configured for 1-4 ranks (robust: no Byzantine rank, f=0)."""
+    import hexagram as hx
+
+    return hx.algorithms.get(name, f=0) if name == "robust" else hx.algorithms.get(name)
+
+
+def _optimizer(name: str, params: Any, lr: float = 0.01) -> torch.optim.Optimizer:
+    """The optimizer algorithm ``name`` works with (QAdam brings its own)."""
+    if name == "qadam":
+        from hexagram.optim.qadam import QAdamOptimizer
+
+        return QAdamOptimizer(params, lr=lr / 10, warmup_steps=1)
+    return torch.optim.SGD(params, lr=lr)
+
+
 def _step_algorithms(names: list[str], numel: int, steps: int) -> dict[str, Any]:
     import hexagram as hx
 
@@ -57,8 +73,9 @@ def _step_algorithms(names: list[str], numel: int, steps: int) -> dict[str, Any]
     for name in names:
         try:
             net = torch.nn.Linear(numel // 64, 64).to(rt.device)
-            opt = torch.optim.SGD(net.parameters(), lr=0.01)
-            ddp = hx.DistributedDataParallel(net, [opt], algorithm=name, bucket_size_mb=64)
+            opt = _optimizer(name, net.parameters())
+            ddp = hx.DistributedDataParallel(net, [opt], algorithm=_algorithm(name),
+                                             bucket_size_mb=64)
             for _ in range(steps):
                 ddp(torch.randn(4, numel // 64, device=rt.device)).square().mean().backward()
                 opt.step()
@@ -89,9 +106,10 @@ def _count_syncs(names: list[str]) -> dict[str, Any]:
     for name in names:
         net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
                                   torch.nn.Linear(512, 10)).to(rt.device)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        opt = _optimizer(name, net.parameters())
         try:
-            ddp = hx.DistributedDataParallel(net, [opt], algorithm=name, bucket_size_mb=0.25)
+            ddp = hx.DistributedDataParallel(net, [opt], algorithm=_algorithm(name),
+                                             bucket_size_mb=0.25)
             x = torch.randn(32, 256, device=rt.device)
             for step in range(3):
                 if step == 2:
@@ -112,6 +130,14 @@ def _count_syncs(names: list[str]) -> dict[str, Any]:
     return out
 
 
+def _wrapper_for(name: str) -> Callable[[torch.nn.Module, Any], torch.nn.Module]:
+    import hexagram as hx
+
+    def wrap(module: torch.nn.Module, opt: Any) -> torch.nn.Module:
+        return hx.DistributedDataParallel(module, [opt], algorithm=_algorithm(name))
+    return wrap
+
+
 def _time_model(names: list[str]) -> dict[str, Any]:
     import hexagram as hx
 
@@ -130,11 +156,11 @@ def _time_model(names: list[str]) -> dict[str, Any]:
         "torch DDP": lambda m, o: torch.nn.parallel.DistributedDataParallel(m),
     }
     for name in names:
-        setups[name] = lambda m, o, n=name: hx.DistributedDataParallel(m, [o], algorithm=n)
+        setups[name] = _wrapper_for(name)
     for label, wrap in setups.items():
         try:
             net = build()
-            opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+            opt = _optimizer(label, net.parameters(), lr=1e-4)
             model = wrap(net, opt)
             times = []
             for i in range(5):
@@ -149,7 +175,7 @@ def _time_model(names: list[str]) -> dict[str, Any]:
                 if i >= 2:
                     times.append(start.elapsed_time(end))
             out[label] = round(sorted(times)[1], 2)  # ms, median of 3
-            if hasattr(model, "close"):
+            if isinstance(model, hx.DistributedDataParallel):
                 model.close()
             del model, net, opt
             torch.cuda.empty_cache()

@@ -114,6 +114,8 @@ def test_every_algorithm_on_several_ranks_of_one_gpu_over_gloo(ranks: int) -> No
 
 
 def _multi_block_world_one() -> dict[str, Any]:
+    from _every_algorithm import config_for, optimizer_for
+
     import hexagram as hx
 
     rt = hx.init()
@@ -121,8 +123,9 @@ def _multi_block_world_one() -> dict[str, Any]:
     numel = 1 << 22  # past every compressor's block size (one pass per block on the CPU)
     for name in hx.algorithms.names():
         net = torch.nn.Linear(numel // 64, 64).to(rt.device)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01)
-        ddp = hx.DistributedDataParallel(net, [opt], algorithm=name, bucket_size_mb=64)
+        opt = optimizer_for(name, net.parameters(), lr=0.01)
+        algo = hx.algorithms.get(name, **config_for(name))
+        ddp = hx.DistributedDataParallel(net, [opt], algo, bucket_size_mb=64)
         for _ in range(2):
             ddp(torch.randn(4, numel // 64, device=rt.device)).square().mean().backward()
             opt.step()
