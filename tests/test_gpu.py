@@ -165,3 +165,24 @@ def test_checkpoint_of_cuda_state_round_trips(tmp_path: Any) -> None:
     _need_gpus(1)
     for out in run_local(_cuda_checkpoint, 2, args=(str(tmp_path / "ckpt"),), timeout=120):
         assert all(d.startswith("cuda") for d in out["devices"]), out
+
+
+def _groups_after_close() -> dict[str, bool]:
+    from torch.distributed import distributed_c10d as c10d
+
+    import hexagram as hx
+
+    rt = hx.init()
+    net = torch.nn.Linear(8, 2).to(rt.device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ddp = hx.DistributedDataParallel(net, [opt], algorithm="topk")
+    group = ddp.comm.group
+    before = group in c10d._world.pg_map
+    ddp.close()
+    return {"before": before, "after": group in c10d._world.pg_map}
+
+
+def test_a_closed_wrapper_destroys_its_nccl_group() -> None:
+    _need_gpus(1)
+    out = run_local(_groups_after_close, 1, timeout=120)[0]
+    assert out == {"before": True, "after": False}, out
