@@ -283,10 +283,11 @@ class Communicator:
         self._executor.shutdown(wait=not self._aborted.done())
         if self._owns_group and self._nccl and self.group is not None \
                 and not self._aborted.done():
-            group, self.group = self.group, None
-            self._pg = None
+            # self.group stays set: a later collective fails on the destroyed group
+            # instead of silently running on the default one (group=None)
+            self._owns_group, self._pg = False, None
             with contextlib.suppress(RuntimeError, ValueError):  # already destroyed
-                dist.destroy_process_group(group)
+                dist.destroy_process_group(self.group)
 
     # -- abort ---------------------------------------------------------------------------
     @property
