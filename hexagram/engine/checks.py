@@ -121,10 +121,10 @@ class FiniteGuard:
     For gradient algorithms whose reduction would not carry a NaN/Inf to every rank by
     itself (compressors, error feedback, robust aggregation), per step:
 
-    1. :meth:`observe`, per bucket before the algorithm sees it: per-tensor sums (one pass,
-       ``segment_reduce``) flag the tensors holding NaN/Inf, kept on the device; the bucket
-       is then made finite in place (NaN/Inf -> 0) so compressors and their residuals,
-       momenta and warm starts stay finite;
+    1. :meth:`observe`, per bucket before the algorithm sees it: per-tensor sums (one pass;
+       ``segment_reduce`` on CUDA) flag the tensors holding NaN/Inf, kept on the device;
+       the bucket is then made finite in place (NaN/Inf -> 0, a second pass) so compressors
+       and their residuals, momenta and warm starts stay finite;
     2. :meth:`agree`, after the last bucket was launched: where ranks must agree (``collective``
        is set: fp16 autocast, whose GradScalers must skip together, or
        ``on_nonfinite="skip"``), one tiny allreduce of "this rank saw a non-finite
@@ -175,7 +175,11 @@ class FiniteGuard:
         flat = bucket.flat
         wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
         with torch.no_grad():
-            sums = torch.segment_reduce(wide, "sum", lengths=self._lengths[bucket.index])
+            if flat.is_cuda:  # one kernel for every tensor of the bucket
+                sums = torch.segment_reduce(wide, "sum", lengths=self._lengths[bucket.index])
+            else:  # on the CPU a sum per tensor is 3x faster than segment_reduce
+                sums = torch.stack([wide[e.offset:e.offset + e.numel].sum()
+                                    for e in bucket.entries])
             first = self._first[bucket.index]
             self._bad[first:first + len(bucket.entries)] = ~torch.isfinite(sums)
             torch.nan_to_num_(flat, nan=0.0, posinf=0.0, neginf=0.0)
