@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup data demo docs test lint clean
+.PHONY: setup data demo docs test lint clean gpu-check
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,13 @@ docs: setup
 
 test: lint docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The one-GPU check (scripts/gpu_check.py): staged parts, a report in $(GPU_REPORT). It runs
+# with whatever Python has torch (no install): `make gpu-check PY=/path/to/python`.
+GPU_REPORT ?= gpu-report
+GPU_PARTS ?= all
+gpu-check:
+	PYTHONPATH=. $(PY) scripts/gpu_check.py $(GPU_PARTS) --out $(GPU_REPORT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache docs/_build

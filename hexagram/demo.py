@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import time
 from typing import Any
 
@@ -45,17 +46,27 @@ def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return correct / len(y)
 
 
+def _init(hx: Any) -> Any:
+    """``hx.init()``: NCCL with a GPU per rank; with fewer GPUs than local ranks, CUDA
+    tensors over gloo (several ranks share a GPU); gloo on the CPU without CUDA."""
+    gpus = torch.cuda.device_count()
+    if 0 < gpus < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        return hx.init(backend="gloo", device="cuda")
+    return hx.init()
+
+
 def train_worker(algorithm: str, dataset: str, epochs: int, batch: int) -> dict[str, Any]:
     """One rank of the demo: train, evaluate, report (run under hexagram.launch.run_local)."""
     import hexagram as hx
     from hexagram.data import load, shard
     from hexagram.models import mlp
 
-    rt = hx.init()
+    rt = _init(hx)
     data = load(dataset)
     x, y = shard(data.x_train, data.y_train, rt.rank, rt.world_size)
+    x, y = x.to(rt.device), y.to(rt.device)  # the device hx.init() chose
     torch.manual_seed(0)
-    model = mlp(data.x_train[0].numel(), 256, 2, data.classes)
+    model = mlp(data.x_train[0].numel(), 256, 2, data.classes).to(rt.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ddp = hx.DistributedDataParallel(model, optimizers=[opt], algorithm=algorithm)
     gen = torch.Generator().manual_seed(1)  # same permutation on every rank
@@ -71,7 +82,8 @@ def train_worker(algorithm: str, dataset: str, epochs: int, batch: int) -> dict[
             samples += len(idx) * rt.world_size
         ddp.synchronize()
         history.append({"epoch": epoch + 1, "seconds": time.perf_counter() - start,
-                        "accuracy": _evaluate(model, data.x_test, data.y_test)})
+                        "accuracy": _evaluate(model, data.x_test.to(rt.device),
+                                              data.y_test.to(rt.device))})
     return {"dataset": data.name, "history": history, "samples": samples,
             "bytes": ddp.bytes_sent(), "steps": steps_per_epoch * epochs,
             "params": sum(p.numel() for p in model.parameters())}

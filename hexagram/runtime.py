@@ -132,6 +132,26 @@ def _choose_backend(backend: str | None) -> str:
     return backend
 
 
+def _choose_device(backend: str, device: str | torch.device | None,
+                   local_rank: int) -> torch.device:
+    """The rank's device: the default for ``backend``, or ``device`` checked against it."""
+    if device is None:
+        return torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    chosen = torch.device(device)
+    if chosen.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if chosen.type == "cpu":
+        if backend == "nccl":
+            raise ConfigError("backend='nccl' needs device='cuda'; use backend='gloo' on the CPU")
+        return chosen
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} needs CUDA, which is not available; use "
+                          "device='cpu' (or leave it out)")
+    index = chosen.index if chosen.index is not None \
+        else local_rank % torch.cuda.device_count()
+    return torch.device("cuda", index)
+
+
 def _host_key() -> str:
     # GROUP_RANK is torchrun's node rank; the network lab sets HEXAGRAM_HOST for namespaces
     # (which share the machine's hostname).
@@ -157,11 +177,17 @@ def _init_group(backend: str, rank: int, world: int, timeout: timedelta,
 
 
 def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT,
-         init_timeout: float | timedelta | None = None) -> Runtime:
+         init_timeout: float | timedelta | None = None,
+         device: str | torch.device | None = None) -> Runtime:
     """Initialise torch.distributed from torchrun's environment (idempotent).
 
     Args:
         backend: ``"gloo"``, ``"nccl"`` or ``None`` (NCCL with CUDA, gloo otherwise).
+        device: where this rank's tensors live; ``None``: ``cuda:<local_rank>`` with NCCL,
+            the CPU with gloo. ``init(backend="gloo", device="cuda")`` runs several ranks
+            with CUDA tensors over gloo, on one GPU if need be (``cuda:<local_rank % GPUs>``):
+            multi-rank device bugs show on a one-GPU machine (gloo refuses a few
+            collectives on CUDA, see ``hexagram.comm.device.GLOO_CUDA_REFUSES``).
         timeout: seconds (or timedelta) any collective may take before a timeout error.
         init_timeout: deadline of the set-up (store, arrival of every rank, connections);
             ``None`` => ``timeout``. Shorter => a failed restart attempt is noticed sooner.
@@ -183,8 +209,8 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     local_world = _env_int("LOCAL_WORLD_SIZE", 1)
     if not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
-    device = torch.device(f"cuda:{local_rank}") if chosen == "nccl" else torch.device("cpu")
-    if chosen == "nccl":
+    device = _choose_device(chosen, device, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         _init_group(chosen, rank, world, td, init_td)

@@ -44,6 +44,7 @@ class AllreduceAlgorithm(Algorithm):
 
     name = "allreduce"
     kind = "grad"
+    passes_nonfinite = True  # a sum: Inf on one rank is Inf on all (GradScaler sees it)
 
     def __init__(self, config: AllreduceConfig | None = None) -> None:
         super().__init__(config or AllreduceConfig())

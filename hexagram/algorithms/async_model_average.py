@@ -60,6 +60,8 @@ from hexagram.algorithms.weight_sync import (
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
 from hexagram.comm.control import count_flags
+from hexagram.comm.device import start_thread
+from hexagram.comm.streams import consume, mark, on_stream, side_stream
 from hexagram.config import check_float
 from hexagram.errors import CommError, ConfigError
 
@@ -121,7 +123,9 @@ class AsyncModelAverageAlgorithm(Algorithm):
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
         group = ctx.runtime.new_group("async_model_average")  # collective, same order
-        self.comm = Communicator(group, ctx.runtime.timeout, name="async")
+        self.comm = Communicator(group, ctx.runtime.timeout, name="async", owns_group=True)
+        self._device = ctx.runtime.device
+        self._ready: torch.cuda.Event | None = None  # when _pending was computed (CUDA)
         # averaged like the weights, as corrections (BatchNorm running statistics)
         self._buffers = _float_buffers(ctx.module)
         self._start()
@@ -137,19 +141,21 @@ class AsyncModelAverageAlgorithm(Algorithm):
             return
         self._stop.clear()
         self._active, self._aborted = True, False
-        self._thread = threading.Thread(target=self._loop, name="hexagram-async-average",
-                                        daemon=True)
-        self._thread.start()
+        # the thread sets the rank's CUDA device before anything (it is per thread)
+        self._thread = start_thread(self._loop, name="hexagram-async-average",
+                                    device=self._device)
 
     def _loop(self) -> None:
         try:
             period = self.config.interval_ms / 1000.0
             next_round = time.monotonic()
+            stream = side_stream(self._device)  # rounds overlap the training stream
             while True:
                 self._stop.wait(max(0.0, next_round - time.monotonic()))
                 next_round = time.monotonic() + period
                 with self._round_lock:
-                    if not self._one_round():
+                    # after the training stream's work so far (the snapshot reads weights)
+                    if not on_stream(stream, self._one_round)():
                         return
         except BaseException as exc:
             self._error = exc
@@ -171,6 +177,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
             pending = self._pending
             snaps = [_snapshot(g) for g in self._groups()]
             if pending is not None:
+                consume(self._ready, pending)
                 snaps = [s + p for s, p in zip(snaps, pending)]
         handles = [primitives.allreduce(self.comm, s.clone(), average=True) for s in snaps]
         deltas = [h.wait() - s for h, s in zip(handles, snaps)]
@@ -178,7 +185,9 @@ class AsyncModelAverageAlgorithm(Algorithm):
             if self._pending is None:
                 self._pending = deltas
             else:
+                consume(self._ready, self._pending)  # made by an earlier round's stream
                 self._pending = [p + d for p, d in zip(self._pending, deltas)]
+            self._ready = mark(self._device)  # the training thread waits for this
         self.rounds += 1
 
     # -- training thread -------------------------------------------------------------------
@@ -190,7 +199,9 @@ class AsyncModelAverageAlgorithm(Algorithm):
     def _apply_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, None
+            ready, self._ready = self._ready, None
         if pending is not None:
+            consume(ready, pending)  # this stream waits for the round's, no host block
             with torch.no_grad():
                 for group, delta in zip(self._groups(), pending):
                     for t, d in zip(group, delta.split([t.numel() for t in group])):
@@ -257,6 +268,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
     def state_dict(self) -> dict[str, Any]:
         """Pending correction, counters and settings; see "Checkpoints" in the module doc."""
         with self._round_lock, self._lock:  # no half-applied round in the checkpoint
+            consume(self._ready, self._pending)  # read on this thread's stream
             pending = None if self._pending is None else \
                 named_from_flats(self.ctx.buckets, self._pending)
             extra = [] if self._pending is None else \
@@ -276,7 +288,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
             + list(state.get("pending_buffers", []))
         self._halt()
         with self._lock:
-            self._pending = pending
+            self._pending, self._ready = pending, None
         self.rounds = int(state["rounds"])
         self._aborted = self._paused = bool(state["aborted"])
         if not self._aborted and not self._closed:
@@ -289,5 +301,5 @@ class AsyncModelAverageAlgorithm(Algorithm):
         if thread is not None:
             thread.join()
         with self._lock:
-            self._pending = None
+            self._pending, self._ready = None, None
         self._raise_if_failed()

@@ -89,6 +89,11 @@ class Algorithm:
     #: what hides a weight algorithm's exchange: ``"forward"`` (the forward pass),
     #: ``"background"`` (a thread), ``""`` (nothing: it is exposed)
     exchange_overlap: ClassVar[str] = ""
+    #: True where a NaN/Inf gradient on any rank reaches every rank's reduced gradient by
+    #: the reduction itself (a plain sum); otherwise the engine checks gradients once per
+    #: step around ``bucket_ready`` (:class:`hexagram.engine.checks.FiniteGuard`) and the
+    #: algorithm never sees a non-finite value
+    passes_nonfinite: ClassVar[bool] = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config

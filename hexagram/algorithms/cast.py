@@ -113,6 +113,6 @@ class Cast(Forwarding):
 
     def after_backward(self) -> None:
         self.inner.after_backward()  # a compressed algorithm reads the step's checks
-        problem = self.ctx.checks.read()  # the range checks, where the inner reads none
+        problem = self.ctx.checks.due()  # the range checks, where the inner reads none
         if problem is not None:
             raise NonFiniteGradientError(problem)

@@ -1,8 +1,7 @@
 """What the compressed-gradient algorithms share: config fields, segments, checks, state.
 
-A compressed-gradient algorithm receives each ready bucket, checks it for NaN/Inf (on the
-device: the bucket before and after reduction, read once per step at the end of backward,
-naming the step and the parameter; :mod:`hexagram.algorithms.finite`), cuts it into
+A compressed-gradient algorithm receives each ready bucket (already checked for NaN/Inf by
+the engine, once per step: :class:`hexagram.engine.checks.FiniteGuard`), cuts it into
 *segments* (one per
 tensor with ``granularity="layer"``, the whole bucket with ``granularity="bucket"``: Dutta
 et al.'s layer-wise vs whole-model compression) and reduces them into the bucket's flat
@@ -34,9 +33,7 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
-from hexagram.algorithms.finite import non_finite, output_problem
 from hexagram.buckets import Bucket, BucketEntry
-from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
 from hexagram.comm.reduce import reduce_many
 from hexagram.compress.base import Compressor, Payload, all_finite
@@ -69,13 +66,13 @@ class CompressedConfig:
         granularity: ``"layer"`` compresses each tensor on its own (scales, norms and top-k
             per layer: usually more accurate); ``"bucket"`` compresses a whole bucket at once
             (whole-model with a large ``bucket_size_mb``: fewer, larger messages).
-        on_nonfinite: ``"raise"`` stops with :class:`NonFiniteGradientError` naming the step
-            and parameter, at the end of backward (one host read per step; the step's
-            error-feedback residuals then hold NaN too: resume from a checkpoint); ``"skip"`` makes
-            every rank agree before compressing (one tiny allreduce and one host read per
-            bucket, so residuals never see NaN) and apply a zero gradient for that bucket
-            instead (the whole step when the model fits one bucket; the optimizer still
-            steps, so momentum and weight decay act).
+        on_nonfinite: a NaN/Inf gradient on any rank (found by the engine once per step,
+            read at the optimizer step): ``"raise"`` stops every rank with
+            :class:`NonFiniteGradientError` naming the step and parameter; ``"skip"``
+            applies a zero gradient for the whole step instead (the optimizer still
+            steps, so momentum and weight decay act). Either way every rank's reduced
+            gradient holds Inf, so a ``torch.amp.GradScaler`` skips the step on every rank
+            (the optimizer step, and this policy, never run) and lowers its scale.
         seed: seeds this algorithm's random generator (stochastic rounding, random-k).
     """
 
@@ -162,7 +159,6 @@ class CompressedAlgorithm(Algorithm):
         self.generator = torch.Generator()
         self.reduce_generator = torch.Generator()
         self._generator_loaded = False
-        self._last_skipped = -1
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -177,32 +173,10 @@ class CompressedAlgorithm(Algorithm):
 
     # -- the hook ------------------------------------------------------------------------
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
-        if self.config.on_nonfinite == "raise":
-            return self._checked(bucket)
-        # skip: every rank must agree before anything is compressed, so residuals never see
-        # NaN: host reads per bucket (the check and the agreement), kept off the default
-        problem = check_finite(bucket, self.step, self.name)
-        if self._any_rank_bad(problem is not None):
-            log.warning("%s: skipping step %d (%s)", self.name, self.step,
-                        problem or "non-finite gradient on another rank")
-            if self._last_skipped != self.step:  # count steps, not buckets
-                self.skipped_steps += 1
-                self._last_skipped = self.step
-            return Handle.completed(torch.zeros_like(bucket.flat), f"{self.name}.skip")
+        # NaN/Inf never get here: the engine's once-per-step check (engine/checks.py
+        # FiniteGuard) flags them on the device, makes the bucket finite and applies
+        # ``on_nonfinite`` at the optimizer step (counting ``skipped_steps``)
         return self.reduce_bucket(bucket)
-
-    def _checked(self, bucket: Bucket) -> Handle[Tensor]:
-        """Reduce ``bucket``, queueing its NaN/Inf check (input or result) on the device;
-        :meth:`after_backward` reads the step's checks at once."""
-        bad_input, step = non_finite(bucket.flat), self.step
-        names = bucket.names
-
-        def probe(result: Tensor) -> Tensor:
-            self.ctx.checks.add(bad_input | non_finite(result), lambda: output_problem(
-                bucket, result, step, self.name, names))
-            return result
-
-        return self.reduce_bucket(bucket).then(probe)
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
         """Reduce a checked bucket: by default segment by segment, into ``bucket.flat``.
@@ -224,10 +198,6 @@ class CompressedAlgorithm(Algorithm):
 
         return Handle.gather(handles, self.name).then(join)
 
-    def _any_rank_bad(self, bad: bool) -> bool:
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.ctx.runtime.device)
-        return bool(primitives.allreduce(self.ctx.comm, flag, average=False).wait().item() > 0)
-
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
         """Start reducing one segment (1-D view of the bucket); the handle gives the mean."""
         raise NotImplementedError(f"{type(self).__name__} must implement reduce_segment "
@@ -235,7 +205,7 @@ class CompressedAlgorithm(Algorithm):
 
     def after_backward(self) -> None:
         self.step += 1
-        problem = self.ctx.checks.read()  # the step's one host read (none if none queued)
+        problem = self.ctx.checks.due()  # the step's one host read (none if none queued)
         if problem is not None:
             raise NonFiniteGradientError(problem)
 

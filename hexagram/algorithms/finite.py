@@ -42,6 +42,10 @@ class StepChecks:
     def __init__(self) -> None:
         self._items: list[tuple[Tensor, Callable[[], str]]] = []
         self._lock = threading.Lock()
+        #: True when the engine reads the queue at the optimizer step together with its
+        #: own non-finite check (one host read per step for both): :meth:`due` then reads
+        #: nothing at the end of backward
+        self.deferred = False
 
     def add(self, bad: Tensor, explain: Callable[[], str]) -> None:
         """Queue ``bad`` (a 0-d bool tensor, any device; True: a problem) and the function
@@ -49,11 +53,14 @@ class StepChecks:
         with self._lock:
             self._items.append((bad, explain))
 
-    def read(self) -> str | None:
+    def read(self, also: Tensor | None = None) -> str | None:
         """None if no queued condition holds, else the first one's explanation; empties
-        the queue. One host read whatever the number of conditions (none if none)."""
-        with self._lock:
-            items, self._items = self._items, []
+        the queue. One host read whatever the number of conditions (none if none).
+        ``also`` (a 0-d bool tensor) joins that one read: if only it holds, the result is
+        ``""`` (the caller explains it)."""
+        items = self.take()
+        if also is not None:
+            items.append((also, lambda: ""))
         if not items:
             return None
         flags = torch.stack([bad.reshape(()).to(items[0][0].device) for bad, _ in items])
@@ -63,6 +70,17 @@ class StepChecks:
             if bool(bad):
                 return explain()
         return None  # pragma: no cover - flags.any() held
+
+    def due(self) -> str | None:
+        """:meth:`read` at the end of backward, unless the engine reads at the optimizer
+        step (``deferred``): then None, and the queue waits for the engine."""
+        return None if self.deferred else self.read()
+
+    def take(self) -> list[tuple[Tensor, Callable[[], str]]]:
+        """The queued conditions, emptying the queue (no read)."""
+        with self._lock:
+            items, self._items = self._items, []
+        return items
 
     def clear(self) -> None:
         """Drop queued conditions (a step abandoned before its end)."""

@@ -42,7 +42,9 @@ from hexagram.algorithms.base import AlgorithmContext
 from hexagram.algorithms.compressed import CompressedAlgorithm, CompressedConfig, Segment, segments
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Communicator, Handle
+from hexagram.comm.device import device_initializer
 from hexagram.comm.reduce import reduce
+from hexagram.comm.streams import on_stream, side_stream
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.compress.lowrank import PowerSGDCompressor
 from hexagram.config import check_int
@@ -127,8 +129,12 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         self._q_comm = ctx.comm
         if 1 < ctx.comm.size == ctx.runtime.world_size:
             self._q_comm = Communicator(ctx.runtime.new_group("powersgd.q"), ctx.runtime.timeout,
-                                        "powersgd-q")
-            self._stage2 = cf.ThreadPoolExecutor(1, thread_name_prefix="hexagram-powersgd")
+                                        "powersgd-q", owns_group=True)
+            # stage 2's thread sets its device first; its kernels run on a stream of their own
+            self._stage2 = cf.ThreadPoolExecutor(
+                1, thread_name_prefix="hexagram-powersgd",
+                initializer=device_initializer(ctx.runtime.device))
+            self._stage2_stream = side_stream(ctx.runtime.device)
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
         """Stage 1 now: P of every matrix and the dense segments in one allreduce (mean).
@@ -142,9 +148,12 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         mean_p = _reduce_as(comm, first, bucket.dtype)
         if self._q_comm is comm:
             return mean_p.then_wait(lambda p: self._second_stage(bucket, mats, dense, p))
-        future = self._stage2.submit(
-            lambda: self._second_stage(bucket, mats, dense, mean_p.wait()).wait())
-        return Handle(future, "powersgd.stage2", self._q_comm)
+        job = on_stream(self._stage2_stream,  # after this stream's P, Q and residual work
+                        lambda: self._second_stage(bucket, mats, dense, mean_p.wait()).wait())
+        handle: Handle[Tensor] = Handle(self._stage2.submit(job), "powersgd.stage2",
+                                        self._q_comm)
+        handle.stream_job = job if self._stage2_stream is not None else None
+        return handle
 
     def _prepare(self, bucket: Bucket) -> tuple[list[_Matrix], list[Segment]]:
         mats: list[_Matrix] = []

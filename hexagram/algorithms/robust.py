@@ -136,7 +136,9 @@ class RobustAlgorithm(Algorithm):
 
         def fn(rows: Tensor, info: ShardInfo) -> Tensor:
             mine = None if center is None else _slice(center, info)
-            gen = torch.Generator().manual_seed(seed)
+            # on the gradients' device (a CPU generator's draws would build CPU mixing
+            # matrices); the same seed gives every rank the same permutation
+            gen = torch.Generator(device=flat.device).manual_seed(seed)
             return reduce_rows(rows, self.spec, info.allreduce, mine, gen)
 
         handle = shard_map(self.ctx.comm, flat, fn, self.compressor, self.generator,

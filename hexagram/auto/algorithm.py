@@ -53,6 +53,7 @@ from hexagram.auto import tune as auto_tune
 from hexagram.auto.config import AutoConfig
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Communicator, Handle
+from hexagram.comm.device import group_tensor
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.cost import measure
 from hexagram.cost.model import MB, Prediction
@@ -111,7 +112,7 @@ class AutoAlgorithm(Algorithm):
         super().setup(ctx)
         rt = ctx.runtime
         group = dist.new_group(list(range(rt.world_size)), timeout=rt.timeout)
-        self._control = Communicator(group, rt.timeout, name="auto.control")
+        self._control = Communicator(group, rt.timeout, name="auto.control", owns_group=True)
         self._recorder = StepRecorder(ctx.module, ctx.named_params)
         self._flag_lr(ctx)
         if ctx.comm.size == 1 and self.decision is None:  # nothing to choose between
@@ -337,7 +338,7 @@ class AutoAlgorithm(Algorithm):
         # ranks agree every 5 steps (a 1-float allreduce): a switch is at most 5 steps late
         if watcher.expected is None or self._steps % 5:
             return
-        flag = torch.tensor([float(watcher.drifting)], dtype=torch.float64)
+        flag = group_tensor([watcher.drifting], self._control)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control.group)
         if flag.item() >= self.config.drift_steps:
             self._reprobe()

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from hexagram.algorithms.base import Algorithm
@@ -32,6 +31,7 @@ from hexagram.auto import tune as auto_tune
 from hexagram.auto.config import AutoConfig
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
+from hexagram.comm.device import control_tensor, group_tensor
 from hexagram.cost.model import Prediction
 from hexagram.cost.probe import NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile
@@ -69,8 +69,8 @@ def agree(control: Communicator, labels: Sequence[str], trials: Sequence[Trial],
     """Rank 0's ``trials`` on every rank (collective on ``control``): labels travel as
     their index in ``labels``, in a message sized for ``tune_buckets`` trials."""
     flat = [v for label, size in trials for v in (labels.index(label), size)]
-    msg = torch.tensor([len(trials), *flat, *[0] * (2 * tune_buckets - len(flat))],
-                       dtype=torch.int64)
+    msg = control_tensor([len(trials), *flat, *[0] * (2 * tune_buckets - len(flat))],
+                         control)
     primitives.broadcast(control, [msg], src=0).wait()
     pairs = msg[1:1 + 2 * int(msg[0])].view(-1, 2).tolist()
     return [(labels[i], size) for i, size in pairs]
@@ -95,11 +95,12 @@ def best(control: Communicator, step_s: Sequence[float], plan: Sequence[tuple[in
     """The trial to keep and every trial's score, from this rank's ``step_s`` of the timed
     ``plan`` (:func:`auto_tune.visits`) maxed over the ranks (collective on ``control``):
     :func:`auto_tune.pick` with the trials' own noise (:func:`auto_tune.spread`)."""
-    times = torch.tensor(list(step_s), dtype=torch.float64)
+    times = group_tensor(step_s, control)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=control.group)
-    score = auto_tune.scores(times.tolist(), plan, len(trials))
+    maxed = times.tolist()
+    score = auto_tune.scores(maxed, plan, len(trials))
     lossy = {lb: is_lossy(a) for lb, a in candidates}
-    noise = auto_tune.spread(times.tolist(), plan, len(trials))
+    noise = auto_tune.spread(maxed, plan, len(trials))
     return trials[auto_tune.pick(trials, score, lossy, config, noise)], score
 
 

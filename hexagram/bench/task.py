@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hexagram.comm.device import group_tensor
 from hexagram.cost.probe import NetworkProfile
 from hexagram.cost.profile import CompressorCost
 
@@ -72,9 +73,8 @@ def load_probe(path: str | Path) -> tuple[NetworkProfile, dict[str, CompressorCo
 
 def _agreed(costs: dict[str, CompressorCost]) -> dict[str, CompressorCost]:
     labels = sorted(costs)
-    vec = torch.tensor([x for lb in labels for x in (*costs[lb].compress,
-                                                     *costs[lb].decompress)],
-                       dtype=torch.float64)
+    vec = group_tensor([x for lb in labels for x in (*costs[lb].compress,
+                                                     *costs[lb].decompress)])
     dist.all_reduce(vec, op=dist.ReduceOp.MAX)
     rows = vec.view(-1, 4).tolist() if labels else []
     return {lb: CompressorCost((r[0], r[1]), (r[2], r[3])) for lb, r in zip(labels, rows)}
@@ -90,9 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hexagram.cost.probe import probe
 
     rt = hx.init()
-    comm = Communicator(dist.new_group(list(range(rt.world_size))), rt.timeout, "probe")
+    comm = Communicator(dist.new_group(list(range(rt.world_size))), rt.timeout, "probe",
+                        owns_group=True)
     network = probe(comm, hosts=len(rt.hosts), budget_s=budget)
-    costs = _agreed(measure_costs(candidate_labels()))
+    costs = _agreed(measure_costs(candidate_labels(), str(rt.device)))
     if rt.rank == 0:
         save_probe(out / "probe.json", network, costs)
     comm.close()

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hexagram.comm.device import group_tensor
+
 __all__ = ["run_training"]
 
 Batches = Callable[[int], list[tuple[Tensor, Tensor]]]
@@ -100,7 +102,7 @@ def _lm_loss(logits: Tensor, y: Tensor) -> Tensor:
 
 def _agree(metric: float, clock: float) -> tuple[float, float]:
     """(mean metric over ranks, longest clock) — the same stop decision everywhere."""
-    t = torch.tensor([metric, clock], dtype=torch.float64)
+    t = group_tensor([metric, clock])  # on the default group's device (CUDA with NCCL)
     dist.all_reduce(t[:1])
     dist.all_reduce(t[1:], op=dist.ReduceOp.MAX)
     return float(t[0]) / dist.get_world_size(), float(t[1])

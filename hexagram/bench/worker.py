@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from hexagram.bench import watchdog
 from hexagram.bench.watchdog import beat
+from hexagram.comm.device import control_tensor
 
 __all__ = ["interface_tx_bytes", "main", "run_series", "run_step_benchmark"]
 
@@ -51,7 +52,7 @@ def _optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
 def _agreed_steps(spec: dict[str, Any], warm_step_s: float) -> int:
     """Timed steps, cut so the run fits ``time_limit`` (same number on every rank)."""
     fit = int(spec["time_limit"] / max(warm_step_s, 1e-6))
-    n = torch.tensor([max(spec.get("min_steps", 3), min(spec["steps"], fit))])
+    n = control_tensor([max(spec.get("min_steps", 3), min(spec["steps"], fit))])
     dist.all_reduce(n, op=dist.ReduceOp.MIN)  # every rank must run the same steps
     return int(n.item())
 

@@ -24,6 +24,7 @@ woken by ``ProcessGroup.abort()`` and would otherwise wait out the collective ti
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import threading
 import time
 import weakref
@@ -36,6 +37,8 @@ from typing import Any, Generic, TypeVar
 import torch.distributed as dist
 from torch import Tensor
 
+from hexagram.comm.device import device_initializer, group_device
+from hexagram.comm.streams import StreamJob, join_stream, on_stream, side_stream
 from hexagram.errors import CommError, CommTimeoutError
 
 __all__ = ["ByteCounter", "Communicator", "Deferred", "Handle", "abort_all"]
@@ -92,6 +95,7 @@ class Handle(Generic[T]):
         self._comm = comm
         self._value = value
         self._resolved = future is None
+        self.stream_job: StreamJob | None = None  # set by Communicator.submit on CUDA
         # derived handles (then / gather): the handles they wait on, and how to combine
         self._then: tuple[list[Handle[Any]], Callable[[list[Any]], Any]] | None = None
 
@@ -145,11 +149,13 @@ class Handle(Generic[T]):
         comm = self._comm
         try:
             result = comm.await_future(self._future, comm.timeout.total_seconds() + 5.0)
+            join_stream(self.stream_job, None)  # the waiter's stream waits; no host block
             if isinstance(result, Deferred):
                 comm.await_work(result.work)
                 result = result.finish()
         except BaseException as exc:  # re-raised with context
             raise comm.wrap_error(self._op, exc) from exc
+        join_stream(self.stream_job, result)  # memory of the result: used on this stream
         self._value, self._resolved = result, True
         return result  # type: ignore[no-any-return]
 
@@ -161,9 +167,23 @@ class Communicator:
         group: the process group (``None``: the default group).
         timeout: how long any operation may take before :class:`CommTimeoutError`.
         name: shown in thread names and error messages (e.g. ``"grads"``, ``"async"``).
+        owns_group: the group was made for this communicator (a wrapper's, an ``auto``
+            switch's): :meth:`close` destroys it when it is an NCCL group, whose
+            communicators hold GPU memory and a watchdog thread until destroyed. gloo
+            groups are left to garbage collection (destroying one joins its worker threads,
+            which at interpreter exit can deadlock on the GIL).
+
+    Dead peers: gloo work is waited with this communicator's ``timeout`` on the host. NCCL
+    work is waited as PyTorch DDP waits it: ``work.wait()`` without a timeout makes the
+    current CUDA stream wait for the collective and returns at once (a timeout argument
+    would block the host until the GPU finishes); the dead-peer timeout is then the
+    process group's own (``timeout`` given to ``new_group``), enforced by NCCL's watchdog
+    thread off the hot path, which aborts the communicator and raises in the training
+    thread (``TORCH_NCCL_ASYNC_ERROR_HANDLING``).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout: timedelta, name: str) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeout: timedelta, name: str,
+                 owns_group: bool = False) -> None:
         self.group = group
         self.timeout = timeout
         self.name = name
@@ -174,7 +194,12 @@ class Communicator:
             else list(range(self.size))
         )
         self.counter = ByteCounter()
-        self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix=f"hexagram-comm-{name}")
+        self.device = group_device(group)
+        # CUDA: every job runs on this stream, ordered by events (see comm/streams.py)
+        self.stream = side_stream(self.device)
+        # the issuing thread sets its CUDA device first (the current device is per thread)
+        self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix=f"hexagram-comm-{name}",
+                                               initializer=device_initializer(self.device))
         self._broken: BaseException | None = None
         self._lock = threading.Lock()
         self._queued = 0  # jobs handed to the issuing thread and not finished
@@ -182,7 +207,9 @@ class Communicator:
         # on the stream, not the host, so it keeps torch's own wait (ncclCommAbort wakes it).
         self._aborted: cf.Future[None] = cf.Future()
         self._pg = group if group is not None else dist.group.WORLD
-        self._abortable = dist.get_backend(group) != "nccl"
+        self._nccl = dist.get_backend(group) == "nccl"
+        self._abortable = not self._nccl
+        self._owns_group = owns_group
         with _REGISTRY_LOCK:
             _REGISTRY.add(self)
 
@@ -202,16 +229,22 @@ class Communicator:
                 f"({self._broken}); restart the job"
             )
         self.counter.add(op, nbytes_sent)
+        staged = on_stream(self.stream, job)  # after the caller's stream, on this one's
         with self._lock:
             if inline and self._queued == 0:
                 future: cf.Future[Any] = cf.Future()
                 try:
-                    future.set_result(job())
+                    future.set_result(staged())
                 except BaseException as exc:  # re-raised, wrapped, by Handle.wait
                     future.set_exception(exc)
-                return Handle(future, op, self)
+                return self._handle(future, op, staged)
             self._queued += 1
-        return Handle(self._executor.submit(self._run, job), op, self)
+        return self._handle(self._executor.submit(self._run, staged), op, staged)
+
+    def _handle(self, future: cf.Future[Any], op: str, staged: StreamJob) -> Handle[Any]:
+        handle: Handle[Any] = Handle(future, op, self)
+        handle.stream_job = staged if self.stream is not None else None
+        return handle
 
     def _run(self, job: Callable[[], Any]) -> Any:
         try:
@@ -245,8 +278,16 @@ class Communicator:
         return err
 
     def close(self) -> None:
-        """Stop the issuing thread (waits for queued jobs, unless aborted)."""
+        """Stop the issuing thread (waits for queued jobs, unless aborted); destroy the
+        group if this communicator owns it and it is NCCL (see the class docstring)."""
         self._executor.shutdown(wait=not self._aborted.done())
+        if self._owns_group and self._nccl and self.group is not None \
+                and not self._aborted.done():
+            # self.group stays set: a later collective fails on the destroyed group
+            # instead of silently running on the default one (group=None)
+            self._owns_group, self._pg = False, None
+            with contextlib.suppress(RuntimeError, ValueError):  # already destroyed
+                dist.destroy_process_group(self.group)
 
     # -- abort ---------------------------------------------------------------------------
     @property
@@ -301,8 +342,13 @@ class Communicator:
     def await_work(self, work: Any) -> None:
         """``work.wait(timeout)`` (a torch ``Work``, or an object with ``works``), woken by
         :meth:`abort`. Works without a future (gloo's point-to-point sends and receives)
-        wait as torch waits: they end with the backend's timeout or connection error."""
+        wait as torch waits: they end with the backend's timeout or connection error.
+        NCCL work: ``work.wait()``, a stream wait that does not block the host (see the
+        class docstring for its timeout)."""
         self._raise_if_aborted()
+        if self._nccl:
+            work.wait()
+            return
         if self._abortable and not _completed(work):
             signal = _done_signal(work)
             if signal is not None:

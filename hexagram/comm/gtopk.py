@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Handle
+from hexagram.comm.device import needs_host_staging
 from hexagram.compress.base import Payload
 
 __all__ = ["butterfly", "gtopk_allreduce", "gtopk_allreduce_tracked", "gtopk_bytes",
@@ -175,15 +176,22 @@ def _sort_pairs(values: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor
 
 
 def _send(comm: Communicator, buf: Tensor, peer: int) -> None:
+    if needs_host_staging(buf, comm):  # gloo sends host memory only
+        buf = buf.cpu()
     work = dist.isend(buf, comm.global_rank(peer), group=comm.group)
     assert work is not None  # None only for ranks outside the group
-    work.wait(comm.timeout)
+    comm.await_work(work)
 
 
 def _recv(comm: Communicator, buf: Tensor, peer: int) -> None:
+    target, host = buf, needs_host_staging(buf, comm)
+    if host:  # gloo receives into host memory only
+        buf = torch.empty_like(buf, device="cpu")
     work = dist.irecv(buf, comm.global_rank(peer), group=comm.group)
     assert work is not None
-    work.wait(comm.timeout)
+    comm.await_work(work)
+    if host:
+        target.copy_(buf)
 
 
 def _pack(values: Tensor, indices: Tensor) -> Tensor:
@@ -327,7 +335,7 @@ def _recursive_doubling(comm: Communicator, values: Tensor, indices: Tensor, k: 
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, comm.group),
                                         dist.P2POp(dist.irecv, recv, peer, comm.group)])
         for work in works:
-            work.wait(comm.timeout)
+            comm.await_work(work)
         other_v, other_i = _unpack(recv, k, values.dtype)
         values, indices = merge_topk(values, indices, other_v, other_i, k)
         alive &= _isin(own, indices)

@@ -25,7 +25,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Deferred, Handle
+from hexagram.comm.device import needs_host_staging
 from hexagram.compress.base import Compressor, Payload
 from hexagram.compress.combine import decode_sum
 
@@ -53,8 +54,9 @@ __all__ = [
 class _AllWorks:
     """Several torch Works waited as one."""
 
-    def __init__(self, works: Sequence[Any]) -> None:
+    def __init__(self, works: Sequence[Any], after: Callable[[], None] | None = None) -> None:
         self.works = list(works)
+        self._after = after  # runs once every work is done (copy host staging back)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         for w in self.works:
@@ -62,6 +64,9 @@ class _AllWorks:
                 w.wait()
             else:
                 w.wait(timeout)
+        after, self._after = self._after, None
+        if after is not None:
+            after()
         return True
 
 
@@ -209,7 +214,7 @@ def scatter_gather_many(comm: Communicator, tensors: Sequence[Tensor], compresso
 
     def job() -> list[Tensor]:
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=comm.group, async_op=True).wait(comm.timeout)
+        comm.await_work(dist.all_to_all_single(recv, send, group=comm.group, async_op=True))
         blocks = [b.split(sizes) for b in recv.view(size, -1)]
         mine = [_sum_copies(compressor, [first[i][0].from_buffer(blocks[s][i])
                                          for s in range(size)], rows[i][0], average)
@@ -218,7 +223,7 @@ def scatter_gather_many(comm: Communicator, tensors: Sequence[Tensor], compresso
         buf = torch.cat([p.to_buffer() for p in reduced])
         comm.counter.add("scatter_gather.allgather", comm.allgather_bytes(buf.numel()))
         gathered = [torch.empty_like(buf) for _ in range(size)]
-        dist.all_gather(gathered, buf, group=comm.group, async_op=True).wait(comm.timeout)
+        comm.await_work(dist.all_gather(gathered, buf, group=comm.group, async_op=True))
         parts = [g.split([p.nbytes for p in reduced]) for g in gathered]
         for i, (p, res) in enumerate(zip(reduced, results)):
             _decode_rows(compressor, [p.from_buffer(parts[r][i]) for r in range(size)],
@@ -252,10 +257,20 @@ def _decode_rows(compressor: Compressor, payloads: list[Payload], flat: Tensor,
 
 def _exchange_works(comm: Communicator, send: Tensor, recv: list[Tensor],
                     send_to: Sequence[int], recv_from: Sequence[int]) -> _AllWorks:
-    ops = [dist.P2POp(dist.isend, send, comm.global_rank(p), comm.group) for p in send_to]
+    staged = needs_host_staging(send, comm)  # gloo's point-to-point needs host memory
+    wire_send = send.cpu() if staged else send
+    wire_recv = [torch.empty_like(r, device="cpu") for r in recv] if staged else recv
+    ops = [dist.P2POp(dist.isend, wire_send, comm.global_rank(p), comm.group)
+           for p in send_to]
     ops += [dist.P2POp(dist.irecv, r, comm.global_rank(p), comm.group)
-            for p, r in zip(recv_from, recv)]
-    return _AllWorks(dist.batch_isend_irecv(ops) if ops else [])
+            for p, r in zip(recv_from, wire_recv)]
+
+    def copy_back() -> None:
+        for r, h in zip(recv, wire_recv):
+            r.copy_(h)
+
+    return _AllWorks(dist.batch_isend_irecv(ops) if ops else [],
+                     copy_back if staged else None)
 
 
 def neighbor_exchange(comm: Communicator, tensor: Tensor, send_to: Sequence[int],

@@ -75,7 +75,7 @@ class ShardInfo:
         if comm is None or comm.size == 1:
             return t
         comm.counter.add("shard_map.sync", comm.ring_allreduce_bytes(t))
-        dist.all_reduce(t, group=comm.group, async_op=True).wait(comm.timeout)
+        comm.await_work(dist.all_reduce(t, group=comm.group, async_op=True))
         return t
 
 
@@ -125,11 +125,11 @@ def _plain(comm: Communicator, send: Tensor, fn: ShardFn, info: ShardInfo,
 
     def job() -> Tensor:
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=comm.group, async_op=True).wait(comm.timeout)
+        comm.await_work(dist.all_to_all_single(recv, send, group=comm.group, async_op=True))
         mine = fn(recv, info).to(send.dtype).contiguous()
         comm.counter.add("shard_map.allgather", comm.allgather_bytes(m * send.element_size()))
         gathered = torch.empty(size * m, dtype=send.dtype, device=send.device)
-        all_gather_flat(gathered, mine, comm.group, async_op=True).wait(comm.timeout)
+        comm.await_work(all_gather_flat(gathered, mine, comm.group, async_op=True))
         result.view(-1).copy_(gathered[: info.numel])
         return result
 
@@ -147,7 +147,7 @@ def _compressed(comm: Communicator, rows: Tensor, fn: ShardFn, info: ShardInfo,
 
     def job() -> Tensor:
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=comm.group, async_op=True).wait(comm.timeout)
+        comm.await_work(dist.all_to_all_single(recv, send, group=comm.group, async_op=True))
         copies = torch.empty(size, m, dtype=rows.dtype, device=rows.device)
         for i, buf in enumerate(recv.split(nbytes)):
             compressor.decompress_into(first[0].from_buffer(buf), copies[i])
@@ -156,7 +156,7 @@ def _compressed(comm: Communicator, rows: Tensor, fn: ShardFn, info: ShardInfo,
         buf = reduced.to_buffer()
         comm.counter.add("shard_map.allgather", comm.allgather_bytes(buf.numel()))
         gathered = torch.empty(size * buf.numel(), dtype=buf.dtype, device=buf.device)
-        all_gather_flat(gathered, buf, comm.group, async_op=True).wait(comm.timeout)
+        comm.await_work(all_gather_flat(gathered, buf, comm.group, async_op=True))
         _decode(compressor, reduced, gathered.split(buf.numel()), result.view(-1), m)
         return result
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hexagram.comm.device import group_tensor
 from hexagram.cost.facts import Priced, compressor_of
 from hexagram.cost.model import MB, bucket_layout
 from hexagram.cost.profile import (
@@ -102,7 +103,7 @@ def agree_costs(costs: dict[str, CompressorCost], group: Any) -> dict[str, Compr
     """The slowest rank's costs (same labels, and a tree cost for the same ones, on every
     rank: each rank times the same candidates). Collective."""
     labels = sorted(costs)
-    vec = torch.tensor([v for lb in labels for v in _row(costs[lb])], dtype=torch.float64)
+    vec = group_tensor([v for lb in labels for v in _row(costs[lb])], group)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     rows = vec.view(-1, 8).tolist() if labels else []
     return {lb: CompressorCost((r[0], r[1]), (r[2], r[3]),
@@ -122,10 +123,11 @@ def slowest(profile: ComputeProfile, group: Any) -> ComputeProfile:
     ready = dict(zip(names, profile.ready_s))
     spec = sorted(names)
     cpu = -1.0 if profile.cpu_s is None else profile.cpu_s
-    vec = torch.tensor([profile.forward_s, profile.backward_s, profile.update_s, cpu,
-                        *[ready[n] for n in spec]], dtype=torch.float64)
+    vec = group_tensor([profile.forward_s, profile.backward_s, profile.update_s, cpu,
+                        *[ready[n] for n in spec]], group)  # on the group's device
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    merged = dict(zip(spec, vec[4:].tolist()))
+    got = vec.tolist()  # one read, once per profile
+    merged = dict(zip(spec, got[4:]))
     order = sorted(profile.tensors, key=lambda s: merged[s.name])
-    return ComputeProfile(float(vec[0]), float(vec[1]), float(vec[2]), order,
-                          [merged[s.name] for s in order], float(vec[3]) if vec[3] >= 0 else None)
+    return ComputeProfile(got[0], got[1], got[2], order,
+                          [merged[s.name] for s in order], got[3] if got[3] >= 0 else None)

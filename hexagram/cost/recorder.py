@@ -7,6 +7,11 @@ delegate's ``bucket_ready`` in :meth:`StepRecorder.communicating`, so time spent
 communication (compression on the training thread) is taken out of the ready times: what
 remains is the model's own backward. A step's row is complete at the next forward.
 
+On CUDA the stamps are CUDA events on the training stream, not the host clock: once the
+hot path has no host syncs the host only sees kernel launches, long before the GPU runs
+them. A row is added once its events have completed (checked without blocking, so rows
+arrive a step or two late); :meth:`StepRecorder.profile` waits for the pending ones.
+
 Example::
 
     rec = StepRecorder(module, named_params)
@@ -45,6 +50,31 @@ class StepRow:
     cpu_s: float = field(default=0.0)  # the training thread's CPU, communication left out
 
 
+class _Clock:
+    """Host seconds on the CPU; CUDA events (recorded on the current stream) on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def between(self, a: Any, b: Any) -> float:
+        """Seconds from stamp ``a`` to stamp ``b`` (both completed on CUDA)."""
+        return float(a.elapsed_time(b)) / 1000.0 if self.cuda else float(b - a)
+
+    def done(self, stamp: Any, wait: bool) -> bool:
+        if not self.cuda:
+            return True
+        if wait:
+            stamp.synchronize()
+        return bool(stamp.query())
+
+
 class StepRecorder:
     """Records forward/backward/ready times of the job's steps (see module doc); keeps the
     last :attr:`KEEP` rows (auto reads at most the last few: a run of 100k steps must not
@@ -55,13 +85,15 @@ class StepRecorder:
     def __init__(self, module: nn.Module, named: Sequence[tuple[str, nn.Parameter]]) -> None:
         self.specs = [TensorSpec(n, tuple(p.shape), p.element_size()) for n, p in named]
         self.rows: list[StepRow] = []
+        self._clock = _Clock(named[0][1].device if named else torch.device("cpu"))
+        self._pending: list[tuple[Any, ...]] = []  # finished steps whose events may run
         self._inside = 0.0
         self._inside_cpu = 0.0
         self._cpu0 = 0.0
-        self._start: float | None = None
-        self._fwd_end: float | None = None
-        self._after: float | None = None
-        self._marks: dict[str, float] = {}
+        self._start: Any = None
+        self._fwd_end: Any = None
+        self._after: Any = None
+        self._marks: dict[str, Any] = {}
         self._hooks: list[Any] = [module.register_forward_hook(self._forward_end)]
         self._hooks += [p.register_post_accumulate_grad_hook(self._marker(n)) for n, p in named]
 
@@ -72,11 +104,15 @@ class StepRecorder:
         self._hooks = []
 
     def _forward_end(self, *_: Any) -> None:
-        self._fwd_end = time.perf_counter()
+        self._fwd_end = self._clock.now()
 
     def _marker(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
-            self._marks[name] = time.perf_counter() - self._inside
+            # host clock: the training thread's own communication time taken out; CUDA
+            # events on the training stream see only its kernels (communication runs on
+            # the communicators' streams)
+            self._marks[name] = self._clock.now() if self._clock.cuda \
+                else time.perf_counter() - self._inside
         return hook
 
     @contextmanager
@@ -92,23 +128,35 @@ class StepRecorder:
 
     def forward_start(self) -> None:
         """Called before every forward: closes the previous step's row."""
-        now, cpu = time.perf_counter(), time.thread_time()
+        now, cpu = self._clock.now(), time.thread_time()
         if self._start is not None and self._after is not None and self._fwd_end is not None:
-            fwd = self._fwd_end - self._start
-            ready = {n: t - (self._fwd_end - 0.0) for n, t in self._marks.items()}
-            self.rows.append(StepRow(fwd, ready, self._after - self._start, now - self._start,
-                                     now - self._after, cpu - self._cpu0 - self._inside_cpu))
-            if len(self.rows) > 2 * self.KEEP:  # amortized: one cut every KEEP steps
-                del self.rows[:-self.KEEP]
+            self._pending.append((self._start, self._fwd_end, self._marks, self._after, now,
+                                  cpu - self._cpu0 - self._inside_cpu))
+            self._drain(wait=False)
         self._start, self._fwd_end, self._after, self._cpu0 = now, None, None, cpu
         self._marks, self._inside, self._inside_cpu = {}, 0.0, 0.0
 
+    def _drain(self, wait: bool) -> None:
+        """Turn finished steps whose stamps have completed into rows, in order."""
+        clock = self._clock
+        while self._pending and clock.done(self._pending[0][4], wait):
+            start, fwd_end, marks, after, end, cpu_s = self._pending.pop(0)
+            ready = {n: clock.between(fwd_end, t) if clock.cuda else t - fwd_end
+                     for n, t in marks.items()}
+            self.rows.append(StepRow(clock.between(start, fwd_end), ready,
+                                     clock.between(start, after), clock.between(start, end),
+                                     clock.between(after, end), cpu_s))
+            if len(self.rows) > 2 * self.KEEP:  # amortized: one cut every KEEP steps
+                del self.rows[:-self.KEEP]
+
     def backward_done(self) -> None:
         """Called after backward's communication finished."""
-        self._after = time.perf_counter()
+        self._after = self._clock.now()
 
     def profile(self, last: int) -> ComputeProfile:
-        """Medians over the last ``last`` rows (at least one row needed)."""
+        """Medians over the last ``last`` rows (at least one row needed); on CUDA it first
+        waits for the steps whose events are still running."""
+        self._drain(wait=True)
         rows = self.rows[-last:]
         if not rows:
             raise RuntimeError("no complete step recorded yet")

@@ -26,10 +26,17 @@ from hexagram.comm.communicator import Communicator
 from hexagram.comm.device import control_tensor
 from hexagram.engine import join as join_protocol
 from hexagram.engine import lifecycle, torch_args
-from hexagram.engine.checks import check_runs_on, check_same_model
+from hexagram.engine.checks import (
+    agree_finite_grads,
+    at_end_of_backward,
+    check_model_device,
+    check_runs_on,
+    check_same_model,
+    fp16_autocast,
+)
 from hexagram.engine.optimizers import expose_forward_signature, needs_optimizers, unwrap_optimizers
 from hexagram.engine.reducer import Reducer
-from hexagram.errors import ConfigError
+from hexagram.errors import ConfigError, NonFiniteGradientError
 from hexagram.runtime import runtime_for_wrapping
 
 __all__ = ["DistributedDataParallel"]
@@ -45,6 +52,14 @@ def _run_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     This frame is Hexagram's, so Dynamo traces it and inlines the whole module.
     """
     return module(*args, **kwargs)
+
+
+def _has_step_hooks(algorithm: Algorithm) -> bool:
+    """True when ``algorithm`` acts at optimizer steps (a rank that skips one would fall
+    out of step): local SGD, DiLoCo, decentralized; not the time-driven async averager."""
+    kind = type(algorithm)
+    return kind.after_step is not Algorithm.after_step \
+        or kind.before_step is not Algorithm.before_step
 
 
 class DistributedDataParallel(nn.Module):
@@ -129,6 +144,7 @@ class DistributedDataParallel(nn.Module):
         given = {k: v for k, v in locals().items() if k in torch_args.ARGUMENTS}
         opts = torch_args.resolve(module, runtime.world_size, **given)
         check_runs_on(module, runtime.device)
+        check_model_device(module, runtime.device)
         self.module = module
         self.optimizers = unwrap_optimizers(optimizers)
         self.algorithm = registry.get("allreduce" if algorithm is None else algorithm)
@@ -143,7 +159,8 @@ class DistributedDataParallel(nn.Module):
         self._bucket_bytes = int(opts.bucket_mb * _MB)
         self._first_bucket_bytes = int(opts.first_bucket_mb * _MB)
         group = dist.new_group(list(range(runtime.world_size)), timeout=runtime.timeout)
-        self.comm = Communicator(group, runtime.timeout, name=f"{self.algorithm.name}")
+        self.comm = Communicator(group, runtime.timeout, name=f"{self.algorithm.name}",
+                                 owns_group=True)
         if opts.init_sync:
             check_same_model(module, group)
             self._broadcast(list(module.parameters())
@@ -156,6 +173,9 @@ class DistributedDataParallel(nn.Module):
         self._resources = lifecycle.Resources(self.algorithm, self.comm)
         self._finalizer = lifecycle.attach(self, self._resources)
         self._ctx = AlgorithmContext(module, self.optimizers, runtime, self.comm, self._named)
+        # read at the optimizer step with the engine's own check (one host read per step);
+        # without optimizers to hook, the algorithms read them at the end of backward
+        self._ctx.checks.deferred = bool(self.optimizers)
         self._build()
         self._step_hooks: list[Any] = []
         self._hooked: set[int] = set()
@@ -220,7 +240,18 @@ class DistributedDataParallel(nn.Module):
         self._before_module_forward()
         if self._input_device is not None:  # device_ids=[d]: inputs go to d, as torch's
             args, kwargs = torch_args.to_device((args, kwargs), self._input_device)
-        return _run_module(self.module, args, kwargs)
+        output = _run_module(self.module, args, kwargs)
+        amp = fp16_autocast(self.runtime.device.type)
+        if self._reducer is not None and self._reducer.guard is not None:  # ranks agree?
+            self._reducer.guard.collective = amp or \
+                getattr(self.algorithm.config, "on_nonfinite", "raise") == "skip"
+        if self.algorithm.kind == "weight" and self.comm.size > 1 and torch.is_grad_enabled() \
+                and _has_step_hooks(self.algorithm) and amp:  # keep GradScalers in step
+            at_end_of_backward(output, lifecycle.weak_method(self._agree_finite_grads))
+        return output
+
+    def _agree_finite_grads(self) -> None:
+        agree_finite_grads(self.comm, [p for _, p in self._named])
 
     @torch.compiler.disable
     def _before_module_forward(self) -> None:
@@ -255,6 +286,17 @@ class DistributedDataParallel(nn.Module):
         self.algorithm.before_forward()
 
     def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        reducer, checks = self._reducer, self._ctx.checks
+        if reducer is not None and reducer.guard is not None:  # the step's one host read
+            policy = getattr(self.algorithm.config, "on_nonfinite", "raise")
+            if reducer.guard.check_step(reducer.backward_count - 1, policy, checks):
+                skipped = getattr(self.algorithm, "skipped_steps", None)
+                if isinstance(skipped, int):
+                    self.algorithm.skipped_steps = skipped + 1  # type: ignore[attr-defined]
+        else:  # the algorithm's own queued conditions (fp16 range of a cast allreduce)
+            problem = checks.read()
+            if problem:
+                raise NonFiniteGradientError(problem)
         self.algorithm.before_step(optimizer)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:

@@ -22,6 +22,7 @@ from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.device import control_tensor
+from hexagram.engine.checks import FiniteGuard
 
 __all__ = ["Reducer"]
 
@@ -56,6 +57,8 @@ class Reducer:
         self._next = 0
         self._handles: dict[int, Handle[torch.Tensor] | None] = {}
         self.backward_count = 0
+        # the once-per-step non-finite check (None where the reduction carries NaN/Inf)
+        self.guard = None if algorithm.passes_nonfinite else FiniteGuard(buckets, comm)
         # results are multiplied by this before they reach .grad (join() sets it to
         # world / active ranks when the mean should be over the ranks that still train)
         self.grad_scale = 1.0
@@ -101,6 +104,8 @@ class Reducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
+            if self.guard is not None:
+                self.guard.observe(bucket)  # no host read; the bucket is made finite
             self._handles[self._next] = self.algorithm.bucket_ready(bucket)
             self._next += 1
 
@@ -126,17 +131,23 @@ class Reducer:
 
     def _collect(self, skip: frozenset[str]) -> None:
         """Wait every launched bucket, write the results into ``.grad``, end the step."""
+        if self.guard is not None:
+            self.guard.agree()  # collective: after every bucket's, in the same order
         for index, handle in sorted(self._handles.items()):
             if handle is not None:
                 result, bucket = handle.wait(), self.buckets[index]
                 if not self.grad_as_view:
                     scaled = result * self.grad_scale if self.grad_scale != 1.0 else result
                     bucket.copy_out_grads(scaled, skip=skip)
+                    if self.guard is not None:  # the .grad tensors (not the algorithm's)
+                        self.guard.poison_grads(bucket, skip)
                     continue
                 if result.data_ptr() != bucket.flat.data_ptr():
                     bucket.flat.copy_(result)
                 if self.grad_scale != 1.0:  # in place: the gradients are views of flat
                     bucket.flat.mul_(self.grad_scale)
+                if self.guard is not None:  # the engine's buffer, never the algorithm's
+                    self.guard.poison(bucket, bucket.flat)
                 bucket.attach_grads(skip)
         self.algorithm.after_backward()
 

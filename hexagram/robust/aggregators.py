@@ -187,7 +187,7 @@ def _row_distances(g: Tensor, c: Tensor) -> Tensor:
 def geomed_weights(g: Tensor, iters: int = 3, nu: float = 0.1) -> Tensor:
     """Smoothed Weiszfeld (``iters`` steps from zero): coefficients of the approximate
     geometric median ``c @ x``."""
-    c = torch.zeros(g.shape[0], dtype=g.dtype)
+    c = torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
     for _ in range(iters):
         beta = 1.0 / _row_distances(g, c).clamp(min=nu)
         c = beta / beta.sum()
@@ -200,7 +200,7 @@ def centered_clip_weights(g: Tensor, tau: float, iters: int = 1) -> Tensor:
     ``v <- v + mean_i (x_i - v) min(1, tau / ||x_i - v||)``, ``iters`` times. Returns
     ``n + 1`` coefficients (the last one on the center)."""
     k = g.shape[0] - 1
-    c = torch.zeros(k + 1, dtype=g.dtype)
+    c = torch.zeros(k + 1, dtype=g.dtype, device=g.device)
     c[k] = 1.0
     for _ in range(iters):
         scale = (tau / _row_distances(g, c)[:k].clamp(min=1e-300)).clamp(max=1.0)
@@ -241,20 +241,25 @@ def nnm_mixing(g: Tensor, f: int) -> Tensor:
     if not 0 <= f < n:
         raise ValueError(f"nnm with f={f} needs more than f vectors, got {n}")
     near = squared_distances(g).argsort(dim=1, stable=True)[:, :n - f]
-    w = torch.zeros(n, n, dtype=g.dtype)
+    w = torch.zeros(n, n, dtype=g.dtype, device=g.device)
     w.scatter_(1, near, 1.0 / (n - f))
     return w
 
 
 def bucketing_mixing(n: int, s: int, generator: torch.Generator | None = None,
-                     dtype: torch.dtype = torch.float64) -> Tensor:
+                     dtype: torch.dtype = torch.float64,
+                     device: torch.device | str | None = None) -> Tensor:
     """Bucketing (Karimireddy et al. 2022): shuffle the ``n`` rows, average buckets of
-    ``s`` (the last one may be smaller). ``W`` is ``(ceil(n / s), n)``."""
+    ``s`` (the last one may be smaller). ``W`` is ``(ceil(n / s), n)``, on ``device``
+    (default: the generator's, else the CPU); the permutation is drawn where the
+    generator lives."""
     if s < 1:
         raise ValueError(f"bucketing needs a bucket size s >= 1, got {s}")
-    perm = torch.randperm(n, generator=generator)
+    drawn_on = generator.device if generator is not None else torch.device("cpu")
+    device = drawn_on if device is None else torch.device(device)
+    perm = torch.randperm(n, generator=generator, device=drawn_on).to(device)
     rows = -(-n // s)
-    w = torch.zeros(rows, n, dtype=dtype)
+    w = torch.zeros(rows, n, dtype=dtype, device=device)
     for b in range(rows):
         members = perm[b * s:(b + 1) * s]
         w[b, members] = 1.0 / len(members)
@@ -268,4 +273,4 @@ def nnm(x: Tensor, f: int) -> Tensor:
 
 def bucketing(x: Tensor, s: int, generator: torch.Generator | None = None) -> Tensor:
     """:func:`bucketing_mixing` applied: ``(ceil(n / s), d)`` bucket means."""
-    return _combine(bucketing_mixing(x.shape[0], s, generator), x)
+    return _combine(bucketing_mixing(x.shape[0], s, generator, device=x.device), x)

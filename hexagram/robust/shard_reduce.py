@@ -170,9 +170,9 @@ def _pre(x: Tensor, g: Tensor, f: int, spec: ReduceSpec, has_center: bool,
     if spec.pre == "nnm":
         w = agg.nnm_mixing(g[:k, :k], f)
     else:
-        w = agg.bucketing_mixing(k, spec.bucket_size, generator)
+        w = agg.bucketing_mixing(k, spec.bucket_size, generator, device=g.device)
     if has_center:  # keep the center as the last row, untouched
-        w = torch.block_diag(w, torch.ones(1, 1, dtype=w.dtype))
+        w = torch.block_diag(w, torch.ones(1, 1, dtype=w.dtype, device=w.device))
     return (w @ x.double()).to(x.dtype), w @ g @ w.T
 
 

@@ -1,0 +1,328 @@
+"""The one-GPU check: staged, each part bounded, a markdown and JSON report in a folder.
+
+Made for a GPU machine lent for about 10 minutes at a time, with its own Python and torch
+and no package registry: it installs nothing, imports only torch and this checkout
+(``PYTHONPATH=.``), and skips, with the reason, what needs a missing extra or CUDA.
+
+Parts (run in the order given; ``all`` = every part):
+
+- ``smoke`` (<= 3 min): the machine; one step of a few algorithms at world 1 on NCCL with a
+  bucket past the compressors' multi-block sizes; 2 ranks with CUDA tensors over gloo.
+- ``tier`` (<= 5 min): the ``gpu`` test tier (``pytest -m gpu tests/test_gpu.py``).
+- ``sync`` (<= 5 min): host syncs of one steady training step per algorithm, counted with
+  ``torch.cuda.set_sync_debug_mode`` (2 ranks, gloo+CUDA; the training thread's syncs).
+- ``compress`` (<= 5 min): ``benchmarks/compress_throughput.py --device cuda``.
+- ``model`` (<= 5 min): one step of a ~100M-parameter MLP at world 1: no wrapper, PyTorch
+  DDP, and every algorithm (CUDA events, median of 3 after 2 warm-up steps).
+
+Run: ``PYTHONPATH=. python scripts/gpu_check.py smoke tier --out gpu-report`` (the Makefile's
+``make gpu-check`` runs ``all``). Without CUDA every part reports ``skipped: no CUDA`` and
+the script exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+for _path in (str(ROOT), str(HERE)):  # run as a script from anywhere; ranks import this
+    if _path not in sys.path:           # file as the module gpu_check (spawned processes
+        sys.path.insert(0, _path)       # cannot unpickle functions of __main__)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+#: part -> wall-clock limit in seconds
+LIMITS = {"smoke": 180, "tier": 300, "sync": 300, "compress": 300, "model": 300}
+MULTI_BLOCK = 1 << 22  # elements of the large bucket: past every compressor's block size
+
+
+# -- workers (run on spawned ranks) --------------------------------------------------------
+def _algorithm(name: str) -> Any:
+    """``name``'s algorithm configured for 1-4 ranks (robust: no Byzantine rank, f=0)."""
+    import hexagram as hx
+
+    return hx.algorithms.get(name, f=0) if name == "robust" else hx.algorithms.get(name)
+
+
+def _optimizer(name: str, params: Any, lr: float = 0.01) -> torch.optim.Optimizer:
+    """The optimizer algorithm ``name`` works with (QAdam brings its own)."""
+    if name == "qadam":
+        from hexagram.optim.qadam import QAdamOptimizer
+
+        return QAdamOptimizer(params, lr=lr / 10, warmup_steps=1)
+    return torch.optim.SGD(params, lr=lr)
+
+
+def _step_algorithms(names: list[str], numel: int, steps: int) -> dict[str, Any]:
+    import hexagram as hx
+
+    rt = hx.get_runtime() if hx.is_initialized() else hx.init()
+    out: dict[str, Any] = {"backend": rt.backend, "device": str(rt.device)}
+    for name in names:
+        try:
+            net = torch.nn.Linear(numel // 64, 64).to(rt.device)
+            opt = _optimizer(name, net.parameters())
+            ddp = hx.DistributedDataParallel(net, [opt], algorithm=_algorithm(name),
+                                             bucket_size_mb=64)
+            for _ in range(steps):
+                ddp(torch.randn(4, numel // 64, device=rt.device)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            ddp.synchronize()
+            finite = bool(torch.isfinite(net.weight).all())
+            ddp.close()
+            out[name] = "ok" if finite else "non-finite weights"
+        except Exception as exc:  # reported per algorithm
+            out[name] = f"failed: {type(exc).__name__}: {exc}"
+    return out
+
+
+def _gloo_cuda(names: list[str], numel: int) -> dict[str, Any]:
+    import hexagram as hx
+
+    hx.init(backend="gloo", device="cuda")
+    return _step_algorithms(names, numel, steps=2)
+
+
+def _count_syncs(names: list[str]) -> dict[str, Any]:
+    import warnings
+
+    import hexagram as hx
+
+    rt = hx.init(backend="gloo", device="cuda")
+    out: dict[str, Any] = {}
+    for name in names:
+        net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                  torch.nn.Linear(512, 10)).to(rt.device)
+        opt = _optimizer(name, net.parameters())
+        try:
+            ddp = hx.DistributedDataParallel(net, [opt], algorithm=_algorithm(name),
+                                             bucket_size_mb=0.25)
+            x = torch.randn(32, 256, device=rt.device)
+            for step in range(3):
+                if step == 2:
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("warn")
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    ddp(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                torch.cuda.set_sync_debug_mode("default")
+            out[name] = sum("synchroniz" in str(w.message) for w in caught)
+            ddp.synchronize()
+            ddp.close()
+        except Exception as exc:
+            torch.cuda.set_sync_debug_mode("default")
+            out[name] = f"failed: {type(exc).__name__}: {exc}"
+    return out
+
+
+def _wrapper_for(name: str) -> Callable[[torch.nn.Module, Any], torch.nn.Module]:
+    import hexagram as hx
+
+    def wrap(module: torch.nn.Module, opt: Any) -> torch.nn.Module:
+        return hx.DistributedDataParallel(module, [opt], algorithm=_algorithm(name))
+    return wrap
+
+
+def _time_model(names: list[str]) -> dict[str, Any]:
+    import hexagram as hx
+
+    rt = hx.init()
+    width, depth = 4096, 6  # 6 x (4096^2 + 4096) ~ 100.7M parameters
+    out: dict[str, Any] = {"params": depth * (width * width + width), "device": str(rt.device)}
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]
+                                   ).to(rt.device)
+
+    x = torch.randn(32, width, device=rt.device)
+    setups: dict[str, Callable[[torch.nn.Module, Any], torch.nn.Module]] = {
+        "no wrapper": lambda m, o: m,
+        "torch DDP": lambda m, o: torch.nn.parallel.DistributedDataParallel(m),
+    }
+    for name in names:
+        setups[name] = _wrapper_for(name)
+    for label, wrap in setups.items():
+        try:
+            net = build()
+            opt = _optimizer(label, net.parameters(), lr=1e-4)
+            model = wrap(net, opt)
+            times = []
+            for i in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), \
+                    torch.cuda.Event(enable_timing=True)
+                start.record()
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                end.record()
+                end.synchronize()
+                if i >= 2:
+                    times.append(start.elapsed_time(end))
+            out[label] = round(sorted(times)[1], 2)  # ms, median of 3
+            if isinstance(model, hx.DistributedDataParallel):
+                model.close()
+            del model, net, opt
+            torch.cuda.empty_cache()
+        except Exception as exc:
+            out[label] = f"failed: {type(exc).__name__}: {exc}"
+    return out
+
+
+# -- parts (run in this process; multi-rank work on spawned ranks) -------------------------
+def _worker(name: str) -> Callable[..., Any]:
+    """A rank function of this file, by reference to the importable module ``gpu_check``."""
+    import importlib
+
+    return getattr(importlib.import_module("gpu_check"), name)  # type: ignore[no-any-return]
+
+
+def _names() -> list[str]:
+    import hexagram as hx
+
+    return hx.algorithms.names()
+
+
+def part_smoke(limit: float) -> dict[str, Any]:
+    """The machine, world 1 on NCCL past the multi-block sizes, 2 ranks of gloo+CUDA."""
+    from hexagram.launch import run_local
+
+    props = torch.cuda.get_device_properties(0)
+    out: dict[str, Any] = {
+        "gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version()}
+    few = ["allreduce", "fp16", "topk", "powersgd", "qsgd"]
+    out["world1_nccl"] = run_local(_worker("_step_algorithms"), 1, args=(few, MULTI_BLOCK, 2),
+                                   timeout=limit / 2)[0]
+    out["gloo_cuda_2_ranks"] = run_local(_worker("_gloo_cuda"), 2,
+                                         args=(["allreduce", "fp16"], 1 << 16),
+                                         timeout=limit / 3)
+    return out
+
+
+def part_tier(limit: float) -> dict[str, Any]:
+    """``pytest -m gpu tests/test_gpu.py`` (skipped when this interpreter has no pytest)."""
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return {"status": "skipped: pytest is not installed for this interpreter"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+           "-rs", "tests/test_gpu.py"]
+    return _subprocess(cmd, limit)
+
+
+def part_sync(limit: float) -> dict[str, Any]:
+    """Host syncs of the training thread in one steady step, per algorithm (2 ranks)."""
+    from hexagram.launch import run_local
+
+    counts = run_local(_worker("_count_syncs"), 2, args=(_names(),), timeout=limit)
+    return {"syncs_per_step_rank0": counts[0], "syncs_per_step_rank1": counts[1]}
+
+
+def part_compress(limit: float) -> dict[str, Any]:
+    """The compressor table on CUDA (benchmarks/compress_throughput.py)."""
+    cmd = [sys.executable, "benchmarks/compress_throughput.py", "--device", "cuda",
+           "--rounds", "3"]
+    return _subprocess(cmd, limit)
+
+
+def part_model(limit: float) -> dict[str, Any]:
+    """One step of a ~100M-parameter model at world 1, every way of training it."""
+    from hexagram.launch import run_local
+
+    return run_local(_worker("_time_model"), 1, args=(_names(),), timeout=limit)[0]
+
+
+PARTS: dict[str, Callable[[float], dict[str, Any]]] = {
+    "smoke": part_smoke, "tier": part_tier, "sync": part_sync, "compress": part_compress,
+    "model": part_model}
+
+
+def _subprocess(cmd: list[str], limit: float) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=limit)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stdout or b"")[-4000:]
+        return {"status": f"failed: over {limit:.0f} s", "output": str(tail)}
+    status = "ok" if done.returncode == 0 else f"failed: exit code {done.returncode}"
+    return {"status": status, "output": (done.stdout + done.stderr)[-6000:]}
+
+
+# -- driver and report -----------------------------------------------------------------------
+def run_parts(parts: list[str]) -> dict[str, Any]:
+    """Run ``parts`` in order; each result has ``status`` and ``seconds``."""
+    results: dict[str, Any] = {}
+    for part in parts:
+        if not torch.cuda.is_available():
+            results[part] = {"status": "skipped: no CUDA (torch.cuda.is_available() is False)",
+                             "seconds": 0.0}
+            continue
+        t0 = time.monotonic()
+        try:
+            res = PARTS[part](float(LIMITS[part]))
+            res.setdefault("status", "ok")
+        except Exception as exc:  # a failed part must not stop the others
+            res = {"status": f"failed: {type(exc).__name__}: {exc}"}
+        res["seconds"] = round(time.monotonic() - t0, 1)
+        results[part] = res
+    return results
+
+
+def write_report(results: dict[str, Any], out: Path, argv: list[str]) -> None:
+    """``gpu_check.json`` (everything) and ``gpu_check.md`` (a summary) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "PYTHONPATH=. python scripts/gpu_check.py " + " ".join(argv),
+            "machine": platform.node(), "torch": torch.__version__,
+            "cuda_available": torch.cuda.is_available()}
+    (out / "gpu_check.json").write_text(json.dumps({"meta": meta, "parts": results},
+                                                   indent=1, default=str))
+    lines = ["# GPU check", "", f"- date: {meta['date']}", f"- command: `{meta['command']}`",
+             f"- torch {meta['torch']}, CUDA available: {meta['cuda_available']}", "",
+             "| part | status | seconds |", "|---|---|---|"]
+    lines += [f"| {p} | {r['status']} | {r['seconds']} |" for p, r in results.items()]
+    for part, res in results.items():
+        details = {k: v for k, v in res.items() if k not in ("status", "seconds", "output")}
+        if details or "output" in res:
+            lines += ["", f"## {part}", "", "```", json.dumps(details, indent=1, default=str)]
+            lines += [str(res["output"])[-3000:]] if "output" in res else []
+            lines += ["```"]
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; exits 0 unless a part failed (skipped parts do not fail)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("parts", nargs="*", default=["smoke"],
+                        choices=[*PARTS, "all"], help="parts to run, in order")
+    parser.add_argument("--out", required=True, help="folder for gpu_check.md and .json")
+    ns = parser.parse_args(args)
+    parts = list(PARTS) if "all" in ns.parts else list(ns.parts)
+    results = run_parts(parts)
+    write_report(results, Path(ns.out), args)
+    for part, res in results.items():
+        print(f"{part}: {res['status']} ({res['seconds']} s)")
+    return 1 if any(r["status"].startswith("failed") for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
