@@ -93,3 +93,65 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(
         assert len(run["taken"]) >= STEPS - 1, run
     if name != "async":
         assert runs[0]["scales"] == runs[1]["scales"] and runs[0]["taken"] == runs[1]["taken"]
+
+
+class _Scaled(nn.Module):
+    """A linear layer times a float32 parameter: under fp16 autocast the product runs in
+    float32, so ``scale``'s gradient can pass fp16's range while staying finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def _fp16_wire_overflow() -> dict[str, Any]:
+    """The fp16 algorithm under autocast with GradScaler's default scale (2**16): at step 1
+    rank 1's ``scale`` gradient passes fp16's range on the wire (finite in float32)."""
+    import hexagram as hx
+
+    rt = hx.get_runtime()
+    torch.manual_seed(0)
+    net = _Scaled()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    ddp = hx.DistributedDataParallel(net, optimizers=[opt], algorithm="fp16")
+    scaler = torch.amp.GradScaler("cpu")
+    taken: list[int] = []
+    opt.register_step_post_hook(lambda *_: taken.append(step))
+    out: dict[str, Any] = {"scales": [], "error": None}
+    try:
+        for step in range(STEPS):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ddp(x).float().square().mean()
+            if step == BAD_STEP and rt.rank == BAD_RANK:
+                loss = loss * 100.0  # finite; x 2**16 passes 65504 in scale's gradient
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            out["scales"].append(scaler.get_scale())
+    except Exception as exc:  # reported, asserted on below
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["taken"] = taken
+    ddp.close()
+    return out
+
+
+def _wire_worker() -> dict[str, Any]:
+    import hexagram as hx
+
+    hx.init()
+    return _fp16_wire_overflow()
+
+
+def test_an_fp16_wire_overflow_reaches_every_scaler_and_stays_in_its_step() -> None:
+    ranks = run_local(_wire_worker, 2, timeout=120)
+    for rank in ranks:  # not an error, then or later: the scalers skip step 1 together
+        assert rank["error"] is None, rank["error"]
+        assert rank["taken"] == [s for s in range(STEPS) if s != BAD_STEP], rank
+    assert ranks[0]["scales"] == ranks[1]["scales"]
+    assert ranks[0]["scales"][BAD_STEP] < ranks[0]["scales"][0]

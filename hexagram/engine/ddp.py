@@ -265,6 +265,10 @@ class DistributedDataParallel(nn.Module):
                 f"algorithm {self.algorithm.name!r} communicates after optimizer steps: pass "
                 "optimizers=[opt] to hexagram.DistributedDataParallel or call "
                 "model.attach_optimizers(opt) before the first forward")
+        if torch.is_grad_enabled() and self._ctx.checks.deferred:
+            # a step whose optimizer.step() never ran (a GradScaler skipped it: its Inf was
+            # already handled) leaves its queued checks behind: they are not this step's
+            self._ctx.checks.clear()
         self._prepare_forward()
 
     def _prepare_forward(self) -> None:
