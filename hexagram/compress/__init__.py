@@ -58,7 +58,7 @@ _ENTRIES: dict[str, _Entry] = {
                       "4-bit min-max per chunk (deterministic), scatter-gather"),
     "qsgd": _Entry("hexagram.compress.quantize", "QSGDConfig", "QSGDCompressor",
                    "QSGD: s levels, stochastic, unbiased, ceil(log2(2s+1)) bits/element"),
-    "terngrad": _Entry("hexagram.compress.quantize", "TernGradConfig", "TernGradCompressor",
+    "terngrad": _Entry("hexagram.compress.ternary", "TernGradConfig", "TernGradCompressor",
                        "TernGrad: max-scaled ternary, stochastic, unbiased, 2 bits/element"),
     "onebit": _Entry("hexagram.compress.signs", "SignConfig", "OneBitCompressor",
                      "1-bit SGD: sign bit + mean of each half, use with error feedback"),

@@ -1,6 +1,6 @@
 """Quantizers: ``minmax8`` (BAGUA's ByteGrad) and its 4-bit form ``minmax4``, ``qsgd``
-(Alistarh et al. 2017) and ``terngrad`` (Wen et al. 2017; per-tensor scale, see
-:class:`TernGradCompressor`).
+(Alistarh et al. 2017); ``terngrad`` (Wen et al. 2017; per-tensor scale) lives in
+:mod:`hexagram.compress.ternary` (importable from here too).
 
 ``minmax8`` and ``qsgd`` cut the flat tensor into chunks of a configured size, each with
 its own scale, so the payload layout depends only on ``numel``: they are
@@ -51,10 +51,8 @@ from hexagram.compress.base import (
     ensure_finite,
 )
 from hexagram.compress.chunks import (
-    TableCodedCompressor,
     affine_rows,
     chunk_reduce,
-    code_values,
     decode_affine,
     decode_table,
     fma_rows,
@@ -64,7 +62,8 @@ from hexagram.compress.chunks import (
 )
 from hexagram.compress.codes import random_words, stochastic_codes, truncate_to
 from hexagram.compress.packing import block_size, cpu_fast, encode_blocks, packed_nbytes
-from hexagram.config import check_float, check_int
+from hexagram.compress.ternary import TernGradCompressor, TernGradConfig
+from hexagram.config import check_int
 
 __all__ = [
     "MinMax4Compressor",
@@ -318,99 +317,3 @@ class QSGDCompressor(SeededCompressor):
 
     def __repr__(self) -> str:
         return f"QSGDCompressor({self.config})"
-
-
-@dataclass(frozen=True, kw_only=True)
-class TernGradConfig:
-    """Settings of ``terngrad``.
-
-    Attributes:
-        clip: c, clip ``|x|`` to ``c * std(x)`` before ternarizing (the paper's gradient
-            clipping, c = 2.5 there); 0 turns clipping off. Smaller (nonzero) => smaller
-            scale and variance, more bias (clipped values lose magnitude).
-        seed: seed of the compressor's own generator (used when none is passed).
-    """
-
-    clip: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_float(self, "clip", low=0.0)
-        check_int(self, "seed", low=0)
-
-
-def _std(flat: Tensor, wd: torch.dtype) -> float:
-    """Population standard deviation, from the mean and the L2 norm (two reading passes,
-    8x cheaper than ``Tensor.std``'s); ``Tensor.std`` where that could lose precision
-    (the mean dominates: cancellation) or the squares over/underflow."""
-    n = flat.numel()
-    mean = float(flat.sum(dtype=wd)) / n
-    square = float(torch.linalg.vector_norm(flat, dtype=wd)) ** 2 / n
-    if math.isfinite(square) and square > 0 and mean * mean <= 0.5 * square:
-        return math.sqrt(square - mean * mean)  # error at most ~2x the rounding of square
-    return float(flat.to(wd).std(correction=0))
-
-
-class TernGradCompressor(TableCodedCompressor, SeededCompressor):
-    """TernGrad: ``x -> scale * sign(x) * Bernoulli(|x| / scale)``, ``scale = max|x|``.
-
-    Wire format: header (1,) [scale] (4 bytes, 8 for float64) + 2-bit codes
-    (``ceil(n / 4)`` bytes). Unbiased without clipping; with ``clip`` the scale is
-    ``min(max|x|, clip * std(x))`` and larger entries become ``+-scale``.
-    """
-
-    name = "terngrad"
-    aggregation = Aggregation.GATHER
-
-    def __init__(self, config: TernGradConfig | None = None) -> None:
-        self.config = config or TernGradConfig()
-        super().__init__(self.config.seed)
-        self.unbiased = self.config.clip == 0
-
-    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
-        """(1,) scale; 2-bit codes, packed."""
-        return (((1,), work_dtype(dtype)), ((packed_nbytes(math.prod(shape), 2),), torch.uint8))
-
-    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
-        check_compressible(tensor, self.name)
-        flat, wd = _flat(tensor), work_dtype(tensor.dtype)
-        lo, hi = torch.aminmax(flat)
-        if self.checks_finite:
-            ensure_finite(flat, torch.stack([lo, hi]), self.name)
-        gen = self.generator_for(tensor, generator)
-        if not cpu_fast(flat):
-            return self._compress_on_device(tensor, flat, lo, hi, gen)
-        peak = max(-float(lo), float(hi))
-        if self.config.clip:
-            peak = min(peak, self.config.clip * _std(flat, wd))
-        inv = 1 / peak if peak > 0 else 0.0
-        # 1 / peak overflows float32 for subnormal peaks: scale in float64 then
-        calc = wd if inv <= torch.finfo(wd).max else torch.float64
-        scale = torch.tensor([inv], dtype=calc, device=flat.device)
-        codes = stochastic_codes(flat, flat.numel(), scale, 1, gen)
-        header = torch.tensor([peak], dtype=wd, device=flat.device)
-        return Payload(tensors=(header, codes), shape=tensor.shape, dtype=tensor.dtype)
-
-    def _compress_on_device(self, tensor: Tensor, flat: Tensor, lo: Tensor, hi: Tensor,
-                            gen: torch.Generator) -> Payload:
-        """:meth:`compress` with the scale kept on the device (float64 as the CPU's Python
-        floats; the clip's std from ``Tensor.std``); a NaN/Inf input gives a NaN/Inf
-        header, so every decoded value is NaN."""
-        wd = work_dtype(tensor.dtype)
-        peak = torch.maximum(-lo, hi).double()
-        if self.config.clip:
-            std = (flat if flat.dtype == wd else flat.to(wd)).std(correction=0)
-            peak = torch.minimum(peak, self.config.clip * std.double())
-        inv = torch.where(peak > 0, 1 / peak, 0.0)
-        pre = torch.where(inv > torch.finfo(wd).max, 2.0**64, 1.0)  # subnormal peaks
-        codes = stochastic_codes(flat, flat.numel(), (inv / pre).to(wd).reshape(1), 1, gen,
-                                 pre.to(wd).reshape(1))
-        return Payload(tensors=(peak.to(wd).reshape(1), codes), shape=tensor.shape,
-                       dtype=tensor.dtype)
-
-    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
-        header, codes = payload.tensors
-        return 2, code_values(2, header, -header, payload.dtype), codes  # (code - 1) * scale
-
-    def __repr__(self) -> str:
-        return f"TernGradCompressor({self.config})"
