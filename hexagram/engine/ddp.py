@@ -24,7 +24,6 @@ from hexagram.buckets import Bucket, build_buckets
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator
 from hexagram.comm.device import control_tensor
-from hexagram.engine import join as join_protocol
 from hexagram.engine import lifecycle, torch_args
 from hexagram.engine.checks import (
     agree_finite_grads,
@@ -34,6 +33,7 @@ from hexagram.engine.checks import (
     check_same_model,
     fp16_autocast,
 )
+from hexagram.engine.join import Joinable
 from hexagram.engine.optimizers import expose_forward_signature, needs_optimizers, unwrap_optimizers
 from hexagram.engine.reducer import Reducer
 from hexagram.errors import ConfigError, NonFiniteGradientError
@@ -62,7 +62,7 @@ def _has_step_hooks(algorithm: Algorithm) -> bool:
         or kind.before_step is not Algorithm.before_step
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(Joinable, nn.Module):
     """Data-parallel wrapper whose communication is chosen by ``algorithm``.
 
     Takes every argument of ``torch.nn.parallel.DistributedDataParallel`` (torch 2.13), in
@@ -355,79 +355,6 @@ class DistributedDataParallel(nn.Module):
             self._sync = previous
             if self._reducer is not None:
                 self._reducer.enabled = previous
-
-    @contextlib.contextmanager
-    def join(self, divide_by_initial_world_size: bool = True,
-             enable: bool = True) -> Iterator[None]:
-        """Train on uneven inputs: ranks may leave their data loop after different steps.
-
-        Wrap the whole loop: ``with model.join(): for x, y in loader: ...``. Inside, each
-        forward of a gradient algorithm starts with a tiny control allreduce; a rank that
-        leaves the block keeps answering its peers' steps with zero gradients (and steps
-        the wrapper's ``optimizers`` with the reduced gradient, so its replica and optimizer
-        state keep up) until every rank has left; then all ranks take the parameters and
-        buffers of a rank that trained the most steps. Weight algorithms run their own join
-        protocol: leaving the block calls :meth:`synchronize`.
-
-        Args:
-            divide_by_initial_world_size: average gradients over all ranks (joined ranks
-                count as zeros, PyTorch DDP's default); False averages over the ranks still
-                training.
-            enable: False makes this a no-op (same code path with even inputs).
-
-        One forward per backward inside the block (as with PyTorch's join). Collective: every
-        rank must enter it.
-
-        Example::
-
-            with model.join():
-                for x, y in my_shard:            # lengths differ across ranks
-                    loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
-        """
-        if not enable or self.comm.size == 1:
-            yield
-            return
-        if self.algorithm.kind == "weight":
-            yield
-            self.synchronize()
-            return
-        self._joining, self._join_steps = True, 0
-        self._divide_by_world = divide_by_initial_world_size
-        try:
-            yield
-        finally:
-            self._joining = False
-        self._shadow_until_everyone_joined()
-        self._take_authoritative_model()
-
-    def _join_round(self, active: bool, syncing: bool) -> tuple[int, int]:
-        """One control round; sets the gradient scale for the step that follows."""
-        ranks, syncs = join_protocol.control_round(self.comm, active, syncing)
-        if self._reducer is not None:
-            scale = self.comm.size / ranks if ranks and not self._divide_by_world else 1.0
-            self._reducer.grad_scale = scale
-        return ranks, syncs
-
-    def _shadow_until_everyone_joined(self) -> None:
-        """Mirror the peers' steps (zero gradients) until no rank is active."""
-        while True:
-            active, syncing = self._join_round(active=False, syncing=False)
-            if active == 0:
-                break
-            self._prepare_forward()
-            if syncing and self._reducer is not None:
-                self._reducer.shadow()
-                for opt in self.optimizers:  # keep replica and optimizer state in step
-                    opt.step()
-                    opt.zero_grad()
-        if self._reducer is not None:
-            self._reducer.grad_scale = 1.0
-
-    def _take_authoritative_model(self) -> None:
-        """Every rank takes the weights and buffers of a rank that trained the longest."""
-        steps = join_protocol.trained_steps(self.comm, self._join_steps)
-        src = join_protocol.authoritative_rank(steps)
-        self._broadcast(list(self.module.parameters()) + list(self.module.buffers()), src=src)
 
     # -- user-facing utilities -----------------------------------------------------------
     @property
