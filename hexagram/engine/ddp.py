@@ -95,9 +95,10 @@ class DistributedDataParallel(Joinable, nn.Module):
             unused parameters are allowed (as ``find_unused_parameters=True``). A
             parameter that gets its gradient twice in one backward (reentrant
             checkpointing) is refused at that backward, with the fix.
-        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
-            skip_all_reduce_unused_params: not supported; anything but the default raises
-            ``ConfigError`` naming the argument and what to do instead.
+        delay_all_reduce_named_params: not supported: anything but the default raises
+            ``ConfigError`` naming the argument and what to do instead; the same holds for
+            ``param_to_hook_all_reduce``, ``mixed_precision`` and
+            ``skip_all_reduce_unused_params``.
         device_mesh: ``None`` or a 1-D mesh of every rank (as ``process_group``).
         bucket_cap_mb_list: ``[first, rest]`` MiB (the first bucket and all others).
         batched_grad_copy: a copy-scheduling hint of torch's reducer; no effect here.
