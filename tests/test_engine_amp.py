@@ -84,7 +84,7 @@ def _names() -> list[str]:
     return hx.algorithms.names()
 
 
-@pytest.mark.parametrize("name", _names() + ["topk, no optimizers"])
+@pytest.mark.parametrize("name", [*_names(), "topk, no optimizers"])
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(
         name: str, amp_results: list[dict[str, Any]]) -> None:
     runs = [r[name] for r in amp_results]
