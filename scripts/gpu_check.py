@@ -219,13 +219,14 @@ def part_smoke(limit: float) -> dict[str, Any]:
 
 def part_tier(limit: float) -> dict[str, Any]:
     """``pytest -m gpu`` of the gpu tier files (skipped when this interpreter has no pytest):
-    every algorithm, a CUDA checkpoint, the planner's DTensor/FSDP2 plans, ``auto``."""
+    every algorithm, a CUDA checkpoint, live mode, the planner's DTensor/FSDP2 plans,
+    ``auto``; each test's time is reported (``--durations``), to size the part."""
     try:
         import pytest  # noqa: F401
     except ImportError:
         return {"status": "skipped: pytest is not installed for this interpreter"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "-rs", "tests/test_gpu.py", "tests/test_gpu_parallel.py"]
+           "-rs", "--durations=25", "tests/test_gpu.py", "tests/test_gpu_parallel.py"]
     return _subprocess(cmd, limit)
 
 
