@@ -8,7 +8,8 @@ Parts (run in the order given; ``all`` = every part):
 
 - ``smoke`` (<= 3 min): the machine; one step of a few algorithms at world 1 on NCCL with a
   bucket past the compressors' multi-block sizes; 2 ranks with CUDA tensors over gloo.
-- ``tier`` (<= 5 min): the ``gpu`` test tier (``pytest -m gpu tests/test_gpu.py``).
+- ``tier`` (<= 5 min): the ``gpu`` test tier (``pytest -m gpu tests/test_gpu.py
+  tests/test_gpu_parallel.py``: every algorithm, the planner's DTensor/FSDP2 plans, ``auto``).
 - ``sync`` (<= 5 min): host syncs of one steady training step per algorithm, counted with
   ``torch.cuda.set_sync_debug_mode`` (2 ranks, gloo+CUDA; the training thread's syncs).
 - ``compress`` (<= 5 min): ``benchmarks/compress_throughput.py --device cuda``.
@@ -217,13 +218,15 @@ def part_smoke(limit: float) -> dict[str, Any]:
 
 
 def part_tier(limit: float) -> dict[str, Any]:
-    """``pytest -m gpu tests/test_gpu.py`` (skipped when this interpreter has no pytest)."""
+    """``pytest -m gpu`` of the gpu tier files (skipped when this interpreter has no pytest):
+    every algorithm, a CUDA checkpoint, live mode, the planner's DTensor/FSDP2 plans,
+    ``auto``; each test's time is reported (``--durations``), to size the part."""
     try:
         import pytest  # noqa: F401
     except ImportError:
         return {"status": "skipped: pytest is not installed for this interpreter"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "-rs", "tests/test_gpu.py"]
+           "-rs", "--durations=25", "tests/test_gpu.py", "tests/test_gpu_parallel.py"]
     return _subprocess(cmd, limit)
 
 

@@ -94,6 +94,23 @@ def test_bad_sizes_are_refused(bad: dict[str, Any], monkeypatch: pytest.MonkeyPa
         live(torch.nn.Linear(2, 2), [], **bad)
 
 
+@pytest.mark.parametrize("where, words", [
+    ("meta", "the model is on meta: move it to the CPU or a CUDA device"),
+    ("split", "spans ['cpu', 'meta']"),
+])
+def test_a_model_gloo_cannot_carry_is_refused_before_any_store(
+        where: str, words: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hexagram.elastic import live
+    from hexagram.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # no store address: only a check before it runs
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"), torch.nn.Linear(2, 2))
+    model = net[0] if where == "meta" else net
+    with pytest.raises(ConfigError) as info:
+        live(model, [], join_timeout=1.0)
+    assert words in str(info.value), info.value
+
+
 def test_replicas_that_find_nobody_training_load_the_durable_checkpoint(tmp_path: Any) -> None:
     first = run_live(world=2, steps=6, kill="", restart=False, min_size=2, together=0,
                      checkpoint_dir=str(tmp_path), checkpoint_every=3)

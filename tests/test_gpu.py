@@ -186,3 +186,22 @@ def test_a_closed_wrapper_destroys_its_nccl_group() -> None:
     _need_gpus(1)
     out = run_local(_groups_after_close, 1, timeout=120)[0]
     assert out == {"before": True, "after": False}, out
+
+
+def test_live_mode_trains_a_cuda_model_over_gloo_and_heals_a_restarted_replica() -> None:
+    """Live elastic mode with the model on the GPU (2 replicas sharing it): CUDA tensors
+    over the epoch's gloo group, the control plane on the store; replica 1 is killed at
+    step 4 and restarted, and heals from replica 0 (model, momentum, PowerSGD state)."""
+    _need_gpus(1)
+    from hexagram.bench.live import run_live
+
+    results = run_live(world=2, steps=8, kill="1@4", restart=True, sleep=0.01, together=2,
+                       algorithm="powersgd", config={"start_iter": 2, "rank": 1},
+                       device="cuda", timeout=240)
+    assert sorted(results) == [0, 1] and results[1]["restarted"]
+    for rep in results.values():
+        assert rep["device"].startswith("cuda") and "error" not in rep, rep.get("error")
+    survivor, back = results[0], results[1]
+    assert survivor["stats"]["failures"] >= 1 and back["stats"]["heal_s"]
+    assert back["step"] == survivor["step"]
+    assert torch.equal(back["params"], survivor["params"])  # trained the last steps together

@@ -160,6 +160,42 @@ def _nan_error(name: str, config: dict[str, Any]) -> str:
     return error
 
 
+def _no_optimizers(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Wrapped without ``optimizers=``: reads counted at step 3, rank 1's input NaN at
+    steps 2 and 4, the optimizer attached after step 3. Per step: where the error came
+    from ("backward" or "step") and its message ("" if none)."""
+    import hexagram as hx
+
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    model = hx.DistributedDataParallel(net, algorithm=hx.algorithms.get(name, **config),
+                                       bucket_size_mb=0.1, first_bucket_mb=0.004)
+    counter, errors = _Counter(), []
+    counter.install()
+    try:
+        for step in range(5):
+            if step == 4:
+                model.attach_optimizers(opt)  # the read moves to the optimizer step
+            x = torch.randn(16, 200)
+            x[0, 0] = float("nan") if step in (2, 4) and hx.get_runtime().rank == 1 else 0.0
+            where = "backward"
+            counter.on = step == 3  # after the first-step re-bucketing
+            try:
+                model(x).square().mean().backward()
+                where = "step"
+                opt.step()
+                errors.append(("", ""))
+            except hx.NonFiniteGradientError as exc:
+                errors.append((where, str(exc)))
+            counter.on = False
+            opt.zero_grad()
+    finally:
+        counter.uninstall()
+        model.close()
+    return {"sites": counter.sites, "errors": errors}
+
+
 def _worker() -> dict[str, Any]:
     import hexagram as hx
     from hexagram.compress import packing
@@ -168,6 +204,8 @@ def _worker() -> dict[str, Any]:
     out: dict[str, Any] = {name: _count(name, config) for name, config in CASES.items()}
     packing.CPU_FAST_PATHS = False
     out["nan"] = {name: _nan_error(name, config) for name, config in NAN_CASES.items()}
+    out["no_opt"] = {"topk": _no_optimizers("topk", {"density": 0.01}),
+                     "topk+fp16": _no_optimizers("topk", {"density": 0.01, "cast": "fp16"})}
     return out
 
 
@@ -204,6 +242,28 @@ def test_nan_is_named_on_its_rank_and_never_reaches_the_others(
     message = reads[0]["nan"]["qsgd"]
     assert "step 1" in message and "NaN" in message and "parameter '" in message, message
     assert all(reads[rank]["nan"]["qsgd"] == "" for rank in range(1, WORLD))
+
+
+@pytest.mark.parametrize("name", ["topk", "topk+fp16"])
+def test_without_optimizers_the_check_runs_at_the_end_of_backward(
+        name: str, reads: list[dict[str, Any]]) -> None:
+    # no optimizer step to hook: the engine's once-per-step read moves to the end of
+    # backward (before, the bucket was made finite and nothing raised on any rank)
+    for rank in range(WORLD):
+        run = reads[rank]["no_opt"][name]
+        assert len(run["sites"]) <= 1, "\n".join(run["sites"])
+        errors = run["errors"]
+        assert errors[0] == errors[1] == errors[3] == ("", "")
+        if rank != 1:  # the NaN stays on its rank (no collective check without autocast)
+            assert errors[2] == errors[4] == ("", ""), errors
+            continue
+        named = tuple(f"parameter '{n}'" for n, _ in _Net().named_parameters())
+        where, message = errors[2]
+        assert where == "backward" and "step 2" in message \
+            and any(n in message for n in named), errors[2]
+        where, message = errors[4]  # attach_optimizers: read at opt.step() from then on
+        assert where == "step" and "step 4" in message \
+            and any(n in message for n in named), errors[4]
 
 
 def test_the_counter_sees_reads() -> None:

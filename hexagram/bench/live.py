@@ -69,7 +69,7 @@ def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], restarted
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(replica),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    module = net()
+    module = net().to(cfg["device"])
     opt = _optimizer(module)
     report: dict[str, Any] = {"digests": {}}
     try:
@@ -80,7 +80,8 @@ def _replica(replica: int, world: int, port: int, cfg: dict[str, Any], restarted
         _train(trainer, replica, world, cfg, restarted, report)
     except QuorumError as exc:
         report["error"] = str(exc)
-    params = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    report["device"] = str(next(module.parameters()).device)
+    params = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
     torch.save(report | {"params": params},
                Path(out) / f"replica{replica}_{int(restarted)}.pt")
 
@@ -97,7 +98,7 @@ def _digest(trainer: Any) -> dict[str, str]:
     out = {}
     for part in ("model", "optimizers", "algorithm", "shared", "residual"):
         flat = flatten(parts[part], rank=0)
-        blob = b"".join(flat[k].numpy().tobytes() for k in sorted(flat))
+        blob = b"".join(flat[k].cpu().numpy().tobytes() for k in sorted(flat))
         out[part] = hashlib.sha256(blob).hexdigest()
     out["residual_is_zero"] = str(all(not t.any() for t in parts["residual"].values()))
     return out
@@ -126,6 +127,7 @@ def _train(trainer: Any, replica: int, world: int, cfg: dict[str, Any], restarte
         if not restarted:
             _maybe_pause(cfg["pause"], replica, trainer.step)
         members, (x, y) = list(trainer.epoch.members), batch(trainer.step, replica)
+        x, y = x.to(cfg["device"]), y.to(cfg["device"])
         start = time.perf_counter()
         with _fault(injector, trainer.step, cfg["kill_inside"]):
             committed = trainer.run_step(functools.partial(_loss_backward, x=x, y=y))
@@ -175,13 +177,16 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
              config: dict[str, Any] | None = None, together: int = 5,
              join_timeout: float = 60.0, restart_delay: float = 1.0,
              collective_timeout: float = 30.0, kill_inside: str = "", align: int = 1,
-             pause: str = "", **live_kwargs: Any) -> dict[int, dict[str, Any]]:
+             pause: str = "", device: str = "cpu",
+             **live_kwargs: Any) -> dict[int, dict[str, Any]]:
     """Run the replicas (see the module doc); returns each replica's final report.
     A killed replica is started again ``restart_delay`` s after it died. ``kill_inside``
     (``"all_reduce:2"``) fires the ``kill`` faults inside that collective call of the step
     instead of before the step. ``pause`` (``"RANK@STEP:SECONDS"``) stops that replica's
     process at that step for SECONDS (starved: alive, its heartbeat stale). Training ends
     on a multiple of ``align`` steps (a local SGD period: the replicas were just averaged).
+    ``device``: where each replica's model lives (``"cuda"``: CUDA tensors over gloo; the
+    replicas may share one GPU).
 
     Raises:
         RuntimeError: a replica failed (other than the injected kill) or overran ``timeout``.
@@ -193,7 +198,7 @@ def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool 
            "min_size": min_size or world - 1, "config": config or {},
            "together": together, "join_timeout": join_timeout, "live_kwargs": live_kwargs,
            "collective_timeout": collective_timeout, "kill_inside": kill_inside,
-           "align": align, "pause": pause}
+           "align": align, "pause": pause, "device": device}
     killed = {f.rank for f in parse_faults(kill)}
     ctx = clean_context()  # never fork: this process hosts the store's server thread
     with tempfile.TemporaryDirectory() as out:

@@ -14,11 +14,12 @@ Example:
     ...                      lambda: t), nbytes_sent=comm.ring_allreduce_bytes(t))  # +SKIP
     >>> handle.wait()  # doctest: +SKIP
 
-Abort: :meth:`Communicator.abort` (or :func:`abort_all` for every live communicator of
-the process) marks a communicator failed and wakes every thread blocked in
-:meth:`Handle.wait` with a :class:`CommError` at once, abandoning the work in flight.
-Live elastic training calls it when a peer died, because gloo's asynchronous work is not
-woken by ``ProcessGroup.abort()`` and would otherwise wait out the collective timeout.
+Abort: :meth:`Communicator.abort` (or :func:`~hexagram.comm.abort.abort_all` for every
+live communicator of the process) marks a communicator failed and wakes every thread
+blocked in :meth:`Handle.wait` with a :class:`CommError` at once, abandoning the work in
+flight. Live elastic training calls it when a peer died, because gloo's asynchronous work
+is not woken by ``ProcessGroup.abort()`` and would otherwise wait out the collective
+timeout (:mod:`hexagram.comm.abort` holds the helpers).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import threading
-import time
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from typing import Any, Generic, TypeVar
 import torch.distributed as dist
 from torch import Tensor
 
+from hexagram.comm.abort import abort_all, completed, done_signal, hold, register
 from hexagram.comm.device import device_initializer, group_device
 from hexagram.comm.streams import StreamJob, join_stream, on_stream, side_stream
 from hexagram.errors import CommError, CommTimeoutError
@@ -210,8 +210,7 @@ class Communicator:
         self._nccl = dist.get_backend(group) == "nccl"
         self._abortable = not self._nccl
         self._owns_group = owns_group
-        with _REGISTRY_LOCK:
-            _REGISTRY.add(self)
+        register(self)
 
     def submit(self, op: str, job: Callable[[], Any], nbytes_sent: int = 0,
                inline: bool = False) -> Handle[Any]:
@@ -323,7 +322,7 @@ class Communicator:
                 self._pg.abort()
             except (AttributeError, RuntimeError):  # a backend without abort: timeout ends it
                 pass
-            _hold(self._pg, self.timeout.total_seconds() + 5.0)
+            hold(self._pg, self.timeout.total_seconds() + 5.0)
 
     def _raise_if_aborted(self) -> None:
         if self._aborted.done():
@@ -349,8 +348,8 @@ class Communicator:
         if self._nccl:
             work.wait()
             return
-        if self._abortable and not _completed(work):
-            signal = _done_signal(work)
+        if self._abortable and not completed(work):
+            signal = done_signal(work)
             if signal is not None:
                 self.await_future(signal, self.timeout.total_seconds())
         work.wait(self.timeout)
@@ -368,63 +367,3 @@ class Communicator:
     def alltoall_bytes(self, nbytes_total: int) -> int:
         """All-to-all of a buffer split into P chunks: P-1 chunks leave this rank."""
         return (self.size - 1) * nbytes_total // self.size if self.size > 1 else 0
-
-
-# -- every live communicator of the process, for abort_all ---------------------------------
-_REGISTRY: weakref.WeakSet[Communicator] = weakref.WeakSet()
-_REGISTRY_LOCK = threading.Lock()
-
-
-def abort_all(reason: str = "aborted") -> int:
-    """:meth:`Communicator.abort` every communicator of this process not yet aborted;
-    returns how many were aborted (live elastic mode calls it when a peer died)."""
-    with _REGISTRY_LOCK:
-        comms = [c for c in _REGISTRY if not c.aborted]
-    for comm in comms:
-        comm.abort(reason)
-    return len(comms)
-
-
-def _completed(work: Any) -> bool:
-    works = getattr(work, "works", None)
-    if works is not None:
-        return all(_completed(w) for w in works)
-    is_completed = getattr(work, "is_completed", None)
-    return bool(is_completed()) if is_completed is not None else False
-
-
-def _done_signal(work: Any) -> cf.Future[None] | None:
-    """A future resolved when ``work`` (or all of ``work.works``) finished, with or
-    without an error; None when a work has no torch future to follow."""
-    works = list(getattr(work, "works", [work]))
-    try:
-        futures = [w.get_future() for w in works]
-    except (AttributeError, RuntimeError):  # "Work::getFuture not implemented" (p2p)
-        return None
-    signal: cf.Future[None] = cf.Future()
-    left, lock = [len(futures)], threading.Lock()
-
-    def one_done(_: Any) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            signal.set_result(None)
-
-    if not futures:
-        signal.set_result(None)
-    for fut in futures:
-        fut.add_done_callback(one_done)
-    return signal
-
-
-def _hold(obj: Any, seconds: float) -> None:
-    """Keep ``obj`` referenced for ``seconds`` from a daemon thread (its destructor then runs
-    there; at interpreter exit the thread is frozen and the destructor never blocks)."""
-    threading.Thread(target=_keep, args=(obj, seconds), daemon=True,
-                     name="hexagram-comm-aborted").start()
-
-
-def _keep(obj: Any, seconds: float) -> None:
-    del obj  # the thread's arguments hold it until the sleep ends
-    time.sleep(seconds)

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hexagram.errors import HexagramError
+from hexagram.errors import ConfigError, HexagramError
 
 __all__ = ["CheckpointError", "apply_rank_state", "collect_rank_state", "fingerprint",
-           "flatten", "residual_tensors", "unflatten", "without_residuals"]
+           "flatten", "replica_device", "residual_tensors", "unflatten", "without_residuals"]
 
 _TENSOR = "__hexagram_tensor__"
 #: (parent key, key) of the error-feedback residuals in an algorithm state
@@ -77,6 +77,28 @@ def unflatten(flat: dict[str, torch.Tensor], rank: int) -> Any:
         return obj
 
     return walk(structure)
+
+
+def replica_device(module: nn.Module) -> torch.device:
+    """The one device holding ``module``'s parameters and buffers (the CPU if it has none):
+    live mode's data plane (gloo) carries its CPU or CUDA tensors. (A model still on
+    ``meta`` is refused too: healing and voting need its values.)
+
+    Raises:
+        ConfigError: the model spans several devices, or sits on one gloo cannot carry.
+
+    Example: ``replica_device(net.to("cuda:0"))`` is ``device("cuda", 0)``.
+    """
+    found = {t.device for t in list(module.parameters()) + list(module.buffers())}
+    if len(found) > 1:
+        raise ConfigError(f"live mode trains a model held on one device; this one spans "
+                          f"{sorted(str(d) for d in found)}: move it with model.to(device)")
+    device = found.pop() if found else torch.device("cpu")  # a tensor's cuda has an index
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"live mode's data plane is gloo, which carries CPU and CUDA "
+                          f"tensors; the model is on {device}: move it to the CPU or a "
+                          "CUDA device (model.to('cuda'))")
+    return device
 
 
 def _rng_state() -> dict[str, Any]:

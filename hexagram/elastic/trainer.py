@@ -62,6 +62,7 @@ from hexagram.elastic.state import (
     CheckpointError,
     apply_rank_state,
     collect_rank_state,
+    replica_device,
     without_residuals,
 )
 from hexagram.errors import CommError, ConfigError
@@ -80,7 +81,8 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
     """A fault-tolerant trainer of ``module`` (see the module doc; collective start-up).
 
     Args:
-        module, optimizers: the local model and its optimizers (kept across memberships).
+        module, optimizers: the local model (on the CPU or one CUDA device: its tensors
+            cross the gloo group there) and its optimizers (kept across memberships).
         algorithm, algorithm_config: a registered name and its settings
             (``hexagram.algorithms.get(algorithm, **algorithm_config)``; a fresh instance
             per membership).
@@ -104,6 +106,7 @@ def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
     """
     if not 1 <= min_size <= (min_size if start_size is None else start_size):
         raise ConfigError(f"need 1 <= min_size ({min_size}) <= start_size ({start_size})")
+    replica_device(module)  # one CPU or CUDA device, checked before waiting for a store
     address = live_address(timeout=join_timeout)  # sizes first: this may wait for a store
     replica, max_size = address.replica, address.max_size
     start = max_size if start_size is None else start_size
@@ -168,6 +171,7 @@ class LiveTrainer:
                  wrapper_kwargs: dict[str, Any], *, residuals: str = "reset",
                  address: LiveAddress | None = None) -> None:
         self.module, self.optimizers, self.algorithm = module, optimizers, algorithm
+        self.device = replica_device(module)  # the data plane's: gloo with its tensors
         self.replica, self.timeout = replica, timeout
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self._residuals = residuals
@@ -343,7 +347,9 @@ class LiveTrainer:
         dist.init_process_group("gloo", store=store, rank=epoch.rank_of(self.replica),
                                 world_size=len(epoch.members),
                                 timeout=timedelta(seconds=self.timeout))
-        adopt_group(self.timeout)
+        if self.device.type == "cuda":  # the thread's current device, as hexagram.init()
+            torch.cuda.set_device(self.device)
+        adopt_group(self.timeout, device=self.device)  # gloo with CUDA tensors on a GPU
         healed_at = time.monotonic()
         newest = max(epoch.steps)
         source = epoch.steps.index(newest)

@@ -31,7 +31,8 @@ from hexagram.comm.device import CONTROL_DTYPE
 from hexagram.errors import ConfigError, ModelMismatchError, NonFiniteGradientError
 
 __all__ = ["FiniteGuard", "agree_finite_grads", "at_end_of_backward", "check_model_device",
-           "check_runs_on", "check_same_model", "fp16_autocast", "model_signature"]
+           "check_runs_on", "check_same_model", "fp16_autocast", "model_signature",
+           "read_step_checks"]
 
 Signature = list[tuple[str, tuple[int, ...], str, bool]]
 
@@ -225,6 +226,11 @@ class FiniteGuard:
                 first = grad.view(-1)[:1]
                 first.copy_(torch.where(flag > 0, torch.full_like(first, float("inf")), first))
 
+    def drop(self) -> None:
+        """Forget this step's flag unread (a ``GradScaler`` handles the overflow: the
+        reduced gradients already hold Inf, see :meth:`poison`)."""
+        self._any = self._global = None
+
     def check_step(self, step: int, policy: str, checks: StepChecks | None = None) -> bool:
         """Step 4: True when the gradients were non-finite on some rank (``"skip"``: they
         are now zero); raises under ``"raise"``. Call once, before the optimizer step.
@@ -257,6 +263,32 @@ class FiniteGuard:
             "compression. Lower the learning rate, clip gradients or use loss scaling "
             "(torch.amp.GradScaler skips such steps on every rank); or pass "
             "on_nonfinite='skip' to the algorithm to skip them")
+
+
+def read_step_checks(guard: FiniteGuard | None, checks: StepChecks, step: int, policy: str,
+                     scaler_handles_overflow: bool = False) -> bool:
+    """The step's one host read: the engine's non-finite flag (``guard``, None where the
+    algorithm's reduction carries NaN/Inf itself) and the algorithm's queued ``checks``.
+
+    Called from the optimizer's step pre-hook, or, where the wrapper hooks no optimizer
+    (gradient algorithms may be wrapped without ``optimizers=``), at the end of backward.
+    There ``scaler_handles_overflow`` (the forward ran under fp16 autocast) drops the
+    guard's flag unread: a ``GradScaler`` finds the Inf :meth:`FiniteGuard.poison` left and
+    skips the step, as it skips the optimizer's pre-hook when hooked. True when the step's
+    gradients were non-finite and ``policy="skip"`` zeroed them; raises
+    :class:`~hexagram.errors.NonFiniteGradientError` (naming the step and the parameter)
+    under ``"raise"`` or when an algorithm's condition holds.
+
+    Example: ``read_step_checks(reducer.guard, ctx.checks, step=3, policy="raise")``.
+    """
+    if guard is not None and not scaler_handles_overflow:
+        return guard.check_step(step, policy, checks)
+    if guard is not None:
+        guard.drop()
+    problem = checks.read()  # the algorithm's own conditions (fp16 range of a cast)
+    if problem:
+        raise NonFiniteGradientError(problem)
+    return False
 
 
 # -- mixed precision for weight algorithms ----------------------------------------------

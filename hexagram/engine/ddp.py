@@ -34,9 +34,10 @@ from hexagram.engine.checks import (
     fp16_autocast,
 )
 from hexagram.engine.join import Joinable
-from hexagram.engine.optimizers import expose_forward_signature, needs_optimizers, unwrap_optimizers
+from hexagram.engine.optimizers import expose_forward_signature, unwrap_optimizers
 from hexagram.engine.reducer import Reducer
-from hexagram.errors import ConfigError, NonFiniteGradientError
+from hexagram.engine.step_hooks import OptimizerHooks
+from hexagram.errors import ConfigError
 from hexagram.runtime import runtime_for_wrapping
 
 __all__ = ["DistributedDataParallel"]
@@ -62,7 +63,7 @@ def _has_step_hooks(algorithm: Algorithm) -> bool:
         or kind.before_step is not Algorithm.before_step
 
 
-class DistributedDataParallel(Joinable, nn.Module):
+class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
     """Data-parallel wrapper whose communication is chosen by ``algorithm``.
 
     Takes every argument of ``torch.nn.parallel.DistributedDataParallel`` (torch 2.13), in
@@ -174,12 +175,10 @@ class DistributedDataParallel(Joinable, nn.Module):
         self._resources = lifecycle.Resources(self.algorithm, self.comm)
         self._finalizer = lifecycle.attach(self, self._resources)
         self._ctx = AlgorithmContext(module, self.optimizers, runtime, self.comm, self._named)
-        # read at the optimizer step with the engine's own check (one host read per step);
-        # without optimizers to hook, the algorithms read them at the end of backward
-        self._ctx.checks.deferred = bool(self.optimizers)
-        self._build()
         self._step_hooks: list[Any] = []
         self._hooked: set[int] = set()
+        self._amp = False  # the last forward ran under fp16 autocast
+        self._build()  # wires where the step's checks are read (see _wire_checks)
         self._setup_pending = True
         self.attach_optimizers(*self.optimizers)
         expose_forward_signature(self, module)
@@ -208,6 +207,7 @@ class DistributedDataParallel(Joinable, nn.Module):
                                     self.find_unused_parameters, self.gradient_as_bucket_view)
             self._reducer.enabled = self._sync
         self._resources.reducer = self._reducer
+        self._wire_checks()
 
     def _rebucket_by_ready_order(self) -> None:
         """After the first backward, order buckets as gradients actually became ready.
@@ -242,7 +242,7 @@ class DistributedDataParallel(Joinable, nn.Module):
         if self._input_device is not None:  # device_ids=[d]: inputs go to d, as torch's
             args, kwargs = torch_args.to_device((args, kwargs), self._input_device)
         output = _run_module(self.module, args, kwargs)
-        amp = fp16_autocast(self.runtime.device.type)
+        amp = self._amp = fp16_autocast(self.runtime.device.type)
         if self._reducer is not None and self._reducer.guard is not None:  # ranks agree?
             self._reducer.guard.collective = amp or \
                 getattr(self.algorithm.config, "on_nonfinite", "raise") == "skip"
@@ -289,48 +289,6 @@ class DistributedDataParallel(Joinable, nn.Module):
             if buffers:
                 self._broadcast(buffers)
         self.algorithm.before_forward()
-
-    def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        reducer, checks = self._reducer, self._ctx.checks
-        if reducer is not None and reducer.guard is not None:  # the step's one host read
-            policy = getattr(self.algorithm.config, "on_nonfinite", "raise")
-            if reducer.guard.check_step(reducer.backward_count - 1, policy, checks):
-                skipped = getattr(self.algorithm, "skipped_steps", None)
-                if isinstance(skipped, int):
-                    self.algorithm.skipped_steps = skipped + 1  # type: ignore[attr-defined]
-        else:  # the algorithm's own queued conditions (fp16 range of a cast allreduce)
-            problem = checks.read()
-            if problem:
-                raise NonFiniteGradientError(problem)
-        self.algorithm.before_step(optimizer)
-
-    def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        self.algorithm.after_step(optimizer)
-
-    def attach_optimizers(self, *optimizers: Any) -> None:
-        """Hook optimizers created (or wrapped) after wrapping; call on every rank.
-
-        Each is a torch optimizer or a known framework wrapper (unwrapped); one already
-        attached is skipped. An algorithm that needs an optimizer (local SGD, DiLoCo,
-        decentralized, QAdam) is set up with the first one attached.
-
-        Example: ``model = hx.DistributedDataParallel(net, algorithm="local_sgd")``, then
-        ``opt = torch.optim.SGD(model.parameters(), lr=0.1); model.attach_optimizers(opt)``.
-        """
-        for opt in unwrap_optimizers(optimizers):
-            if id(opt) in self._hooked:
-                continue
-            if not any(opt is o for o in self.optimizers):
-                self.optimizers.append(opt)
-            self._hooked.add(id(opt))
-            # the hook holds the wrapper weakly, so an unreferenced wrapper is collected
-            pair = (opt.register_step_pre_hook(lifecycle.weak_method(self._before_step)),
-                    opt.register_step_post_hook(lifecycle.weak_method(self._after_step)))
-            self._step_hooks.append(pair)  # one entry per hooked optimizer
-            self._resources.hooks.extend(pair)
-        if self._setup_pending and (self.optimizers or not needs_optimizers(self.algorithm)):
-            self._setup_pending = False
-            self.algorithm.setup(self._ctx)
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> Any:

@@ -62,6 +62,9 @@ class Reducer:
         # results are multiplied by this before they reach .grad (join() sets it to
         # world / active ranks when the mean should be over the ranks that still train)
         self.grad_scale = 1.0
+        # the wrapper's once-per-step read where no optimizer step hook makes it (None: the
+        # optimizer's pre-hook reads); called after the algorithm's after_backward
+        self.on_backward_end: Callable[[], None] | None = None
 
     def remove(self) -> None:
         """Detach the autograd hooks (before re-bucketing or on close)."""
@@ -150,6 +153,8 @@ class Reducer:
                     self.guard.poison(bucket, bucket.flat)
                 bucket.attach_grads(skip)
         self.algorithm.after_backward()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
     def shadow(self) -> None:
         """Take part in one backward's collectives with zero gradients.

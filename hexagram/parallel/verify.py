@@ -100,6 +100,12 @@ def _local_elems(module: nn.Module) -> int:
                for p in module.parameters())
 
 
+def _devices(module: nn.Module) -> list[str]:
+    """Where this rank's parameters (their local shards) live, e.g. ``["cuda:0"]``."""
+    return sorted({str((p.to_local() if hasattr(p, "to_local") else p).device)
+                   for p in module.parameters()})
+
+
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[n].cpu() - b[n].cpu()).abs().max().item() for n in a)
 
@@ -121,6 +127,7 @@ def parity_worker(spec: ParitySpec) -> dict[str, Any]:
     out: dict[str, Any] = {"grad_diff": 0.0, "loss_diff": 0.0, "losses": [], "times": [],
                            "plan": p.to_json(indent=None), "stage": pm.stage_index,
                            "local_params": _local_elems(pm.module),
+                           "param_devices": _devices(pm.module),
                            "stage_params": sum(q.numel() for q in pm.module.parameters())}
     for step in range(spec.steps):
         xs, ys = (x, y) if step == 0 else build(ParitySpec(**{
