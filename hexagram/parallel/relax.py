@@ -17,16 +17,8 @@ What combines: tensor-parallel (DTensor) parameters are synchronised through the
 shards (each ``dp`` group holds ranks of the same ``tp`` index, hence the same shards);
 parameters a ``+zero`` plan shards with FSDP2 keep FSDP's reduce-scatter (their gradients
 are sharded, not whole), the algorithm syncs all others. What is refused
-is :func:`~hexagram.parallel.rules.check_dp_algorithm`'s (importable from here too).
-
-Example:
-    >>> check_dp_algorithm("powersgd", {"rank": 4})
-    >>> check_dp_algorithm("local_sgd")
-    Traceback (most recent call last):
-    ...
-    hexagram.errors.ConfigError: dp_algorithm 'local_sgd' cannot synchronise a stage's \
-gradients: it averages weights after optimizer steps (a weight algorithm); use a gradient \
-algorithm, e.g. allreduce, fp16, powersgd, topk
+is :func:`~hexagram.parallel.rules.check_dp_algorithm`'s (importable from here too; its
+example shows a refusal).
 """
 
 from __future__ import annotations
