@@ -20,8 +20,10 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -220,6 +222,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     _RUNTIME = Runtime(rank=rank, world_size=world, local_rank=local_rank,
                        local_world_size=local_world, backend=chosen, device=device, timeout=td,
                        host_of_rank=[host_index[k] for k in keys], world_group=dist.group.WORLD)
+    _settle_at_exit()
     return _RUNTIME
 
 
@@ -256,6 +259,7 @@ def adopt_group(timeout: float | timedelta = DEFAULT_TIMEOUT,
                        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), backend=backend,
                        device=device, timeout=_as_timedelta(timeout),
                        host_of_rank=[host_index[k] for k in keys], world_group=dist.group.WORLD)
+    _settle_at_exit()
     return _RUNTIME
 
 
@@ -295,6 +299,32 @@ def get_runtime() -> Runtime:
             "as a PyTorch DDP script does (the wrapper adopts that group)"
         )
     return _RUNTIME
+
+
+#: seconds the interpreter leaves the GIL free at exit while a process group is still up
+SETTLE_S = 0.1
+_SETTLE_REGISTERED = False
+
+
+def settle_collective_workers() -> None:
+    """Release the GIL for a moment so collective worker threads finish before finalisation.
+
+    A gloo worker thread drops its last reference to a finished collective just after
+    ``wait()`` returns; if that destructor takes the GIL once the interpreter is
+    finalising, the thread is ended by ``pthread_exit`` inside a ``noexcept`` destructor:
+    SIGABRT, ``terminate called without an active exception`` (a core dump showed
+    ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` -> ``decref_pyobject`` ->
+    ``take_gil``). A script that ends with its process group up (no ``shutdown()``, as
+    most torchrun scripts) gets this pause from an ``atexit`` handler, before finalisation.
+    """
+    time.sleep(SETTLE_S)
+
+
+def _settle_at_exit() -> None:
+    global _SETTLE_REGISTERED
+    if not _SETTLE_REGISTERED:
+        _SETTLE_REGISTERED = True
+        atexit.register(lambda: settle_collective_workers() if dist.is_initialized() else None)
 
 
 def shutdown() -> None:

@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import sys
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,10 +33,10 @@ from typing import Any
 
 from hexagram.algorithms.base import Algorithm
 from hexagram.comm.communicator import Communicator
+from hexagram.runtime import settle_collective_workers
 
 __all__ = ["Resources", "attach", "weak_method"]
 
-_SETTLE_S = 0.1  # seconds a released wrapper leaves the GIL free at interpreter exit
 
 
 @dataclass
@@ -87,18 +86,10 @@ class Resources:
 
 
 def _let_collective_workers_finish() -> None:
-    """Release the GIL for a moment after the last collectives of a wrapper at exit.
-
-    A gloo worker thread drops its last reference to a finished collective just after
-    ``wait()`` returns; if the tensors' Python objects are gone by then, that destructor
-    takes the GIL. Once the interpreter is finalising, a C++ thread that takes the GIL is
-    ended by ``pthread_exit`` inside that ``noexcept`` destructor: SIGABRT, ``terminate
-    called without an active exception`` (seen in 2 of 5 full test runs, caught in a core
-    dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` -> ``decref_pyobject``
-    -> ``take_gil`` -> ``pthread_exit``). Sleeping here, before finalisation, lets those
-    threads finish with the GIL free. Only the quiet path pauses (garbage collection,
-    exit); ``close()`` does not."""
-    time.sleep(_SETTLE_S)
+    """Release the GIL for a moment after the last collectives of a wrapper released by
+    garbage collection or at exit (:func:`hexagram.runtime.settle_collective_workers`:
+    why); ``close()`` does not pause."""
+    settle_collective_workers()
 
 
 def attach(owner: object, resources: Resources) -> weakref.finalize:
