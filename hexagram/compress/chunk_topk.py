@@ -52,7 +52,7 @@ from hexagram.compress.base import (
     decompress_via_into,
     ensure_finite,
 )
-from hexagram.compress.chunks import work_dtype
+from hexagram.compress.chunks import padded_rows, work_dtype
 from hexagram.compress.packing import pack_codes, packed_nbytes, unpack_codes
 from hexagram.config import check_float, check_int
 
@@ -123,9 +123,7 @@ class ChunkTopKCompressor(Compressor):
         check_compressible(tensor, self.name)
         n = tensor.numel()
         c, g, k, b = chunk_layout(self.config, n)
-        rows = torch.zeros(g * c, dtype=work_dtype(tensor.dtype), device=tensor.device)
-        rows[:n].copy_(tensor.detach().reshape(-1))
-        rows = rows.view(g, c)
+        rows = padded_rows(tensor, g, c, work_dtype(tensor.dtype))
         mags, pos = rows.abs().topk(k, dim=1)  # (G, k); sorted: deterministic order
         ensure_finite(tensor, mags[:, 0], self.name)  # NaN sorts first: non-finite
         m = 1 << (self.config.bits - 1)

@@ -37,6 +37,7 @@ __all__ = [
     "decode_table",
     "fma_rows",
     "halves",
+    "padded_rows",
     "pieces",
     "robust_norms",
     "work_dtype",
@@ -46,6 +47,18 @@ __all__ = [
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """Arithmetic and header dtype: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def padded_rows(tensor: Tensor, chunks: int, chunk: int, dtype: torch.dtype) -> Tensor:
+    """(chunks, chunk) copy of ``tensor``'s elements in ``dtype``, the last row padded with
+    zeros (the per-chunk top-k compressors select within each row).
+
+    >>> padded_rows(torch.arange(5.0), 2, 3, torch.float32).tolist()
+    [[0.0, 1.0, 2.0], [3.0, 4.0, 0.0]]
+    """
+    rows = torch.zeros(chunks * chunk, dtype=dtype, device=tensor.device)
+    rows[: tensor.numel()].copy_(tensor.detach().reshape(-1))
+    return rows.view(chunks, chunk)
 
 
 def chunk_reduce(flat: Tensor, chunk: int, fn: Callable[[Tensor], Tensor]) -> Tensor:

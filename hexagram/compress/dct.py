@@ -41,7 +41,7 @@ from hexagram.compress.base import (
     ensure_finite,
 )
 from hexagram.compress.chunk_topk import pack_positions, unpack_positions
-from hexagram.compress.chunks import work_dtype
+from hexagram.compress.chunks import padded_rows, work_dtype
 from hexagram.compress.packing import packed_nbytes
 from hexagram.config import check_choice, check_int
 
@@ -108,9 +108,8 @@ class DCTTopKCompressor(Compressor):
         n = tensor.numel()
         c, g, k, b = dct_layout(self.config, n)
         wd = work_dtype(tensor.dtype)
-        rows = torch.zeros(g * c, dtype=wd, device=tensor.device)
-        rows[:n].copy_(tensor.detach().reshape(-1))
-        spectrum = rows.view(g, c) @ dct_matrix(c, tensor.device, wd).T  # (G, c)
+        rows = padded_rows(tensor, g, c, wd)
+        spectrum = rows @ dct_matrix(c, tensor.device, wd).T  # (G, c)
         mags, pos = spectrum.abs().topk(k, dim=1)  # sorted: a deterministic order
         if tensor.device.type == "cpu":  # a host read: on accelerators DeMo's per-step
             ensure_finite(tensor, mags[:, 0], self.name)  # path relies on its bucket check
