@@ -30,7 +30,21 @@ def test_every_compressor_declares_its_wire_size_and_passes(name: str) -> None:
     for shape in SIZES:
         real = comp.compress(torch.randn(*shape, generator=gen), gen).nbytes
         assert payload_nbytes(comp, shape) == real, (name, shape)
-    assert comp.memory_passes is None or comp.memory_passes > 0
+    assert comp.memory_passes is not None and comp.memory_passes > 0, \
+        f"{name}: declare memory_passes on its class (the planner prices encode by it)"
+
+
+def test_the_per_chunk_compressors_declare_their_passes() -> None:
+    """SparseLoCo's and DeMo's compressors (not in the compressor registry) too, and a
+    config that adds a pass says so."""
+    from hexagram.compress.chunk_topk import ChunkTopKCompressor
+    from hexagram.compress.dct import DCTTopKCompressor
+    from hexagram.compress.signs import SignCompressor, SignVoteConfig
+
+    for comp in (ChunkTopKCompressor(), DCTTopKCompressor()):
+        assert comp.memory_passes is not None and comp.memory_passes > 0, comp.name
+    plain, scaled = SignCompressor(), SignCompressor(SignVoteConfig(scaled=True))
+    assert scaled.memory_passes == plain.memory_passes + 1  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

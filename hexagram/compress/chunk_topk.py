@@ -115,6 +115,9 @@ class ChunkTopKCompressor(Compressor):
     name = "chunktopk"
     aggregation = Aggregation.GATHER
     unbiased = False
+    #: the padded copy (read, write), the magnitudes (write, read), the per-chunk top-k (a
+    #: read) and the decode's zero fill
+    memory_passes = 6.0
 
     def __init__(self, config: ChunkTopKConfig | None = None) -> None:
         self.config = config or ChunkTopKConfig()

@@ -99,6 +99,10 @@ class DCTTopKCompressor(Compressor):
     name = "dcttopk"
     aggregation = Aggregation.GATHER
     unbiased = False
+    #: beyond the two transforms' FLOPs: the padded copy (2), the spectrum written (1), its
+    #: magnitudes (2), the top-k (1); the decode's zero-filled spectrum, read by the inverse
+    #: transform, and its output (3)
+    memory_passes = 9.0
 
     def __init__(self, config: DCTTopKConfig | None = None) -> None:
         self.config = config or DCTTopKConfig()

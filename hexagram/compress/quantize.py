@@ -152,6 +152,9 @@ class MinMax8Compressor(Compressor):
     unbiased = False
     #: bits per code; ``2**bits - 1`` steps between a chunk's min and max
     bits = 8
+    #: the chunks' min and max, the codes (a read, a byte written), the decode (a byte
+    #: read, an element written)
+    memory_passes = 3.5
 
     def __init__(self, config: MinMax8Config | None = None) -> None:
         self.config = config or MinMax8Config()
@@ -202,6 +205,7 @@ class MinMax4Compressor(MinMax8Compressor):
 
     name = "minmax4"
     bits = 4
+    memory_passes = 3.25  # minmax8's passes, half a byte per code
 
     def __init__(self, config: MinMax8Config | None = None) -> None:
         super().__init__(config or MinMax4Config())
@@ -267,6 +271,9 @@ class QSGDCompressor(SeededCompressor):
     name = "qsgd"
     aggregation = Aggregation.SCATTER_GATHER
     unbiased = True
+    #: the bucket norms, the codes (a read and a draw per element, blocks of draws kept in
+    #: cache; at most a byte written), the decode (at most a byte read, an element written)
+    memory_passes = 3.5
 
     def __init__(self, config: QSGDConfig | None = None) -> None:
         self.config = config or QSGDConfig()

@@ -143,6 +143,9 @@ class SignCompressor(TableCodedCompressor):
 
     def __init__(self, config: SignVoteConfig | None = None) -> None:
         self.config = config or SignVoteConfig()
+        # the signs (a read, a bit written per element) and the decode (an element written);
+        # ``scaled`` reads the input once more for its RMS
+        self.memory_passes = 3.0 if self.config.scaled else 2.0
 
     def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
         """((1,) rms if ``scaled``); one sign bit per element, packed."""
@@ -195,6 +198,9 @@ class _ScaledSignCompressor(TableCodedCompressor):
 
     aggregation = Aggregation.GATHER
     unbiased = False
+    #: signs and the header's sums in one read (a bit written per element), the decode (an
+    #: element written)
+    memory_passes = 2.0
 
     #: reconstruction values per tensor (or per block): efsign 1, onebit 2
     header_values: int = 1

@@ -284,6 +284,9 @@ class RandomKCompressor(SeededCompressor):
 
     name = "randomk"
     aggregation = Aggregation.GATHER
+    #: a sum over the input (the finiteness check) and the decode's zero fill; the draws,
+    #: gathers and scatters touch only the kept entries
+    memory_passes = 2.0
 
     def __init__(self, config: RandomKConfig | None = None) -> None:
         self.config = config or RandomKConfig()
@@ -356,6 +359,8 @@ class ThresholdCompressor(Compressor):
     name = "threshold"
     aggregation = Aggregation.GATHER
     unbiased = False
+    #: the comparison (a read, a byte mask written and read back) and the decode's zero fill
+    memory_passes = 2.5
 
     def __init__(self, config: ThresholdConfig | None = None) -> None:
         self.config = config or ThresholdConfig()

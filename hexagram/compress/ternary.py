@@ -79,6 +79,9 @@ class TernGradCompressor(TableCodedCompressor, SeededCompressor):
     """
 
     name = "terngrad"
+    #: the min and max, the codes (a read and a draw per element), the decode (an element
+    #: written); ``clip`` adds one read for the standard deviation
+    memory_passes = 3.25
     aggregation = Aggregation.GATHER
 
     def __init__(self, config: TernGradConfig | None = None) -> None:
