@@ -44,11 +44,13 @@ test: lint docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # The one-GPU check (scripts/gpu_check.py): staged parts, a report in $(GPU_REPORT). It runs
-# with whatever Python has torch (no install): `make gpu-check PY=/path/to/python`.
+# with the project's .venv where there is one, else with whatever Python has torch (a GPU
+# machine's own; no install): `make gpu-check GPU_PY=/path/to/python`.
 GPU_REPORT ?= gpu-report
 GPU_PARTS ?= all
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
 gpu-check:
-	PYTHONPATH=. $(PY) scripts/gpu_check.py $(GPU_PARTS) --out $(GPU_REPORT)
+	PYTHONPATH=. $(GPU_PY) scripts/gpu_check.py $(GPU_PARTS) --out $(GPU_REPORT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache docs/_build
