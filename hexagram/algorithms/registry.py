@@ -116,13 +116,13 @@ def _pure_vote_lr(config: Any) -> LrNote | None:
 
 
 #: auto's PowerSGD compresses from its first step: its default 10 allreduce warm-up steps
-#: would run at allreduce's speed after the decision, 30 s at 100 Mbit/s for the 6.3M MLP,
-#: while digits accuracy is the same without them: 91.1 % vs 91.3 %, allreduce 91.5 %
+#: would run at allreduce's speed after the decision, where auto's own timing trials
+#: already stand in for a warm-up
 _POWERSGD_AUTO = Candidacy(("powersgd:start_iter=0",))
 #: the planner's PowerSGD trains like allreduce as a drop-in, not the registry default: rank
-#: 2 is the paper's speed setting; on the lab's small GPT with AdamW (pp=2 x dp=2, 200
-#: steps) rank 4 ended 2.4 % (train) / 3.7 % (validation) above allreduce, rank 8 0.7 % in
-#: both (docs/benchmarks/planner.md, section 6). ``start_iter`` 10 keeps the paper's
+#: 2 is the paper's speed setting; rank 8 is the lowest that ends within 1 % of allreduce's
+#: loss on a small GPT with AdamW (docs/benchmarks/planner.md, section 6). ``start_iter`` 10
+#: keeps the paper's
 #: full-precision warm-up (auto drops it: there the first steps are timing trials, here a
 #: plan trains from step 0)
 _POWERSGD_PLANNED = Planned({"rank": 8, "start_iter": 10})

@@ -67,11 +67,9 @@ def block_size(device: torch.device | None = None) -> int:
 
     CPU: temporaries of a block are reused, so they are allocated (and page-faulted) once
     instead of as large as the gradient, and there are few enough blocks that Python's
-    per-op overhead stays small. Measured on 25M float32 values, compress + decompress as a
-    fraction of a plain copy on a quiet 2-core machine, BLOCK -> 16 * BLOCK: qsgd 0.20 ->
-    0.36 with 2 threads (ops of a block now run on both), 0.46 -> 0.52 with 1 thread.
-    (BLOCK-sized blocks kept every op on one thread, which helped only on a machine so
-    overloaded that a second thread was often descheduled.)
+    per-op overhead stays small; a block is large enough for its ops to run on every
+    intra-op thread (BLOCK-sized blocks kept each op on one thread: slower on a machine
+    whose threads are free, ``benchmarks/compress_throughput.py`` measures it).
     CUDA: no cache to fit and a kernel launch per op per block, while the caching
     allocator reuses temporaries of any size: one block of the whole tensor.
     ``None`` means the CPU.

@@ -5,8 +5,8 @@ not all the CPU of every algorithm. gTop-k's tree (:mod:`hexagram.comm.gtopk`) s
 rank's ``k`` pairs by index, then in each of its ``ceil(log2 P)`` rounds packs them, unpacks
 the partner's, merges the two sparse sets (a stable sort of ``2k`` indices, the sums of
 shared ones, a top-k of the union) and checks which of its own pairs survived; finally the
-result is written into the segment. On the lab's 6.3M MLP that is about 0.1 CPU seconds a
-step and rank (4 ranks, one thread), where the model had counted 3 decodes of the payload.
+result is written into the segment: far more than the few decodes of the payload a
+generic gathered format costs (docs/benchmarks/auto.md has the measured figures).
 
 :func:`gtopk_tree_cost` runs those very functions (``merge_topk`` and the helpers the
 collective calls) on two of the job's tensor shapes, with the algorithm's own compressor

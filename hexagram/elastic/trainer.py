@@ -136,8 +136,7 @@ def _abort_all_groups() -> None:
     helper for aborting them all is private, hence the fallback. Idempotent: a second
     call (the watcher fires again in the same epoch) does nothing; before, torch's
     ``AssertionError`` ("Process group cannot be None") ended the watcher thread, and a
-    later failure then waited out the collective timeout (a 30 s DiLoCo stall in the
-    2026-11-26 soak)."""
+    later failure then waited out the collective timeout."""
     if not dist.is_initialized():  # aborted already
         return
     abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)

@@ -105,7 +105,7 @@ def _tp(cluster: Cluster, dtype: torch.dtype, device: torch.device, repeat: int,
 
     # over the ranks of one host, every host at once: the planner keeps tensor parallelism
     # inside a host (Alpa's submeshes), and across a slow network the collectives' time
-    # would hide DTensor's own cost (the residual came out 0 on the lab's 2 x 2)
+    # would hide DTensor's own cost in the residual
     world, hosts = dist.get_world_size(), cluster.hosts
     n = world // hosts
     ranks = init_device_mesh(device.type, (world,)) if hosts == 1 else init_device_mesh(
