@@ -103,3 +103,19 @@ def test_bad_hardware_names_the_field() -> None:
         SimCluster(device="tpu9")
     with pytest.raises(ConfigError, match="multiple of per_host"):
         HW.topology(3, per_host=2)
+
+
+def test_simulate_reads_the_clusters_device() -> None:
+    from hexagram.algorithms.labels import simulable
+    from hexagram.cost.devices import device
+    from hexagram.cost.simulate import params_compute, simulate
+
+    compute = params_compute(2_000_000, layers=4, dev="p102")
+    labels, worlds = ["allreduce", "topk"], [8, 512]
+    own = simulate(labels, worlds, compute, SimCluster(device="p102"), make=simulable)
+    given = simulate(labels, worlds, compute, SimCluster(), device("p102"), make=simulable)
+    none = simulate(labels, worlds, compute, SimCluster(), make=simulable)
+    assert own == given
+    # with a device, top-k's encode and decode cost HBM time; without one, nothing
+    assert [r.compress_s > 0 for r in own] == [False, True, False, True]
+    assert [r.compress_s for r in none] == [0.0] * 4

@@ -22,8 +22,9 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from hexagram.cost.collectives import (
     BACKENDS,
@@ -183,7 +184,10 @@ class Cluster:
             f"simulated: {h} x {d}, {intra} / {inter}, {self.backend} schedules"])
 
 
-def _named(value: Any, preset: Any) -> Any:
+_Named = TypeVar("_Named", Link, Device)
+
+
+def _named(value: _Named, preset: Callable[[str], _Named]) -> str | _Named:
     """``value``'s preset name where the preset of that name is ``value``, else ``value``."""
     try:
         return value.name if preset(value.name) == value else value
