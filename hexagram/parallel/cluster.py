@@ -277,9 +277,9 @@ class Cluster:
             (25.0, 20.0, 80.0)
         """
         backend = fields.pop("backend", cls.__dataclass_fields__["backend"].default)
-        hw = Hardware.from_presets(hosts=hosts, devices_per_host=devices_per_host,
-                                   intra=intra, inter=inter, device=device, backend=backend)
-        return cls.from_hardware(hw, **fields)
+        hw = Hardware.from_presets(intra=intra, inter=inter, device=device, backend=backend)
+        # the shape is checked by the planner's rules (a power of two per host)
+        return cls.from_hardware(hw, hosts=hosts, devices_per_host=devices_per_host, **fields)
 
     @classmethod
     def parse(cls, text: str, **fields: Any) -> Cluster:
