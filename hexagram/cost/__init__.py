@@ -3,11 +3,17 @@ compressor and network profiles, and the collective prices the planner charges t
 
 - :mod:`hexagram.cost.facts`: the interface the model reads algorithms through (it imports
   none), and how a new compressor or algorithm declares what it is priced by;
-- :mod:`hexagram.cost.devices` and :mod:`hexagram.cost.collectives`: the hardware (device
-  and link presets, a :class:`~hexagram.cost.collectives.Topology` of hosts and their two
-  links) and the collective schedules on it (ring, tree, recursive doubling, hierarchical,
-  all-to-all, neighbour exchange, gTop-k rounds): ``simulate``, ``advise`` and the
-  planner's :class:`~hexagram.parallel.mesh.Mesh` price collectives there;
+- :mod:`hexagram.cost.hardware`: the one hardware description
+  (:class:`~hexagram.cost.hardware.Hardware`: hosts, devices per host, the links inside and
+  between hosts, uplinks, the device, the backend; from the presets of
+  :mod:`hexagram.cost.devices` or measured), of which ``simulate``'s cluster
+  (:mod:`hexagram.cost.cluster`) and the planner's
+  :class:`~hexagram.parallel.cluster.Cluster` are views;
+- :mod:`hexagram.cost.collectives`: the collective schedules (ring, tree, recursive
+  doubling, hierarchical, all-to-all, neighbour exchange, gTop-k rounds) on a
+  :class:`~hexagram.cost.collectives.Topology` (a collective's ranks laid on the hosts,
+  :meth:`Hardware.topology <hexagram.cost.hardware.Hardware.topology>`): ``simulate``,
+  ``advise`` and the planner's :class:`~hexagram.parallel.mesh.Mesh` price collectives there;
 - :mod:`hexagram.cost.fit` and :mod:`hexagram.cost.stopwatch`: the one fit (latency +
   bytes / rate, a + b n) and the one stopwatch (interleaved turns) every measurement uses;
 - :mod:`hexagram.cost.schedule`: the messages and wire bytes of one step, read off the

@@ -29,13 +29,14 @@ EFFICIENCY = 0.4
 
 @dataclass(frozen=True)
 class Device:
-    """An accelerator: peak dense BF16 FLOP/s, HBM bytes/s and bytes, its NVLink rate."""
+    """An accelerator: peak dense BF16 FLOP/s, HBM bytes/s and bytes, its NVLink rate
+    (a measured device, e.g. the planner's calibrated one, has no preset fabric: ``""``)."""
 
     name: str
     flops: float  # peak dense BF16 FLOP/s
     hbm_bps: float  # memory bandwidth, bytes/s
     memory: float  # bytes
-    nvlink: str  # the LINKS preset of its intra-host fabric
+    nvlink: str = ""  # the LINKS preset of its intra-host fabric
 
 
 DEVICES: dict[str, Device] = {

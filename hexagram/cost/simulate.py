@@ -9,9 +9,11 @@ built from link presets instead of a probe are handed to the step-time model
 :mod:`hexagram.cost.schedule`. So ``simulate`` predicts exactly what ``advise`` would predict
 had it probed the same network.
 
-The cluster's network (``P = hosts x d`` ranks, intra link ``a``, inter link ``e`` with rate
-``B_e = links x rate / oversubscription`` per host) times each message with the schedule
-the backend really runs for its size (:mod:`hexagram.cost.collectives`): NCCL's faster of
+The cluster (:class:`~hexagram.cost.cluster.Cluster`, re-exported here: a view of the one
+hardware description, :class:`~hexagram.cost.hardware.Hardware`) gives the network of
+``P = hosts x d`` ranks (intra link ``a``, inter link ``e`` with rate
+``B_e = links x rate / oversubscription`` per host), which times each message with the
+schedule the backend really runs for its size (:mod:`hexagram.cost.collectives`): NCCL's faster of
 ring and double binary tree for allreduce (so large-P latency grows with ``log2 H``, not
 ``2 (P-1)``), rings for allgather, the all-to-all's uplink share, hierarchical allreduce
 around the leaders' allreduce, gTop-k's butterfly (its cross-host rounds share the uplink
@@ -43,19 +45,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from hexagram.cost.collectives import (
-    BACKENDS,
-    Topology,
-    collective_time,
-    gtopk_tree,
-    hierarchical_allreduce,
-    peer_exchange,
-)
-from hexagram.cost.devices import EFFICIENCY, Device, device, link
+from hexagram.cost.cluster import Cluster, ClusterNetwork, ScheduleFit
+from hexagram.cost.devices import EFFICIENCY, Device, device
 from hexagram.cost.facts import Priced
 from hexagram.cost.labels import applicable
 from hexagram.cost.model import MB, predict_any
-from hexagram.cost.probe import Fit, NetworkProfile
 from hexagram.cost.profile import CompressorCost, ComputeProfile
 from hexagram.cost.schedule import Message, TensorSpec, analytic_payloads, is_lossy
 from hexagram.errors import ConfigError
@@ -66,122 +60,6 @@ __all__ = ["Cluster", "ClusterNetwork", "MakeLabel", "Row", "ScheduleFit",
 
 #: a label's algorithm, or why it cannot be simulated (a sentence)
 MakeLabel = Callable[[str], Priced | str]
-
-
-@dataclass(frozen=True)
-class ScheduleFit(Fit):
-    """A :class:`Fit` whose time runs the collective schedule the backend picks for the
-    message's size (:func:`hexagram.cost.collectives.choose`), so latency and rate follow
-    ring, tree, recursive doubling or butterfly as the size and world size dictate.
-    ``latency_s`` / ``rate_bps`` hold the ring's figures (what a JSON profile records)."""
-
-    op: str = "allreduce"
-    topo: Topology | None = None
-    backend: str = "nccl"
-
-    def time(self, sent: int, rounds: int = 1) -> float:
-        t = self.topo
-        if t is None or t.world == 1:
-            return super().time(sent, rounds)
-        p, d, h = t.world, t.per_host, t.hosts
-        # the whole tensor each message is a share of, priced as the planner prices it
-        if self.op == "allreduce":
-            return collective_time("allreduce", sent * p / (2 * (p - 1)), t, self.backend)
-        if self.op == "allgather":
-            return collective_time("allgather", sent * p / (p - 1), t, self.backend)
-        if self.op == "alltoall":
-            return collective_time("all_to_all", sent * p / (p - 1), t, self.backend)
-        if self.op == "hierarchical":
-            return hierarchical_allreduce(sent / ((d - 1) + 2 * (h - 1) / h), t, self.backend)
-        if rounds > 1:  # gTop-k: rank 0 sends k pairs in each of ceil(log2 P) rounds
-            return gtopk_tree(sent / math.ceil(math.log2(p)), t)
-        return peer_exchange(sent, t)
-
-
-class ClusterNetwork(NetworkProfile):
-    """A :class:`NetworkProfile` of :class:`ScheduleFit` s (size-aware), with a
-    ``"hierarchical"`` fit of its own (a probe has none: it fits the intra-host allreduce
-    instead). ``to_json`` writes the ring's linear fits."""
-
-    def fit(self, op: str) -> Fit:
-        """The op's schedule fit; a ``pair`` message (gTop-k's rounds) runs ``p2p``'s,
-        whose ``rounds > 1`` is the gTop-k tree (:func:`~hexagram.cost.collectives.
-        gtopk_tree`)."""
-        op = "p2p" if op == "pair" else op
-        return self.fits[op] if op in self.fits else super().fit(op)
-
-    def to_json(self) -> dict[str, Any]:
-        out = super().to_json()
-        out["fits"] = {k: {"latency_s": v.latency_s, "rate_bps": v.rate_bps}
-                       for k, v in self.fits.items()}
-        return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cluster:
-    """Hosts of ``devices_per_host`` devices.
-
-    Attributes:
-        devices_per_host: ranks per host (more => more traffic shares each host's uplink).
-        intra: link preset inside a host (:data:`hexagram.cost.devices.LINKS`).
-        inter: link preset between hosts (lower rate => communication matters more).
-        inter_links: uplinks per host (DGX-style hosts have one NIC per GPU).
-        oversubscription: of the inter-host fabric (2.0 => half the rate across hosts).
-        backend: whose collective schedules run (:data:`hexagram.cost.collectives.BACKENDS`:
-            ``nccl`` ring or tree, ``gloo`` ring only, ``mpi`` MPICH's defaults).
-    """
-
-    devices_per_host: int = 8
-    intra: str = "nvlink"
-    inter: str = "25gbe"
-    inter_links: int = 1
-    oversubscription: float = 1.0
-    backend: str = "nccl"
-
-    def __post_init__(self) -> None:
-        for name in ("devices_per_host", "inter_links"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"cluster: {name} must be an integer >= 1, got "
-                                  f"{getattr(self, name)!r}")
-        if not self.oversubscription >= 1.0:
-            raise ConfigError(f"cluster: oversubscription must be >= 1 (1 = full bisection), "
-                              f"got {self.oversubscription!r}")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"cluster: backend must be one of {', '.join(BACKENDS)}, got "
-                              f"{self.backend!r}")
-        link(self.intra), link(self.inter)  # unknown presets fail here
-
-    def topology(self, world: int) -> Topology:
-        """``world`` ranks on full hosts (or one partial host below ``d``)."""
-        if not isinstance(world, int) or world < 1:
-            raise ConfigError(f"world size must be an integer >= 1, got {world!r}")
-        d = min(self.devices_per_host, world)
-        if world % d:
-            raise ConfigError(f"world size {world} is not a multiple of devices_per_host "
-                              f"{d}; use whole hosts")
-        a, e = link(self.intra), link(self.inter)
-        return Topology(world, d, a.rate_bps, a.latency_s,
-                        e.rate_bps * self.inter_links / self.oversubscription, e.latency_s)
-
-    def network(self, world: int) -> ClusterNetwork:
-        """The network of ``world`` ranks: each collective's :class:`ScheduleFit`."""
-        t = self.topology(world)
-        p, d, h = world, t.per_host, t.hosts
-        lat = t.intra_lat if h == 1 else t.inter_lat
-        ring_lat = 2 * (p - h) * t.intra_lat + 2 * (h - 1) * t.inter_lat
-        off = (d * (p - d) / (p * t.inter_bps) if h > 1 else (d - 1) / (p * t.intra_bps))
-        linear = {"allreduce": (ring_lat, t.ring_bps),
-                  "allgather": (ring_lat / 2, t.ring_bps),
-                  "alltoall": (max(lat, t.intra_lat), (p - 1) / p / max(off, 1e-300)),
-                  "p2p": (lat, t.ring_bps)}
-        if d > 1:
-            n = (d - 1) + 2 * (h - 1) / h  # bytes the leader sends per byte of bucket
-            linear["hierarchical"] = (0.0, n / max(hierarchical_allreduce(1e9, t, "gloo")
-                                                   / 1e9, 1e-300))
-        fits: dict[str, Fit] = {op: ScheduleFit(lat_s, rate, op, t, self.backend)
-                                for op, (lat_s, rate) in linear.items()}
-        return ClusterNetwork(world, h, fits, None, notes=[
-            f"simulated: {h} x {d}, {self.intra} / {self.inter}, {self.backend} schedules"])
 
 
 def module_tensors(module: nn.Module) -> list[TensorSpec]:
@@ -314,8 +192,9 @@ def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfi
     (the registry's names); pass another to price algorithms of your own. ``costs`` maps
     a label to its compressor's cost (e.g.
     :func:`hexagram.cost.profile.measure_compressor` on this machine); labels without one
-    get :func:`device_compressor_cost` of ``dev``. ``dev`` may be None: then no memory
-    check and no compression CPU for labels without a cost.
+    get :func:`device_compressor_cost` of ``dev``. ``dev`` may be None: then the cluster's
+    ``device`` if it has one, else no memory check and no compression CPU for labels
+    without a cost.
 
     Payload sizes come from shapes and configs (:func:`hexagram.cost.schedule.analytic_payloads`),
     nothing is compressed.
@@ -323,6 +202,7 @@ def simulate(labels: Sequence[str], worlds: Sequence[int], compute: ComputeProfi
     Raises:
         ConfigError: unknown algorithm or preset, a world size that is not whole hosts.
     """
+    dev = cluster.hardware().device if dev is None else dev
     with analytic_payloads():
         return _simulate(labels, worlds, compute, cluster, dev, bucket_mb, costs, make)
 

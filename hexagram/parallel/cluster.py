@@ -1,8 +1,17 @@
 """The planner's input: a validated description of the cluster and of the degrees to keep.
 
-:class:`Cluster` gives devices, memory and link rates (torchtitan ``ParallelDims`` style:
-every field checked in ``__post_init__`` with an actionable message naming it). Rates are
-*achievable* figures, not peaks; :mod:`hexagram.parallel.calibrate` measures them here.
+:class:`Cluster` is the cost model's one hardware description
+(:class:`hexagram.cost.hardware.Hardware`: hosts, devices, the links inside and between
+hosts, the backend) in the planner's units, plus the correction terms the planner measures
+on top of the kernel's prices (framework overheads, core sharing, the gradient sync's
+scale). Its link and device fields are the keyword and JSON form; :attr:`Cluster.hardware`
+is what every price reads (:meth:`Cluster.topology`, the planner's
+:class:`~hexagram.parallel.mesh.Mesh`). :meth:`Cluster.from_hardware` plans for any
+hardware description, ``hexagram simulate``'s presets included
+(:meth:`hexagram.cost.simulate.Cluster.hardware`). Every field is checked in
+``__post_init__`` with an actionable message naming it (torchtitan ``ParallelDims`` style).
+Rates are *achievable* figures, not peaks; :mod:`hexagram.parallel.calibrate` measures them
+here.
 
 Units: link rates in gigabits per second (Gbit/s, as NICs are sold), compute in TFLOP/s,
 memory in GB (1e9 bytes), latencies in microseconds.
@@ -14,6 +23,8 @@ Example:
     (16, [1, 2, 4, 8, 16])
     >>> Cluster.parse("4x8").devices
     32
+    >>> c.hardware.inter.rate_bps * 8 / 1e9, c.hardware.topology().hosts
+    (100.0, 2)
 """
 
 from __future__ import annotations
@@ -24,10 +35,17 @@ from typing import Any
 
 from hexagram.config import check_choice, check_float, check_int
 from hexagram.cost.collectives import BACKENDS, Topology
+from hexagram.cost.devices import Device, Link
+from hexagram.cost.hardware import Hardware
 from hexagram.errors import ConfigError
 from hexagram.parallel.rules import check_priced
 
 __all__ = ["Cluster", "Constraints", "Submesh"]
+
+#: the planner's fields that are the hardware description's (:attr:`Cluster.hardware`)
+_HARDWARE_FIELDS = frozenset({
+    "hosts", "devices_per_host", "intra_host_gbps", "inter_host_gbps", "device_memory_gb",
+    "device_tflops", "memory_gbps", "intra_latency_us", "inter_latency_us", "backend"})
 
 
 @dataclass(frozen=True)
@@ -132,13 +150,43 @@ class Cluster:
         check_int(self, "optimizer_bytes", low=0)
         check_choice(self, "backend", BACKENDS)
 
+        # the one description every price reads (a field-free attribute: not in ==, JSON)
+        object.__setattr__(self, "_hardware", self._describe())
+
+    def _describe(self) -> Hardware:
+        """The link and device fields in the kernel's units (bytes/s, s, FLOP/s, bytes)."""
+        return Hardware(
+            hosts=self.hosts, devices_per_host=self.devices_per_host,
+            intra=Link("intra-host", self.intra_host_gbps * 1e9 / 8,
+                       self.intra_latency_us * 1e-6),
+            inter=Link("inter-host", self.inter_host_gbps * 1e9 / 8,
+                       self.inter_latency_us * 1e-6),
+            device=Device("device", self.device_tflops * 1e12, self.memory_gbps * 1e9,
+                          self.device_memory_gb * 1e9),
+            efficiency=1.0, backend=self.backend)
+
+    @property
+    def hardware(self) -> Hardware:
+        """This cluster's hosts, links and device as the cost model's one description (its
+        figures in bytes/s, seconds, FLOP/s; the compute figure is achievable, so its
+        efficiency is 1)."""
+        return self._hardware  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def corrections(self) -> dict[str, Any]:
+        """The fields that are not hardware: what the planner measures on top of the
+        kernel's prices, and its dtype and optimizer (``from_hardware(c.hardware,
+        **c.corrections)`` is ``c`` again, up to the units' rounding)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in _HARDWARE_FIELDS}
+
     @property
     def devices(self) -> int:
         return self.hosts * self.devices_per_host
 
     @property
     def memory_bytes(self) -> float:
-        return self.device_memory_gb * 1e9
+        return self.hardware.memory_bytes
 
     def sharing(self, busy: float) -> float:
         """How much slower each rank computes when ``busy`` ranks of a host compute at once
@@ -153,9 +201,10 @@ class Cluster:
 
     def link(self, inter: bool) -> tuple[float, float]:
         """(alpha seconds, bytes per second) of the inter-host or intra-host link."""
+        hw = self.hardware
         if inter:
-            return self.inter_latency_us * 1e-6, self.inter_host_gbps * 1e9 / 8
-        return self.intra_latency_us * 1e-6, self.intra_host_gbps * 1e9 / 8
+            return hw.inter.latency_s, hw.uplink_bps
+        return hw.intra.latency_s, hw.intra.rate_bps
 
     def topology(self, ranks: int, per_host: int, uplink_share: int = 1) -> Topology:
         """``ranks`` of one collective, ``per_host`` of them on each host, on this cluster's
@@ -167,8 +216,7 @@ class Cluster:
             >>> t.hosts, t.per_host, t.inter_bps * 8 / 1e9
             (2, 2, 200.0)
         """
-        (intra_lat, intra), (inter_lat, inter) = self.link(False), self.link(True)
-        return Topology(ranks, per_host, intra, intra_lat, inter / uplink_share, inter_lat)
+        return self.hardware.topology(ranks, per_host, uplink_share)
 
     def submeshes(self) -> list[Submesh]:
         """Alpa's submesh shapes: (1, 1), (1, 2), ..., (1, per_host), (2, per_host), ..."""
@@ -184,30 +232,54 @@ class Cluster:
         return dataclasses.replace(self, **changes)
 
     @classmethod
+    def from_hardware(cls, hw: Hardware, *, hosts: int | None = None,
+                      **fields: Any) -> Cluster:
+        """The cluster of a hardware description (:class:`hexagram.cost.hardware.Hardware`,
+        e.g. ``hexagram simulate``'s :meth:`hexagram.cost.simulate.Cluster.hardware`) with
+        ``hosts`` hosts (default: ``hw.hosts``): its links (the uplink as ``links x rate /
+        oversubscription``), backend and, where ``hw`` has a device, its achievable compute
+        (peak x efficiency), memory bandwidth and size; other fields (the planner's
+        corrections, or hardware fields to override) from ``fields``.
+
+        Example:
+            >>> from hexagram.cost.simulate import Cluster as Simulated
+            >>> hw = Simulated(devices_per_host=8, inter="25gbe", inter_links=2,
+            ...                device="h100").hardware()
+            >>> c = Cluster.from_hardware(hw, hosts=4, dtype_bytes=4)
+            >>> c.devices, c.inter_host_gbps, c.backend, c.dtype_bytes
+            (32, 50.0, 'nccl', 4)
+        """
+        figures: dict[str, Any] = {
+            "hosts": hw.hosts if hosts is None else hosts,
+            "devices_per_host": hw.devices_per_host,
+            "intra_host_gbps": hw.intra.rate_bps * 8 / 1e9,
+            "intra_latency_us": hw.intra.latency_s * 1e6,
+            "inter_host_gbps": hw.uplink_bps * 8 / 1e9,
+            "inter_latency_us": hw.inter.latency_s * 1e6, "backend": hw.backend}
+        if hw.device is not None:
+            figures.update(device_tflops=hw.flops / 1e12, memory_gbps=hw.device.hbm_bps / 1e9,
+                           device_memory_gb=hw.device.memory / 1e9)
+        return cls(**{**figures, **fields})
+
+    @classmethod
     def from_presets(cls, hosts: int, devices_per_host: int, *, intra: str, inter: str,
                      device: str | None = None, **fields: Any) -> Cluster:
         """A cluster of the cost model's presets (:mod:`hexagram.cost.devices`): the link
         inside a host and between hosts (``"nvlink"``, ``"25gbe"``, ``"100mbit"``, ...)
         and, with ``device``, its datasheet at the model's efficiency (other fields from
-        ``fields``): the hardware ``hexagram simulate`` describes, for the planner.
+        ``fields``, the backend gloo unless given): the hardware ``hexagram simulate``
+        describes, for the planner (:meth:`from_hardware` of
+        :meth:`hexagram.cost.hardware.Hardware.from_presets`).
 
         Example:
             >>> c = Cluster.from_presets(2, 8, intra="nvlink", inter="25gbe", device="h100")
             >>> c.inter_host_gbps, c.inter_latency_us, c.device_memory_gb
             (25.0, 20.0, 80.0)
         """
-        from hexagram.cost.devices import EFFICIENCY, link
-        from hexagram.cost.devices import device as datasheet
-
-        a, e = link(intra), link(inter)
-        hardware: dict[str, Any] = {
-            "intra_host_gbps": a.rate_bps * 8 / 1e9, "intra_latency_us": a.latency_s * 1e6,
-            "inter_host_gbps": e.rate_bps * 8 / 1e9, "inter_latency_us": e.latency_s * 1e6}
-        if device is not None:
-            d = datasheet(device)
-            hardware.update(device_tflops=d.flops * EFFICIENCY / 1e12,
-                            memory_gbps=d.hbm_bps / 1e9, device_memory_gb=d.memory / 1e9)
-        return cls(hosts=hosts, devices_per_host=devices_per_host, **{**hardware, **fields})
+        backend = fields.pop("backend", cls.__dataclass_fields__["backend"].default)
+        hw = Hardware.from_presets(intra=intra, inter=inter, device=device, backend=backend)
+        # the shape is checked by the planner's rules (a power of two per host)
+        return cls.from_hardware(hw, hosts=hosts, devices_per_host=devices_per_host, **fields)
 
     @classmethod
     def parse(cls, text: str, **fields: Any) -> Cluster:

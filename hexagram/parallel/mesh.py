@@ -71,6 +71,6 @@ class Mesh:
 
     def compute(self, flops: float, nbytes: float) -> float:
         """Forward + backward seconds of an operator (backward ~ 2x forward)."""
-        c = self.cluster
-        return 3.0 * (c.op_overhead_us * 1e-6 + max(flops / (c.device_tflops * 1e12),
-                                                     nbytes / (c.memory_gbps * 1e9)))
+        c, hw = self.cluster, self.cluster.hardware
+        return 3.0 * (c.op_overhead_us * 1e-6 + max(flops / hw.flops,
+                                                     nbytes / hw.memory_bps))
