@@ -139,11 +139,13 @@ def _encode_seconds(name: str, shape: tuple[int, ...], mesh: Mesh) -> float:
     if comp.memory_passes is None:
         raise ConfigError(f"{name}: its compressor {comp.name!r} declares no memory_passes; "
                           "the planner cannot price its encode (set memory_passes on the class)")
-    # passes over the gradient to encode + decode (read/write): the compressor's declaration
-    secs = comp.memory_passes * n * 4 / (c.memory_gbps * 1e9) + c.op_overhead_us * 1e-6
+    # passes over the gradient to encode + decode (read/write): the compressor's declaration,
+    # at the device's memory rate in the one hardware description
+    hw = c.hardware
+    secs = comp.memory_passes * n * 4 / hw.memory_bps + c.op_overhead_us * 1e-6
     if name == "powersgd" and len(shape) >= 2:  # M Q, M^T P, P Q^T
         rank = _compressor(name, mesh.dp_options).config.rank  # type: ignore[union-attr]
-        secs += 6.0 * n * rank / (c.device_tflops * 1e12)
+        secs += 6.0 * n * rank / hw.flops
     return secs
 
 
