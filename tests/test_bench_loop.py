@@ -32,7 +32,9 @@ def test_train_step_runs_the_hook_between_the_update_and_zero_grad() -> None:
         seen.append(model.weight.grad is not None and not torch.equal(model.weight, before))
 
     step = train_step(model, opt, nn.functional.mse_loss, after_step)
-    step(torch.ones(2, 3), torch.zeros(2, 1))
+    x, y = torch.ones(2, 3), torch.zeros(2, 1)
+    expected = nn.functional.mse_loss(model(x), y).detach()
+    assert torch.equal(step(x, y), expected)  # the loss before the update
     assert seen == [True] and model.weight.grad is None  # zero_grad last
 
 

@@ -57,14 +57,17 @@ def train_step(model: Callable[[Any], Any], optimizer: torch.optim.Optimizer, lo
                after_step: Callable[[], None] | None = None) -> Step:
     """The data-parallel step: ``loss(model(x), y).backward()``, ``optimizer.step()``,
     ``after_step()`` (a wrapper's hook: model averaging runs there), ``optimizer.zero_grad()``.
-    ``model`` is the wrapped model (its backward communicates)."""
+    ``model`` is the wrapped model (its backward communicates). The step returns the loss,
+    detached (reading its value is the caller's choice: it syncs a GPU)."""
 
-    def step(x: Any, y: Any) -> None:
-        loss(model(x), y).backward()
+    def step(x: Any, y: Any) -> Tensor:
+        value = loss(model(x), y)
+        value.backward()
         optimizer.step()
         if after_step is not None:
             after_step()
         optimizer.zero_grad()
+        return value.detach()
     return step
 
 
