@@ -119,13 +119,15 @@ class Loop:
         return out
 
     def _fault(self, at: int) -> contextlib.AbstractContextManager[None]:
-        fault = None if self.faults is None else self.faults.faults.get(at)
+        """The fault due at step ``at``: fired now (before the clock starts), or armed to
+        fire inside the step (:attr:`inside`)."""
+        if self.faults is None:
+            return contextlib.nullcontext()
+        fault = self.faults.faults.get(at)
         if fault is None or not self.inside:
-            if self.faults is not None:
-                self.faults.at_step(at)
+            self.faults.at_step(at)
             return contextlib.nullcontext()
         name, _, call = self.inside.partition(":")
-        assert self.faults is not None
         return self.faults.inside(dist, name, rank=self.faults.rank, action=fault.action,
                                   call=int(call or 1), when="after")
 
@@ -190,7 +192,18 @@ def run_epochs(loop: Loop, progress: Progress,
                batches: Callable[[int], Sequence[tuple[Any, Any]]], *, epochs: int,
                evals_per_epoch: int) -> None:
     """Evaluate, then train epoch after epoch (``batches(epoch)``), evaluating
-    ``evals_per_epoch`` times an epoch, until ``progress`` is done or ``epochs`` ran."""
+    ``evals_per_epoch`` times an epoch (:func:`eval_marks`), until ``progress`` is done or
+    ``epochs`` ran. Every rank must call it with as many batches per epoch: the evaluations
+    are collectives, and the stop is decided on agreed figures, at the same step everywhere.
+
+    Example (on every rank of a process group):
+        >>> progress = Progress(evaluate=lambda: accuracy(model), reached_by=lambda v: v >= 0.9,
+        ...                     time_limit=600.0)                     # doctest: +SKIP
+        >>> run_epochs(loop, progress, epoch_batches, epochs=5,
+        ...            evals_per_epoch=2)                             # doctest: +SKIP
+        >>> progress.reached["step"] == loop.steps                    # doctest: +SKIP
+        True
+    """
     progress.check(loop, 0.0)
     for epoch in range(epochs):
         chunk = batches(epoch)
