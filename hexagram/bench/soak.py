@@ -10,7 +10,8 @@ step, the median step time and the final test accuracy of every replica.
 
 The global batch is constant: at step ``s`` the ``world * batch`` samples of the step are
 split among the members of the current membership (each takes ``1/size`` of them), so a
-run with failures sees the same samples in the same order as one without.
+run with failures sees the same samples in the same order as one without. Steps, their
+times and the kills run through :mod:`hexagram.bench.loop`, as every measurement's.
 
 Example:
     >>> report = run_soak(world=4, steps=300, kill="1@100,2@200")   # doctest: +SKIP

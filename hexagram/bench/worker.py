@@ -11,7 +11,7 @@ communication) with the moment each parameter's gradient is ready in it, then ``
 wrapped steps, then the timed steps; bytes reported by the algorithm and bytes counted on
 the host's interface over the timed steps; the process's CPU seconds per step, for the
 local step and the timed steps (where the CPU is shared, an algorithm's own CPU work is
-what it cannot overlap).
+what it cannot overlap). The wrapped steps run through :mod:`hexagram.bench.loop`.
 """
 
 from __future__ import annotations
