@@ -25,7 +25,6 @@ import argparse
 import os
 import platform
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ DEFAULT = [
 
 def _one(name: str, config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     import hexagram as hx
+    from hexagram.bench.loop import Loop, train_step
     from hexagram.models.mlp import mlp
 
     rt = hx.get_runtime()
@@ -54,18 +54,15 @@ def _one(name: str, config: dict[str, Any], args: argparse.Namespace) -> dict[st
     gen = torch.Generator().manual_seed(rt.rank)
     x = torch.rand(args.batch, 1, 28, 28, generator=gen)
     y = torch.randint(0, 10, (args.batch,), generator=gen)
-    times, sent = [], 0
+    loop, sent = Loop(step=train_step(model, opt, nn.functional.cross_entropy)), 0
     for step in range(args.warmup + args.steps):
         torch.distributed.barrier()
-        start, before = time.perf_counter(), model.bytes_sent()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        before = model.bytes_sent()
+        loop.run(x, y)
         if step >= args.warmup:
-            times.append(time.perf_counter() - start)
             sent += model.bytes_sent() - before
     model.close()
-    return {"bytes": sent / args.steps, "time": statistics.median(times),
+    return {"bytes": sent / args.steps, "time": statistics.median(loop.times[args.warmup:]),
             "params": sum(p.numel() for p in net.parameters())}
 
 
@@ -84,6 +81,7 @@ DIGITS: list[tuple[str, dict[str, Any], float, float]] = [
 def _digits_one(name: str, config: dict[str, Any], lr: float, momentum: float,
                 epochs: int = 20, batch: int = 32) -> dict[str, float]:
     import hexagram as hx
+    from hexagram.bench.loop import train_step
     from hexagram.data import load, shard
     from hexagram.models.mlp import mlp
 
@@ -96,14 +94,12 @@ def _digits_one(name: str, config: dict[str, Any], lr: float, momentum: float,
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, [epochs * 3 // 4], gamma=0.1)
     model = hx.DistributedDataParallel(net, optimizers=[opt],
                                        algorithm=hx.algorithms.get(name, **config))
-    steps = 0
+    step, steps = train_step(model, opt, nn.functional.cross_entropy), 0
     for epoch in range(epochs):
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
         for start in range(0, len(y) - batch + 1, batch):
             idx = order[start:start + batch]
-            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-            opt.zero_grad()
+            step(x[idx], y[idx])
             steps += 1
         sched.step()
     with torch.no_grad():

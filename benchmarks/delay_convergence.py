@@ -108,6 +108,7 @@ def _train(spec: dict[str, Any], name: str, delay: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import hexagram as hx
+    from hexagram.bench.loop import train_step
     from hexagram.bench.peers import make_optimizer
 
     rank = dist.get_rank()
@@ -122,14 +123,9 @@ def _train(spec: dict[str, Any], name: str, delay: int) -> dict[str, Any]:
     options = {"predict": spec["predict"]} if delay else {}
     algo = hx.algorithms.get(name, delay=delay, **options, **spec["config"].get(name, {}))
     model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algo)
-    losses = []
+    step = train_step(model, opt, lambda out, y: _loss(spec, out, y))
     t0 = time.perf_counter()
-    for x, y in _batches(spec, source, rank):
-        loss = _loss(spec, model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+    losses = [float(step(x, y)) for x, y in _batches(spec, source, rank)]
     model.synchronize()  # delay=1: the last step's gradient is applied here
     seconds = time.perf_counter() - t0
     metric = _metric(spec, net, source)

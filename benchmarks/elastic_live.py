@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from hexagram.bench.live import _optimizer, batch, net, run_live
+from hexagram.bench.loop import Loop, train_step
 from hexagram.launch import run_local
 
 
@@ -38,16 +38,11 @@ def _plain(steps: int, algorithm: str) -> float:
     module = net()
     opt = _optimizer(module)
     model = hx.DistributedDataParallel(module, optimizers=[opt], algorithm=algorithm)
-    times = []
+    loop = Loop(step=train_step(model, opt, nn.functional.mse_loss))  # live mode's loop
     for step in range(steps):
-        x, y = batch(step, dist.get_rank())
-        start = time.perf_counter()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - start)
+        loop.run(*batch(step, dist.get_rank()))
     model.close()
-    return statistics.median(times)
+    return statistics.median(loop.times)
 
 
 def measure(steps: int, algorithm: str, heartbeat_timeout: float) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import torch
 from torch import nn
@@ -28,6 +27,7 @@ def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import hexagram as hx
+    from hexagram.bench.loop import Loop, train_step
     from hexagram.models import hidden_for_params, mlp
 
     rt = hx.init()
@@ -46,25 +46,23 @@ def _worker(params: float, batch: int, rounds: int, block: int, bucket_mb: float
     theirs = TorchDDP(b, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=ddp_views)
     gen = torch.Generator().manual_seed(rt.rank)
     x, y = torch.randn(batch, 784, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
-    times: dict[str, list[float]] = {"hexagram": [], "ddp": []}
+    loss = nn.functional.cross_entropy
+    loops = {"hexagram": Loop(step=train_step(ours, opt_a, loss)),
+             "ddp": Loop(step=train_step(theirs, opt_b, loss))}
 
-    def run(model: nn.Module, opt: torch.optim.Optimizer, key: str, record: bool,
-            steps: int = block) -> None:
+    def run(key: str, steps: int = block) -> None:
         for _ in range(steps):
-            start = time.perf_counter()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if record:
-                times[key].append(time.perf_counter() - start)
+            loops[key].run(x, y)
 
-    run(ours, opt_a, "hexagram", False, max(block, warmup))  # warm-up; re-buckets by ready order
-    run(theirs, opt_b, "ddp", False)
+    run("hexagram", max(block, warmup))  # warm-up; re-buckets by ready order
+    run("ddp")
+    warm = {key: loop.steps for key, loop in loops.items()}
     for r in range(rounds):
-        pair = [(ours, opt_a, "hexagram"), (theirs, opt_b, "ddp")]
-        for model, opt, key in (pair if r % 2 == 0 else pair[::-1]):
+        pair = ["hexagram", "ddp"]
+        for key in (pair if r % 2 == 0 else pair[::-1]):
             dist.barrier()
-            run(model, opt, key, True)
+            run(key)
+    times = {key: loop.times[warm[key]:] for key, loop in loops.items()}
     n_params = sum(p.numel() for p in a.parameters())
     return {"times": times, "params": n_params, "bytes": ours.bytes_sent(),
             "ran": getattr(algo, "label", algorithm)}

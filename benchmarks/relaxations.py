@@ -101,6 +101,7 @@ def _measure(kind: str, cfg: dict[str, Any], params: float, batch: int, steps: i
              ) -> dict[str, float]:
     import torch.distributed as dist
 
+    from hexagram.bench.loop import train_step
     from hexagram.models import hidden_for_params, mlp
     from hexagram.optim import QAdamOptimizer
 
@@ -114,18 +115,14 @@ def _measure(kind: str, cfg: dict[str, Any], params: float, batch: int, steps: i
     gen = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(batch, 784, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
 
-    def step() -> None:
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        after()  # before zero_grad: the averager skips parameters whose .grad is None
-        opt.zero_grad()
-
+    # after() runs before zero_grad: the averager skips parameters whose .grad is None
+    step = train_step(model, opt, nn.functional.cross_entropy, after)
     for _ in range(8):  # warm-up (QAdam: past its 5 full-precision steps)
-        step()
+        step(x, y)
     dist.barrier()
     start_bytes, start = sent(), time.perf_counter()
     for _ in range(steps):
-        step()
+        step(x, y)
     dist.barrier()
     elapsed = time.perf_counter() - start
     per_step = (sent() - start_bytes) / steps

@@ -7,7 +7,8 @@ rejoins and heals from a live peer), and returns what every replica reported: it
 parameters, the committed steps with the membership that took them, and its stats (stall
 per failure, healing time, step times). :func:`replay` recomputes the committed steps in
 one process (allreduce: the mean gradient of the members' batches), so a test can check
-that no committed step was lost and no failed step was half-applied.
+that no committed step was lost and no failed step was half-applied. Steps, their times
+and the kills run through :mod:`hexagram.bench.loop`.
 
 Run ``python -m hexagram.bench.live --steps 60 --kill 2@20`` for a measurement.
 
@@ -20,8 +21,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hexagram.bench.loop import Loop, live_step
 from hexagram.elastic.quorum import QuorumError
 from hexagram.launch import clean_context, free_port, supervise
 from hexagram.testing.faults import FaultInjector, parse_faults
@@ -104,21 +104,18 @@ def _digest(trainer: Any) -> dict[str, str]:
     return out
 
 
-def _loss_backward(model: Any, x: torch.Tensor, y: torch.Tensor) -> None:
-    nn.functional.mse_loss(model(x), y).backward()
-
-
 def _train(trainer: Any, replica: int, world: int, cfg: dict[str, Any], restarted: bool,
            report: dict[str, Any]) -> None:
     injector = FaultInjector([] if restarted else parse_faults(cfg["kill"]), replica)
+    loop = Loop(step=live_step(trainer, nn.functional.mse_loss), faults=injector,
+                inside=cfg["kill_inside"])
     log: list[tuple[int, list[int]]] = []
-    times: list[float] = []
     want = world if cfg["restart"] else world - len(parse_faults(cfg["kill"]))
     full_since: int | None = None  # step at which every wanted replica was in (same on all)
     epoch = None
     while trainer.step < cfg["steps"] or full_since is None \
             or trainer.step < full_since + cfg["together"] or trainer.step % cfg["align"]:
-        if len(times) > 20 * cfg["steps"]:
+        if loop.steps > 20 * cfg["steps"]:
             raise RuntimeError(f"replica {replica}: no progress (size {trainer.size})")
         if trainer.epoch.number != epoch:
             epoch = trainer.epoch.number
@@ -127,15 +124,10 @@ def _train(trainer: Any, replica: int, world: int, cfg: dict[str, Any], restarte
         if not restarted:
             _maybe_pause(cfg["pause"], replica, trainer.step)
         members, (x, y) = list(trainer.epoch.members), batch(trainer.step, replica)
-        x, y = x.to(cfg["device"]), y.to(cfg["device"])
-        start = time.perf_counter()
-        with _fault(injector, trainer.step, cfg["kill_inside"]):
-            committed = trainer.run_step(functools.partial(_loss_backward, x=x, y=y))
-        if committed:
+        if loop.run(x.to(cfg["device"]), y.to(cfg["device"]), at=trainer.step):
             log.append((trainer.step - 1, members))
-        times.append(time.perf_counter() - start)
         time.sleep(cfg["sleep"])
-    report.update(log=log, stats=trainer.stats, times=times, step=trainer.step)
+    report.update(log=log, stats=trainer.stats, times=loop.times, step=trainer.step)
     trainer.close()
 
 
@@ -155,20 +147,6 @@ def _maybe_pause(spec: str, replica: int, step: int) -> None:
     _PAUSED.add((replica, step))
     subprocess.Popen(["sh", "-c", f"sleep {float(seconds)}; kill -CONT {os.getpid()}"])
     os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def _fault(injector: FaultInjector, step: int, inside: str) -> contextlib.AbstractContextManager[
-        None]:
-    """This replica's fault due at ``step``: fired now, or, with ``inside="NAME:CALL"``,
-    after the CALL-th ``torch.distributed.NAME`` of the step (the collective is issued,
-    then the process fails: a peer dies in the middle of, e.g., an averaging round)."""
-    fault = injector.faults.get(step)
-    if fault is None or not inside:
-        injector.at_step(step)
-        return contextlib.nullcontext()
-    name, _, call = inside.partition(":")
-    return injector.inside(dist, name, rank=injector.rank, action=fault.action,
-                           call=int(call or 1), when="after")
 
 
 def run_live(world: int = 3, steps: int = 40, kill: str = "2@10", restart: bool = True,

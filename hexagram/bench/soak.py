@@ -10,7 +10,8 @@ step, the median step time and the final test accuracy of every replica.
 
 The global batch is constant: at step ``s`` the ``world * batch`` samples of the step are
 split among the members of the current membership (each takes ``1/size`` of them), so a
-run with failures sees the same samples in the same order as one without.
+run with failures sees the same samples in the same order as one without. Steps, their
+times and the kills run through :mod:`hexagram.bench.loop`, as every measurement's.
 
 Example:
     >>> report = run_soak(world=4, steps=300, kill="1@100,2@200")   # doctest: +SKIP
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hexagram.bench.loop import Loop, live_step, train_step
 from hexagram.elastic.quorum import QuorumError
 from hexagram.launch import clean_context, free_port, supervise
 from hexagram.testing.faults import FaultInjector, parse_faults
@@ -132,18 +134,14 @@ def injector_for(kill: str, replica: int, incarnation: int) -> FaultInjector:
 
 def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any],
            injector: FaultInjector, report: dict[str, Any]) -> None:
-    def closure(x: Tensor, y: Tensor) -> Any:
-        return lambda model: F.cross_entropy(model(x), y).backward()
-
     report["memberships"] = trainer.stats["memberships"]  # kept if a QuorumError ends it
+    loop = Loop(step=live_step(trainer, F.cross_entropy), faults=injector,
+                times=report["times"])  # kept too
     while trainer.step < cfg["steps"]:
-        injector.at_step(trainer.step)
         x, y = global_batch(data, trainer.step, trainer.rank, trainer.size, world,
                             cfg["batch"], cfg["seed"])
-        start = time.perf_counter()
-        if trainer.run_step(closure(x, y)):
+        if loop.run(x, y, at=trainer.step):
             report["log"].append(trainer.step - 1)
-        report["times"].append(time.perf_counter() - start)
     report.update(stats=trainer.stats, step=trainer.step,
                   params_sha256=params_digest(trainer.module))
     trainer.close()
@@ -206,15 +204,11 @@ def _plain_rank(steps: int, dataset: str, batch: int, lr: float,
     data = _data(dataset)
     model = torch.nn.parallel.DistributedDataParallel(model_for(data, seed=seed))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    rank, world, times = dist.get_rank(), dist.get_world_size(), []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loop = Loop(step=train_step(model, opt, F.cross_entropy))
     for step in range(steps):
-        x, y = global_batch(data, step, rank, world, world, batch, seed)
-        start = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    result = {"times": times, "accuracy": accuracy(model.module, data)}
+        loop.run(*global_batch(data, step, rank, world, world, batch, seed))
+    result = {"times": loop.times, "accuracy": accuracy(model.module, data)}
     dist.destroy_process_group()
     return result
 

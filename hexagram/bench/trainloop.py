@@ -7,14 +7,20 @@ delayed algorithms the replicas differ). Text: a small GPT on :mod:`hexagram.dat
 
 Evaluation happens ``evals_per_epoch`` times an epoch and is not counted in the training
 clock; training stops at ``target`` (accuracy >=, or loss <=), after ``epochs``, or when the
-clock passes ``time_limit`` — decided together so every rank runs the same steps.
+clock passes ``time_limit`` — decided together so every rank runs the same steps (the
+step, its clock, faults and that decision are :mod:`hexagram.bench.loop`'s).
+
+Example (on every rank of a process group, as the worker runs it):
+    >>> spec = {"dataset": "digits", "model": {"name": "mlp", "params": 60000, "layers": 2},
+    ...         "algorithm": "allreduce", "lr": 0.1, "batch": 16, "epochs": 3,
+    ...         "evals_per_epoch": 1, "time_limit": 600, "target": 0.9}
+    >>> sorted(run_training(spec))                           # doctest: +SKIP
+    ['bytes_sent', 'curve', 'metric', 'num_params', 'reached', 'steps']
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hexagram.comm.device import group_tensor
+from hexagram.bench.loop import Loop, Progress, run_epochs, train_step
 
 __all__ = ["run_training"]
 
@@ -100,41 +106,11 @@ def _lm_loss(logits: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _agree(metric: float, clock: float) -> tuple[float, float]:
-    """(mean metric over ranks, longest clock) — the same stop decision everywhere."""
-    t = group_tensor([metric, clock])  # on the default group's device (CUDA with NCCL)
-    dist.all_reduce(t[:1])
-    dist.all_reduce(t[1:], op=dist.ReduceOp.MAX)
-    return float(t[0]) / dist.get_world_size(), float(t[1])
-
-
-@dataclass
-class _Run:
-    """Progress of one training run: the clock counts training steps only."""
-
-    clock: float = 0.0
-    wall: float = 0.0
-    step: int = 0
-    curve: list[dict[str, float]] = field(default_factory=list)
-    reached: dict[str, float] | None = None
-
-    def done(self, time_limit: float) -> bool:
-        return self.reached is not None or self.wall > time_limit
-
-
-def _evaluate(run: _Run, evaluate: Callable[[], float], epoch: float,
-              better: Callable[[float], bool] | None) -> None:
-    metric, run.wall = _agree(evaluate(), run.clock)
-    point = {"epoch": epoch, "step": run.step, "time_s": run.wall, "metric": metric}
-    run.curve.append(point)
-    if run.reached is None and better is not None and better(metric):
-        run.reached = point
-
-
 def run_training(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train until target / epochs / time limit; return the curve of this rank."""
+    """Train until target / epochs / time limit (``spec``: the worker's train spec, see
+    the module doc); return this rank's curve, the point that reached the target (or None),
+    the steps run, the bytes it sent, the metric's name and the model's size."""
     from hexagram.bench.peers import make_optimizer, wrap
-    from hexagram.bench.watchdog import beat
     from hexagram.testing.faults import FaultInjector, parse_faults
 
     text = spec["dataset"] == "text"
@@ -150,33 +126,16 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
         wrapped = wrap(spec["algorithm"], model, opt, spec.get("config") or {},
                        bucket_mb=spec.get("bucket_mb"))
     target = spec.get("target")
-    better = None if target is None else (
+    reached_by = None if target is None else (
         (lambda v: v <= target) if text else (lambda v: v >= target))
-    run = _Run()
-    faults = FaultInjector(parse_faults(spec.get("faults") or ""), dist.get_rank())
-    _evaluate(run, lambda: evaluate(model), 0.0, better)
-    for epoch in range(spec["epochs"]):
-        batches = epoch_batches(epoch)
-        marks = {max(1, round(len(batches) * (k + 1) / spec["evals_per_epoch"]))
-                 for k in range(spec["evals_per_epoch"])}
-        for i, (x, y) in enumerate(batches, start=1):
-            beat(f"training step {run.step + 1}")
-            faults.at_step(run.step)
-            t0 = time.perf_counter()
-            loss_fn(wrapped.model(x), y).backward()
-            opt.step()
-            wrapped.after_step()
-            opt.zero_grad()
-            run.clock += time.perf_counter() - t0
-            run.step += 1
-            if i in marks:
-                _evaluate(run, lambda: evaluate(model), epoch + i / len(batches), better)
-                if run.done(spec["time_limit"]):
-                    break
-        if run.done(spec["time_limit"]):
-            break
+    loop = Loop(step=train_step(wrapped.model, opt, loss_fn, wrapped.after_step),
+                faults=FaultInjector(parse_faults(spec.get("faults") or ""), dist.get_rank()))
+    progress = Progress(evaluate=lambda: evaluate(model), reached_by=reached_by,
+                        time_limit=spec["time_limit"])
+    run_epochs(loop, progress, epoch_batches, epochs=spec["epochs"],
+               evals_per_epoch=spec["evals_per_epoch"])
     sent = wrapped.bytes_sent()
     wrapped.close()
-    return {"curve": run.curve, "reached": run.reached, "steps": run.step, "bytes_sent": sent,
-            "metric": "valid_loss" if text else "test_accuracy",
+    return {"curve": progress.curve, "reached": progress.reached, "steps": loop.steps,
+            "bytes_sent": sent, "metric": "valid_loss" if text else "test_accuracy",
             "num_params": sum(p.numel() for p in model.parameters())}

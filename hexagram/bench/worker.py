@@ -11,7 +11,7 @@ communication) with the moment each parameter's gradient is ready in it, then ``
 wrapped steps, then the timed steps; bytes reported by the algorithm and bytes counted on
 the host's interface over the timed steps; the process's CPU seconds per step, for the
 local step and the timed steps (where the CPU is shared, an algorithm's own CPU work is
-what it cannot overlap).
+what it cannot overlap). The wrapped steps run through :mod:`hexagram.bench.loop`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hexagram.bench import watchdog
+from hexagram.bench.loop import Loop, train_step
 from hexagram.bench.watchdog import beat
 from hexagram.comm.device import control_tensor
 
@@ -99,17 +100,6 @@ def _marker(marks: list[float], i: int) -> Callable[[torch.Tensor], None]:
     return hook
 
 
-def _step(wrapped: Any, work: Any, opt: torch.optim.Optimizer, x: Any, y: Any) -> float:
-    beat("a training step")
-    t0 = time.perf_counter()
-    loss = work.loss(wrapped.model(x), y)
-    loss.backward()
-    opt.step()
-    wrapped.after_step()
-    opt.zero_grad()
-    return time.perf_counter() - t0
-
-
 def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
     """Step-time figures of this rank (see module docstring)."""
     from hexagram.bench.peers import make_optimizer, wrap
@@ -124,20 +114,23 @@ def run_step_benchmark(spec: dict[str, Any]) -> dict[str, Any]:
     beat("wrapping the model")
     wrapped = wrap(spec["algorithm"], work.model, opt, spec.get("config") or {},
                    bucket_mb=spec.get("bucket_mb"))
-    warm = [_step(wrapped, work, opt, *work.batch(spec["batch"], gen))
-            for _ in range(spec["warmup"])]
+    loop = Loop(step=train_step(wrapped.model, opt, work.loss, wrapped.after_step))
+    for _ in range(spec["warmup"]):
+        loop.run(*work.batch(spec["batch"], gen))
+    warm = list(loop.times)
     steps = _agreed_steps(spec, warm[-1] if warm else local["compute_s"])
     batches = [work.batch(spec["batch"], gen) for _ in range(steps)]
     dist.barrier()
     b0, tx0, t0 = wrapped.bytes_sent(), interface_tx_bytes(), time.perf_counter()
     c0 = os.times()  # every thread of the rank: compression, gloo's, ours
-    times = [_step(wrapped, work, opt, x, y) for x, y in batches]
+    for x, y in batches:
+        loop.run(x, y)
     window, c1 = time.perf_counter() - t0, os.times()
     b1, tx1 = wrapped.bytes_sent(), interface_tx_bytes()
     finite = all(torch.isfinite(p).all().item() for p in work.model.parameters())
     decision = wrapped.decision()
     wrapped.close()
-    return {"step_times": times, "window_s": window, "steps": steps, **local,
+    return {"step_times": loop.times[len(warm):], "window_s": window, "steps": steps, **local,
             "cpu_s": (c1.user + c1.system - c0.user - c0.system) / steps,
             # kernel time: sockets, and the softirqs of the shaped links that ran meanwhile
             "cpu_sys_s": (c1.system - c0.system) / steps, "in_backward": wrapped.in_backward,
