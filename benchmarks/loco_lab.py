@@ -18,10 +18,12 @@ allreduce of the whole model per step) report their measured lab step time; the 
 projects their time to the target from it and their steps to the target on loopback,
 marked as projected. Step times are means after the first 3 steps (warm-up).
 
-Usage (root, iproute2; about 20 minutes at the defaults)::
+Usage (root, iproute2; the run of docs/benchmarks/loco.md, about 16 minutes)::
 
     .venv/bin/python benchmarks/loco_lab.py --bandwidth 10mbit \\
-        --target-from benchmarks/results/loco_lm_3m_s0.json --out /tmp/loco-lab
+        --target-from benchmarks/results/loco/lm_3m_s0_2026-11-27.json \\
+        --max-steps 1200 --eval-every 10 --time-limit 400 --limit none=60 --limit ddp=120 \\
+        --methods none,sparseloco-H=10,diloco-H=50,ddp --out /tmp/loco-lab
 
 Output: ``OUT/loco_lab.json`` and a Markdown table on stdout.
 """

@@ -8,8 +8,9 @@ the same period H; final loss against DDP with the same inner optimizer).
 
 Usage::
 
-    python benchmarks/loco_table.py benchmarks/results/loco_lm_3m_s0.json \\
-        benchmarks/results/loco_lm_3m_s1.json benchmarks/results/loco_lm_3m_s2.json
+    python benchmarks/loco_table.py benchmarks/results/loco/lm_3m_s0_2026-11-27.json \\
+        benchmarks/results/loco/lm_3m_s1_2026-11-27.json \\
+        benchmarks/results/loco/lm_3m_s2_2026-11-27.json
 """
 
 from __future__ import annotations
