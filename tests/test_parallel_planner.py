@@ -214,3 +214,23 @@ def test_cli_writes_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     bad = parser.parse_args(["--cluster", "1x3"])
     assert plan_cli.run(bad) == 2
     assert "devices_per_host" in capsys.readouterr().err
+
+
+def test_cli_takes_simulates_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    """``hexagram plan --intra/--inter/--device`` plans for the hardware ``hexagram simulate``
+    describes with the same names: the cluster equals Cluster.from_presets."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    args = parser.parse_args(["--cluster", "2x4", "--intra", "nvlink", "--inter", "25gbe",
+                              "--device", "h100"])
+    want = Cluster.from_presets(2, 4, intra="nvlink", inter="25gbe", device="h100")
+    assert plan_cli.cluster_of(args) == want
+    assert want.inter_host_gbps == 25.0 and want.device_memory_gb == 80.0
+    half = parser.parse_args(["--cluster", "1x2", "--intra", "nvlink"])
+    assert plan_cli.run(half) == 2
+    assert "--intra and --inter go together" in capsys.readouterr().err
+    unknown = parser.parse_args(["--cluster", "1x2", "--intra", "nvlink", "--inter", "fibre"])
+    assert plan_cli.run(unknown) == 2
+    assert "unknown link preset 'fibre'" in capsys.readouterr().err

@@ -47,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--inter-gbps", type=float, default=200.0, help="Gbit/s of a host's NIC")
     c.add_argument("--memory-gb", type=float, default=80.0, help="memory per device (GB)")
     c.add_argument("--tflops", type=float, default=150.0, help="achievable TFLOP/s per device")
+    c.add_argument("--intra", default=None, metavar="PRESET",
+                   help="link preset inside a host, as `hexagram simulate` (nvlink, pcie4, ...): "
+                        "with --inter, the rates and latencies come from the presets")
+    c.add_argument("--inter", default=None, metavar="PRESET",
+                   help="link preset between hosts (25gbe, 100mbit, ...)")
+    c.add_argument("--device", default=None, metavar="PRESET",
+                   help="device preset (h100, a100, ...): its memory and FLOP/s at the cost "
+                        "model's efficiency, instead of --memory-gb and --tflops")
     k = parser.add_argument_group("constraints (default: the planner chooses)")
     for name in ("pp", "tp", "dp", "microbatches"):
         k.add_argument(f"--{name}", type=int, default=None)
@@ -137,6 +145,23 @@ def execute(args: argparse.Namespace, cluster: Cluster, cons: Constraints) -> in
     return 0
 
 
+def cluster_of(args: argparse.Namespace) -> Cluster:
+    """The cluster of the command line: numeric rates, or the presets ``hexagram simulate``
+    takes (one hardware description, :mod:`hexagram.cost.hardware`)."""
+    if args.intra is None and args.inter is None and args.device is None:
+        return Cluster.parse(args.cluster, intra_host_gbps=args.intra_gbps,
+                             inter_host_gbps=args.inter_gbps,
+                             device_memory_gb=args.memory_gb, device_tflops=args.tflops)
+    if args.intra is None or args.inter is None:
+        raise ConfigError("--intra and --inter go together (link presets inside and between "
+                          "hosts, e.g. --intra nvlink --inter 25gbe)")
+    shape = Cluster.parse(args.cluster)
+    fields = {} if args.device else {"device_memory_gb": args.memory_gb,
+                                     "device_tflops": args.tflops}
+    return Cluster.from_presets(shape.hosts, shape.devices_per_host, intra=args.intra,
+                                inter=args.inter, device=args.device, **fields)
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan, print, optionally compare with baselines, save or execute; 2 on bad input."""
     if args.execute:
@@ -146,9 +171,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"hexagram plan: {exc}", file=sys.stderr)
             return 2
     try:
-        cluster = Cluster.parse(args.cluster, intra_host_gbps=args.intra_gbps,
-                                inter_host_gbps=args.inter_gbps,
-                                device_memory_gb=args.memory_gb, device_tflops=args.tflops)
+        cluster = cluster_of(args)
         cons = constraints(args)
         graph = build_graph(args)
         start = time.perf_counter()
