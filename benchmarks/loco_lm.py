@@ -20,7 +20,8 @@ windows (between syncs the replicas differ), and at the end on the shared weight
 ``synchronize()``. Bytes are each rank's ``bytes_sent()`` (what it put on the wire) before
 that final full-precision average of the weight algorithms (reported apart as
 ``final_sync_bytes``: one model's allreduce, the same for each of them).
-The lab at 10 Mbit/s (time to a target loss) is not part of this script.
+The network lab at 10 Mbit/s (time to a target loss) is :mod:`loco_lab`; the table over
+seeds is :mod:`loco_table`.
 
 Example (the reduced run of docs/benchmarks/loco.md):
     $ python benchmarks/loco_lm.py --width 128 --layers 4 --batch 8 --steps 200 \\
