@@ -128,7 +128,8 @@ class ChunkTopKCompressor(Compressor):
         c, g, k, b = chunk_layout(self.config, n)
         rows = padded_rows(tensor, g, c, work_dtype(tensor.dtype))
         mags, pos = rows.abs().topk(k, dim=1)  # (G, k); sorted: deterministic order
-        ensure_finite(tensor, mags[:, 0], self.name)  # NaN sorts first: non-finite
+        if self.checks_finite:  # a host read (SparseLoCo keeps it: once per round)
+            ensure_finite(tensor, mags[:, 0], self.name)  # NaN sorts first: non-finite
         m = 1 << (self.config.bits - 1)
         inv = torch.where(mags[:, :1] > 0, m / mags[:, :1], 0.0)  # (G, 1): m / s
         level = (mags * inv).floor_().clamp_(0, m - 1).to(torch.uint8)  # (G, k) bins
