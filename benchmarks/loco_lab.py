@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loco_lm import METHODS, _optimizer
+from loco_lm import METHODS, make_model, model_arguments
 
 NONE = "none"  # no communication: the compute bound
 
@@ -79,15 +79,11 @@ def _val_loss(net: nn.Module, windows: tuple[torch.Tensor, torch.Tensor]) -> flo
 def train(method: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One rank's run of ``method`` until the target, ``max_steps`` or the time limit."""
     from hexagram.data.text import load_text
-    from hexagram.models.gpt import GPT, GPTConfig
 
     _, _, opt_kind = METHODS.get(method, ("", {}, "adamw"))
     args = argparse.Namespace(**spec)
     corpus = load_text()
-    torch.manual_seed(args.seed)
-    net = GPT(GPTConfig(block_size=args.block, n_layer=args.layers, n_head=4,
-                        n_embd=args.width))
-    opt = _optimizer(opt_kind, net, args)
+    net, opt = make_model(opt_kind, args.seed, args)
     model = _wrap(method, net, opt)
     val = corpus.batch("valid", 32, args.block, torch.Generator().manual_seed(12345))
     gen = torch.Generator().manual_seed(1000 * args.seed + dist.get_rank())
@@ -231,13 +227,7 @@ def main() -> int:
                    help="training seconds per method (the clock excludes evaluation)")
     p.add_argument("--limit", action="append", default=[], metavar="METHOD=SECONDS",
                    help="a method's own time limit, e.g. ddp=120 none=30")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
-    p.add_argument("--sgd-lr", type=float, default=0.1, help="SGD's (ddp-sgd, demo)")
-    p.add_argument("--world", type=int, default=4)
+    model_arguments(p)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.target is None and not args.target_from:

@@ -70,17 +70,24 @@ def _val_loss(model: nn.Module, windows: tuple[torch.Tensor, torch.Tensor]) -> f
     return float(total) / dist.get_world_size()
 
 
+def make_model(opt_kind: str, seed: int, args: argparse.Namespace
+               ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The GPT of ``args`` with ``seed``'s initial weights, and its optimizer."""
+    from hexagram.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    net = GPT(GPTConfig(block_size=args.block, n_layer=args.layers, n_head=4,
+                        n_embd=args.width))
+    return net, _optimizer(opt_kind, net, args)
+
+
 def _run(method: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     import hexagram as hx
     from hexagram.data.text import load_text
-    from hexagram.models.gpt import GPT, GPTConfig
 
     algo, config, opt_kind = METHODS[method]
     corpus = load_text()
-    cfg = GPTConfig(block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.width)
-    torch.manual_seed(seed)
-    net = GPT(cfg)
-    opt = _optimizer(opt_kind, net, args)
+    net, opt = make_model(opt_kind, seed, args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DeMo's takeover notice
         model = hx.DistributedDataParallel(net, optimizers=[opt],
@@ -122,6 +129,17 @@ def _worker(methods: list[str], seeds: list[int], args: argparse.Namespace
     return out
 
 
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, batch, optimizers and ranks: the same flags here and in ``loco_lab``."""
+    p.add_argument("--batch", type=int, default=8, help="windows per rank and step")
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    p.add_argument("--sgd-lr", type=float, default=0.1, help="SGD's (ddp-sgd, demo)")
+    p.add_argument("--world", type=int, default=4)
+
+
 def main() -> None:
     from hexagram.launch import run_local
 
@@ -130,13 +148,7 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
-    p.add_argument("--sgd-lr", type=float, default=0.1, help="SGD's (ddp-sgd, demo)")
-    p.add_argument("--world", type=int, default=4)
+    model_arguments(p)
     p.add_argument("--json", default="")
     args = p.parse_args()
     methods, seeds = args.methods.split(","), [int(s) for s in args.seeds.split(",")]
