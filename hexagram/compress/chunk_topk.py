@@ -109,6 +109,14 @@ def unpack_positions(packed: Tensor, bits: int, count: int) -> Tensor:
     return low | (unpack_codes(packed[count:], bits - 8, count).long() << 8)
 
 
+def check_chunk_payload(name: str, matches: bool, chunks: int, chunk: int, k: int) -> None:
+    """Raise ValueError unless a per-chunk top-k payload ``matches`` the layout of ``chunks``
+    chunks of ``chunk`` keeping ``k`` each (the payload came from another config)."""
+    if not matches:
+        raise ValueError(f"{name}: payload does not match {chunks} chunks of {chunk} with "
+                         f"k={k}; was it compressed with another config?")
+
+
 class ChunkTopKCompressor(Compressor):
     """Top-k per chunk, values in ``bits`` bits with per-chunk scales (module doc)."""
 
@@ -165,9 +173,8 @@ class ChunkTopKCompressor(Compressor):
         n = payload.shape.numel()
         c, g, k, b = chunk_layout(self.config, n)
         levels, packed, packed_pos = payload.tensors
-        if levels.shape[0] != g or packed_pos.numel() != packed_nbytes(g * k, b):
-            raise ValueError(f"{self.name}: payload does not match {g} chunks of {c} with "
-                             f"k={k}; was it compressed with another config?")
+        check_chunk_payload(self.name, levels.shape[0] == g and
+                            packed_pos.numel() == packed_nbytes(g * k, b), g, c, k)
         m = 1 << (self.config.bits - 1)
         codes = unpack_codes(packed, self.config.bits, g * k).view(g, k)
         mag = levels.gather(1, (codes % m).long())  # (G, k): each bin's mean magnitude

@@ -40,7 +40,7 @@ from hexagram.compress.base import (
     decompress_via_into,
     ensure_finite,
 )
-from hexagram.compress.chunk_topk import pack_positions, unpack_positions
+from hexagram.compress.chunk_topk import check_chunk_payload, pack_positions, unpack_positions
 from hexagram.compress.chunks import padded_rows, work_dtype
 from hexagram.compress.packing import packed_nbytes
 from hexagram.config import check_choice, check_int
@@ -139,9 +139,8 @@ class DCTTopKCompressor(Compressor):
         n = payload.shape.numel()
         c, g, k, b = dct_layout(self.config, n)
         values, packed = payload.tensors
-        if values.shape != (g, k) or packed.numel() != packed_nbytes(g * k, b):
-            raise ValueError(f"{self.name}: payload does not match {g} chunks of {c} with "
-                             f"k={k}; was it compressed with another config?")
+        check_chunk_payload(self.name, values.shape == (g, k) and
+                            packed.numel() == packed_nbytes(g * k, b), g, c, k)
         wd = work_dtype(payload.dtype)
         spectrum = torch.zeros(g, c, dtype=wd, device=values.device)
         spectrum.scatter_(1, unpack_positions(packed, b, g * k).view(g, k), values.to(wd))
