@@ -162,3 +162,26 @@ def test_dct_compressor_inverts_and_keeps_the_largest() -> None:
     assert c.compress(torch.randn(128)).nbytes == 2 * 32 * 2 + 2 * 32 * 6 // 8
     with pytest.raises(ConfigError, match="granularity"):
         registry.get("decoupled_momentum", granularity="bucket")
+
+
+def test_per_chunk_compressors_check_finiteness_by_the_shared_switch() -> None:
+    """NaN raises while ``checks_finite`` is on (a standalone compressor, SparseLoCo), and
+    passes through, with no host read, where an algorithm that checks its buckets once per
+    step turned it off (DeMo); a payload of another config is refused by name."""
+    from hexagram.compress.chunk_topk import ChunkTopKCompressor, ChunkTopKConfig
+    from hexagram.errors import NonFiniteGradientError
+
+    x = torch.randn(256)
+    x[7] = float("nan")
+    for comp in (DCTTopKCompressor(), ChunkTopKCompressor(ChunkTopKConfig(chunk=64))):
+        with pytest.raises(NonFiniteGradientError):
+            comp.compress(x)
+        comp.checks_finite = False
+        assert not torch.isfinite(comp.decompress(comp.compress(x))).all(), comp.name
+    assert registry.get("decoupled_momentum").compressor.checks_finite is False
+    other = DCTTopKCompressor(DCTTopKConfig(k=16)).compress(torch.randn(256))
+    with pytest.raises(ValueError, match="another config"):
+        DCTTopKCompressor().decompress(other)
+    other = ChunkTopKCompressor(ChunkTopKConfig(chunk=32)).compress(torch.randn(256))
+    with pytest.raises(ValueError, match="another config"):
+        ChunkTopKCompressor(ChunkTopKConfig(chunk=64)).decompress(other)
