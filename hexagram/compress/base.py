@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hexagram.compress.segments import Segments
 from hexagram.errors import NonFiniteGradientError
 
 __all__ = [
@@ -185,6 +186,51 @@ class Compressor(ABC):
         """
         dense = self.decompress(payload).reshape(-1)
         return out.add_(dense) if add else out.copy_(dense)
+
+    # -- several tensors in one call (see hexagram.compress.segments) ---------------------
+    def compress_segments(self, flat: Tensor, segments: Segments,
+                          generator: torch.Generator | None = None) -> Payload:
+        """One payload for the tensors laid end to end in ``flat`` (1-D, ``segments.numel``
+        elements), each compressed as :meth:`compress` compresses it alone: per-segment
+        scales, norms and top-k (layer-wise compression in one call).
+
+        Contract: :meth:`decompress_segments_into` of the result gives, segment by segment,
+        the values ``decompress(compress(view))`` gives (bit for bit for deterministic
+        formats; for stochastic ones the same distribution), and ``nbytes`` is at most the
+        sum of the per-segment payloads' (a format may pack across segment boundaries).
+        The payload's ``meta["segments"]`` is ``segments``; ``shape`` is ``(numel,)``.
+
+        The default compresses segment by segment (a loop of :meth:`compress`) and
+        concatenates the payloads' tensors; compressors on the hot path override it with
+        whole-buffer kernels.
+
+        Example:
+            >>> import torch, hexagram.compress as hc
+            >>> from hexagram.compress.segments import Segments
+            >>> c, seg = hc.get("fp16"), Segments.of([2, 3])
+            >>> p = c.compress_segments(torch.arange(5.0), seg)
+            >>> c.decompress_segments_into(p, torch.empty(5)).tolist()
+            [0.0, 1.0, 2.0, 3.0, 4.0]
+        """
+        parts = [self.compress(v, generator) for v in segments.views(flat)]
+        return Payload(tensors=tuple(t for p in parts for t in p.tensors),
+                       shape=torch.Size([segments.numel]), dtype=flat.dtype,
+                       meta={"segments": segments,
+                             "parts": tuple(replace(p, tensors=p.tensors[:0]) for p in parts),
+                             "counts": tuple(len(p.tensors) for p in parts)})
+
+    def decompress_segments_into(self, payload: Payload, out: Tensor,
+                                 add: bool = False) -> Tensor:
+        """Decode a :meth:`compress_segments` payload into ``out`` (1-D, ``numel``
+        elements; ``add``: add to it); returns ``out``. The default decodes segment by
+        segment with :meth:`decompress_into`."""
+        segments: Segments = payload.meta["segments"]
+        tensors = iter(payload.tensors)
+        for part, count, view in zip(payload.meta["parts"], payload.meta["counts"],
+                                     segments.views(out)):
+            sub = replace(part, tensors=tuple(next(tensors) for _ in range(count)))
+            self.decompress_into(sub, view, add=add)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Compressor state needed to resume exactly (RNG state, warm-start factors)."""
