@@ -210,11 +210,11 @@ def test_device_compressor_cost_follows_the_format() -> None:
     from hexagram.cost.model import gathered_decodes
     from hexagram.cost.simulate import device_compressor_cost
 
-    h100 = device("h100")
-    dense = device_compressor_cost(h100, make("fp16"))
+    a100 = device("a100")  # no measurement of it: the memory-bound assumption
+    dense = device_compressor_cost(a100, make("fp16"))
     # the same density for both (the registry defaults differ: top-k 0.02, gTop-k 0.01)
-    topk = device_compressor_cost(h100, make("topk:density=0.01"))
-    gtopk = device_compressor_cost(h100, make("gtopk:density=0.01"))
+    topk = device_compressor_cost(a100, make("topk:density=0.01"))
+    gtopk = device_compressor_cost(a100, make("gtopk:density=0.01"))
     assert dense.encode(10**6) == topk.encode(10**6)  # same memory-bound encoding
     # top-k's gathered payload: density 0.01, 8 bytes a pair -> 2% of the dense bytes
     assert topk.decompress[1] == pytest.approx(dense.decompress[1] * 0.02, rel=1e-3)
@@ -275,3 +275,33 @@ def test_cli_imports_only_what_it_runs() -> None:
                           "--world", "8,64", "--algorithms", "allreduce,topk"],
                          capture_output=True, text=True, check=True).stdout
     assert "| topk | 64 |" in out and out.splitlines()[-1] == "['torch']"
+
+
+def test_gpu_compressors_are_priced_from_measurements() -> None:
+    from hexagram.cost.gpu_measured import CLONE_S_PER_ELEMENT, H200_RATIOS
+    from hexagram.cost.simulate import device_compressor_cost
+
+    h200 = device("h200")
+    qsgd = device_compressor_cost(h200, make("qsgd"))
+    assert qsgd.compress[1] == pytest.approx(CLONE_S_PER_ELEMENT / H200_RATIOS["qsgd"][0])
+    # sparse decodes add pairs: priced by the payload (top-k 0.01: 2% of the dense bytes)
+    topk = device_compressor_cost(h200, make("topk:density=0.01"))
+    assert topk.decompress[1] == pytest.approx(
+        CLONE_S_PER_ELEMENT / H200_RATIOS["topk"][1] * 0.02, rel=1e-3)
+    # a sign payload decodes into the whole tensor: dense, as measured
+    sign = device_compressor_cost(h200, make("signsgd"))
+    assert sign.decompress[1] == pytest.approx(CLONE_S_PER_ELEMENT / H200_RATIOS["sign"][1])
+    # far slower than the memory-bound assumption on the same device
+    assert qsgd.encode(10**8) > 5 * device_compressor_cost(device("a100"), make("qsgd")
+                                                            ).encode(10**8) * 2.039 / 4.8
+
+
+def test_powersgd_on_one_nvlink_host_is_slower_than_allreduce_as_measured(capsys) -> None:
+    # one host of 8 H100s: the measured compressors cost more than NVLink saves
+    rc = main(["simulate", "--params", "100000000", "--layers", "4", "--world", "8",
+               "--algorithms", "allreduce,powersgd", "--json"])
+    rows = {r["label"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rc == 0 and rows["powersgd"]["speedup"] < 1.0
+    assert main(["simulate", "--params", "1000000", "--world", "8", "--algorithms",
+                 "allreduce,fp16"]) == 0
+    assert "measured on one NVIDIA H200" in capsys.readouterr().out

@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="whose collective schedules: nccl (ring or tree by size), gloo "
                         "(ring), mpi (MPICH: recursive doubling / halving-doubling)")
     parser.add_argument("--device", default="h100",
-                        help="a100, h100 (datasheet figures) or local (measure here)")
+                        help="a100, h100, h200 (datasheet figures; compressors priced from "
+                        "the H200 measurements on h100/h200) or local (measure here)")
     parser.add_argument("--efficiency", type=float, default=EFFICIENCY,
                         help="fraction of peak FLOP/s reached (device profiles)")
     parser.add_argument("--algorithms", default="all",
@@ -108,6 +109,16 @@ def _local_costs(labels: Sequence[str]) -> dict[str, CompressorCost]:
             if comp is not None:
                 out[label] = measure_compressor(comp)
     return out
+
+
+def _pricing(device_name: str) -> str:
+    """Where the table's compression times come from, for the line under it."""
+    from hexagram.cost.gpu_measured import MEASURED_DEVICES, SOURCE
+
+    if device_name.lower() in MEASURED_DEVICES:
+        return f"the {SOURCE}; compressors not measured there are taken as memory-bound"
+    return (f"an assumption: memory-bound kernels at the {device_name} datasheet's HBM rate "
+            "(no measurement of this device)")
 
 
 def _ints(text: str) -> list[int]:
@@ -182,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
             Path(args.json).write_text(text)
     if args.json != "-":
         print(format_rows(rows))
+        if dev is not None:
+            print(f"\ncompressors priced from {_pricing(dev.name)}")
     if args.plot:
         plot_rows(rows, args.plot, f"{args.model if args.params is None else 'params'} on "
                   f"{args.device}, {args.devices_per_host}/host, {args.inter} between hosts")

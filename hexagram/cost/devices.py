@@ -46,6 +46,9 @@ DEVICES: dict[str, Device] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS *with* sparsity, so
     # 989 dense; HBM3 3.35 TB/s, 80 GB, NVLink 900 GB/s (both directions together).
     "h100": Device("h100", 989e12, 3.35e12, 80e9, "nvlink4"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity, so 989
+    # dense; HBM3e 4.8 TB/s, 141 GB, NVLink 900 GB/s (both directions together).
+    "h200": Device("h200", 989e12, 4.8e12, 141e9, "nvlink4"),
     # NVIDIA V100 Tensor Core GPU datasheet (SXM2 32GB): 125 TFLOPS tensor (mixed precision),
     # HBM2 900 GB/s, 32 GB, NVLink 300 GB/s (both directions together). BAGUA's cluster.
     "v100": Device("v100", 125e12, 900e9, 32e9, "nvlink2"),

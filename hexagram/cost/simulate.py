@@ -137,7 +137,9 @@ def params_compute(params: int, layers: int = 24, dev: str = "h100", samples: in
 
 def device_compressor_cost(dev: Device, algorithm: Priced | None = None,
                            passes: float = 4.0) -> CompressorCost:
-    """A memory-bound compressor on ``dev`` (an assumption, stated): encoding reads and
+    """What ``algorithm``'s compressor costs on ``dev``: measured throughput where
+    :mod:`hexagram.cost.gpu_measured` has it for this device and compressor (the H100 and
+    H200 presets), else a memory-bound compressor (an assumption, stated): encoding reads and
     writes ``passes`` times 4 bytes per element at HBM rate, decoding touches what it
     receives twice, plus 10 us of kernel launches each. For gathered formats the decode
     rate follows the payload's size (``ratio`` of the dense bytes); how many payloads a
@@ -145,15 +147,19 @@ def device_compressor_cost(dev: Device, algorithm: Priced | None = None,
     :func:`hexagram.cost.model.gathered_decodes`."""
     from hexagram.compress.base import Aggregation
     from hexagram.cost.facts import compressor_of
+    from hexagram.cost.gpu_measured import measured_cost
     from hexagram.cost.schedule import analytic_payloads, payload_of
 
-    per, launch = 4 * passes / dev.hbm_bps, 10e-6
-    dec = 2 * 4 / dev.hbm_bps
     comp = None if algorithm is None else compressor_of(algorithm)
+    ratio = 1.0
     if comp is not None and comp.aggregation is Aggregation.GATHER:
         with analytic_payloads():
-            dec *= payload_of(comp, (1 << 16,)).nbytes / (4 << 16)
-    return CompressorCost((launch, per), (launch, dec))
+            ratio = payload_of(comp, (1 << 16,)).nbytes / (4 << 16)
+    measured = None if comp is None else measured_cost(dev.name, comp.name, ratio)
+    if measured is not None:
+        return measured
+    per, launch = 4 * passes / dev.hbm_bps, 10e-6
+    return CompressorCost((launch, per), (launch, 2 * 4 / dev.hbm_bps * ratio))
 
 
 @dataclass
