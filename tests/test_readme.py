@@ -91,3 +91,14 @@ def test_no_internal_labels_in_user_facing_files() -> None:
              for path in files if "_build" not in path.parts
              for text in [path.read_text()] for m in _LABEL.finditer(text)]
     assert not found, found
+
+
+def test_the_algorithms_that_need_optimizers_are_the_ones_listed() -> None:
+    import hexagram as hx
+    from hexagram.engine.optimizers import needs_optimizers
+
+    sentence = _section(README, "The algorithms that count or hook optimizer steps", "need `")
+    listed = set(re.findall(r"`(\w+)`", sentence))
+    need = {n for n in registry.names() if n != "auto" and needs_optimizers(
+        hx.algorithms.get(n, f=0) if n == "robust" else hx.algorithms.get(n))}
+    assert listed == need, f"README lists {sorted(listed)}; these need optimizers: {sorted(need)}"
