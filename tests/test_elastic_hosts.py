@@ -1,7 +1,8 @@
 """Live mode across (emulated) machines: ``hexagram elastic-store`` on one host,
 ``hexagram elastic-run`` replicas on two others; one host dies (its replica SIGKILLed) and
 the replica is started again on a fourth host, heals from the survivor, and every replica
-ends with the parameters of the committed steps replayed in one process.
+ends with the parameters of the committed steps replayed in one process. The service and
+the replicas share a job token (:mod:`hexagram.elastic.job_token`).
 
 Hosts are network namespaces of the network lab (:mod:`hexagram.bench.lab`): needs root
 and iproute2, skipped with the reason otherwise; the namespaces are always removed.
@@ -26,17 +27,19 @@ from hexagram.bench.lab import (
     unavailable_reason,
 )
 from hexagram.bench.live import replay
+from hexagram.elastic.job_token import ENV_TOKEN, job_prefix
 from hexagram.launch import die_with_parent
 
 PREFIX = "hxe"
 PORT = 29411
+TOKEN = "hexagram-test-token"  # the service and every replica share it (who belongs)
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(Path(__file__).resolve().parent / "_elastic_hosts_replica.py")
 
 
 def _start(lab: NetworkLab, host: int, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "HEXAGRAM_HOST": f"host{host}",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), ENV_TOKEN: TOKEN}
     with open(log, "wb") as out:
         return subprocess.Popen(["ip", "netns", "exec", lab.host_ns[host], sys.executable,
                                  "-m", "hexagram.cli", *argv], env=env, stdout=out,
@@ -56,7 +59,7 @@ def _vote_waiter(lab: NetworkLab, index: int) -> subprocess.Popen[str]:
     that prints ``ready`` once connected, then ``decided`` once epoch 1 (both replicas)
     has decided its vote ``index``: steps were taken together."""
     code = ("import datetime, torch.distributed as d; s = d.PrefixStore("
-            f"'hexagram/live/default/', d.TCPStore('127.0.0.1', {PORT}, is_master=False, "
+            f"'{job_prefix('default', TOKEN)}', d.TCPStore('127.0.0.1', {PORT}, is_master=False, "
             "timeout=datetime.timedelta(seconds=90))); print('ready', flush=True); "
             f"s.wait(['e1/v{index}/decision']); print('decided', flush=True)")
     waiter = subprocess.Popen(["ip", "netns", "exec", lab.host_ns[0], sys.executable, "-c",

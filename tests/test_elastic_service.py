@@ -86,3 +86,119 @@ def test_supervisor_restarts_a_failed_replica_with_the_job_in_its_environment(
                              replica=0, max_restarts=0) == 3  # no restart left
     with pytest.raises(ConfigError, match="after `--`"):
         service.supervise([], store="h:1", replica=0)
+
+
+# -- who belongs: the job token ----------------------------------------------------------
+TOKEN = "correct horse battery staple"
+
+
+def _serving(port: int, lines: list[str], **kwargs: object) -> tuple[threading.Thread,
+                                                                       threading.Event]:
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(port, 3),
+                              kwargs={"job": "j", "stop": stop, "log": lines.append,
+                                      "poll": 0.05, **kwargs})
+    thread.start()
+    return thread, stop
+
+
+def _stray_bytes(port: int) -> None:
+    """What a port scanner or a confused program sends: random bytes, a half message."""
+    import os
+    import socket
+
+    for payload in (os.urandom(4096), b"\x00" * 3, b"\xff" * 64):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(payload)
+
+
+@pytest.mark.timeout(90)
+def test_a_process_without_the_job_token_cannot_join() -> None:
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port, lines = free_port(), []
+    thread, stop = _serving(port, lines, token=TOKEN)
+    env = {service.ENV_STORE: f"127.0.0.1:{port}", service.ENV_REPLICA: "1",
+           service.ENV_JOB: "j"}
+    try:
+        with pytest.raises(ConfigError, match="requires the job token"):
+            service.live_address(env, timeout=20)
+        with pytest.raises(ConfigError, match="wrong job token"):
+            service.live_address({**env, service.ENV_TOKEN: "guess"}, timeout=20)
+        _stray_bytes(port)  # malformed traffic is dropped; the service keeps serving
+        member = service.live_address({**env, service.ENV_TOKEN: TOKEN}, timeout=20)
+        assert member.max_size == 3 and TOKEN not in repr(member)
+        assert member.prefix.startswith("hexagram/live/j/") and TOKEN not in member.prefix
+        # the job's keys are out of a stray client's sight: the public space has only the
+        # salted check, and a buggy record in the job's space is reported, not fatal
+        root = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=20))
+        record = json.loads(root.get("hexagram/live/j/auth").decode())
+        assert record["token"] is True and TOKEN not in json.dumps(record)
+        assert not root.check(["hexagram/live/j/config"])
+        job = dist.PrefixStore(member.prefix, root)
+        job.set("epoch", "7")
+        job.set("e7/members", "{not json")
+        deadline = threading.Event()
+        while not any("malformed" in line for line in lines) and not deadline.wait(0.1):
+            pass
+        job.set("epoch", "8")
+        job.set("e8/members", json.dumps({"members": [0, 1], "steps": [5, 5]}))
+        while not any("membership 8" in line for line in lines) and not deadline.wait(0.1):
+            pass
+        assert thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(20)
+    assert "job token required" in lines[0] and all(TOKEN not in line for line in lines)
+    assert any("malformed record of membership 7" in line for line in lines)
+    assert any("membership 8: replicas [0@5, 1@5]" in line for line in lines)
+
+
+@pytest.mark.timeout(60)
+def test_tokens_must_match_on_both_sides() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hexagram.elastic.job_token import check_token
+
+    port, lines = free_port(), []
+    thread, stop = _serving(port, lines)  # no token: said in the log
+    try:
+        env = {service.ENV_STORE: f"127.0.0.1:{port}", service.ENV_REPLICA: "0",
+               service.ENV_JOB: "j"}
+        assert service.live_address(env, timeout=20).prefix == "hexagram/live/j/"
+        with pytest.raises(ConfigError, match="started without one"):
+            service.live_address({**env, service.ENV_TOKEN: TOKEN}, timeout=20)
+        root = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=20))
+        check_token(root, "j", None)  # what a replica with HEXAGRAM_MAX_REPLICAS checks
+        root.set("hexagram/live/k/auth", b"\xff garbage")
+        with pytest.raises(ConfigError, match="malformed"):
+            check_token(root, "k", None)
+        check_token(root, "absent", TOKEN)  # a store without the service: nothing to check
+    finally:
+        stop.set()
+        thread.join(20)
+    assert "no job token" in lines[0]
+
+
+def test_the_commands_take_the_token_from_a_file(tmp_path: Path, capsys) -> None:
+    script, marker = tmp_path / "child.py", tmp_path / "seen"
+    script.write_text("import os, sys\nfrom pathlib import Path\n"
+                      "Path(sys.argv[1]).write_text(os.environ['HEXAGRAM_TOKEN'])\n")
+    token = tmp_path / "job.token"
+    token.write_text(TOKEN + "\n")
+    assert cli.main(["elastic-run", "--store", "h:1", "--replica", "0", "--token-file",
+                     str(token), "--", str(script), str(marker)]) == 0
+    assert marker.read_text() == TOKEN
+    assert cli.main(["elastic-run", "--store", "h:1", "--replica", "0", "--token-file",
+                     str(tmp_path / "missing"), "--", str(script), str(marker)]) == 2
+    assert "cannot read the job token file" in capsys.readouterr().err
+    token.write_text("")
+    assert cli.main(["elastic-store", "--max-replicas", "2", "--token-file", str(token)]) == 2
+    assert "is empty" in capsys.readouterr().err

@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 
 __all__ = ["add_arguments", "run"]
 
@@ -20,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="this replica's stable id (0..max-replicas-1); a restarted replica, on any "
       "machine, takes the id of the one it replaces")
     a("--job", default="default", help="job name given to elastic-store (default 'default')")
+    a("--token-file", default=None, metavar="FILE",
+      help="the job token elastic-store was given (first line of FILE; default: "
+      "$HEXAGRAM_TOKEN, passed on to the replica)")
     a("--max-restarts", type=int, default=3, help="restarts after a failure (default 3)")
     a("--restart-delay", type=float, default=1.0, help="seconds before a restart")
     a("command", nargs=argparse.REMAINDER, help="-- script.py [args] (or any program)")
@@ -27,8 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Supervise the replica; its last exit code."""
+    from hexagram.elastic.job_token import read_token
+    from hexagram.errors import ConfigError
+
+    try:
+        token = read_token(path=args.token_file)
+    except ConfigError as exc:
+        print(f"hexagram elastic-run: {exc}", file=sys.stderr)
+        return 2
+
     from hexagram.elastic.service import supervise
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return supervise(command, store=args.store, replica=args.replica, job=args.job,
-                     max_restarts=args.max_restarts, restart_delay=args.restart_delay)
+                     token=token, max_restarts=args.max_restarts, restart_delay=args.restart_delay)

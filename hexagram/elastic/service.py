@@ -15,7 +15,9 @@ machines:
 
 The replica finds the store through :data:`ENV_STORE` (``HOST:PORT``), its stable id
 through :data:`ENV_REPLICA` (plus ``LOCAL_RANK`` when one launch starts several), the
-job's key space through :data:`ENV_JOB`, and the largest membership through
+job's key space through :data:`ENV_JOB` and the job token
+(:data:`~hexagram.elastic.job_token.ENV_TOKEN`: who belongs, see
+:mod:`hexagram.elastic.job_token`), and the largest membership through
 :data:`ENV_MAX_REPLICAS` or, when unset, what the store service published.
 Without :data:`ENV_STORE`, live mode reads ``MASTER_ADDR``/``MASTER_PORT``, ``RANK`` and
 ``WORLD_SIZE`` as before (one machine, one supervisor such as
@@ -38,15 +40,24 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from hexagram.elastic.job_token import (
+    AUTH_KEY,
+    ENV_TOKEN,
+    auth_record,
+    check_token,
+    job_prefix,
+    public_prefix,
+    read_token,
+)
 from hexagram.errors import ConfigError
 
-__all__ = ["ENV_JOB", "ENV_MAX_REPLICAS", "ENV_REPLICA", "ENV_STORE", "LiveAddress",
-           "live_address", "parse_address", "serve", "supervise"]
+__all__ = ["ENV_JOB", "ENV_MAX_REPLICAS", "ENV_REPLICA", "ENV_STORE", "ENV_TOKEN",
+           "LiveAddress", "live_address", "parse_address", "serve", "supervise"]
 
 ENV_STORE = "HEXAGRAM_STORE"
 ENV_REPLICA = "HEXAGRAM_REPLICA"
@@ -64,6 +75,9 @@ class LiveAddress:
         prefix: the job's key space on it (``hexagram/live/<job>/``).
         replica: this process's stable id in ``[0, max_size)``.
         max_size: replica ids that may ever take part (the largest membership).
+        job: the job's name; token: its token (never shown in a ``repr``), checked against
+            the service's when the replica opens the store
+            (:func:`~hexagram.elastic.job_token.check_token`).
     """
 
     host: str
@@ -71,6 +85,8 @@ class LiveAddress:
     prefix: str
     replica: int
     max_size: int
+    job: str = "default"
+    token: str | None = field(default=None, repr=False)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -85,10 +101,6 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _prefix(job: str) -> str:
-    return f"hexagram/live/{job}/"
-
-
 def _env_int(env: Mapping[str, str], name: str) -> int | None:
     value = env.get(name, "")
     if value == "":
@@ -98,15 +110,20 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
     return int(value)
 
 
-def _published_max(host: str, port: int, prefix: str, timeout: float) -> int | None:
+def _published_max(host: str, port: int, job: str, token: str | None,
+                   timeout: float) -> int | None:
     """The ``max_replicas`` the store service published for the job, waiting up to
-    ``timeout`` s for the service (a replica may start first); None: not published."""
-    store = dist.PrefixStore(prefix, dist.TCPStore(
-        host, port, is_master=False, timeout=timedelta(seconds=timeout),
-        wait_for_workers=False))
+    ``timeout`` s for the service (a replica may start first); None: not published.
+    Checks the job token first (a ConfigError when this process does not belong)."""
+    root = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
+                         wait_for_workers=False)
     try:
-        store.wait([_CONFIG_KEY], timedelta(seconds=timeout))
+        root.wait([public_prefix(job) + AUTH_KEY], timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError):  # DistStoreError: a store without the service
+        return None
+    check_token(root, job, token)
+    store = dist.PrefixStore(job_prefix(job, token), root)
+    if not store.check([_CONFIG_KEY]):
         return None
     return int(json.loads(store.get(_CONFIG_KEY).decode())["max_replicas"])
 
@@ -126,7 +143,7 @@ def live_address(env: Mapping[str, str] | None = None, timeout: float = 60.0) ->
                 f"{ENV_STORE}=HOST:PORT of `hexagram elastic-store` (machines of their own), "
                 "or MASTER_ADDR and MASTER_PORT (one machine, e.g. torchrun's agent store)")
         return LiveAddress(host=addr, port=master_port, replica=_env_int(env, "RANK") or 0,
-                           prefix=_prefix(env.get("TORCHELASTIC_RUN_ID", "none")),
+                           prefix=public_prefix(env.get("TORCHELASTIC_RUN_ID", "none")),
                            max_size=_env_int(env, "WORLD_SIZE") or 1)
     host, port = parse_address(env[ENV_STORE])
     first = _env_int(env, ENV_REPLICA)
@@ -134,29 +151,40 @@ def live_address(env: Mapping[str, str] | None = None, timeout: float = 60.0) ->
         raise ConfigError(f"{ENV_STORE} is set but {ENV_REPLICA} is not: give every replica "
                           "a stable id (`hexagram elastic-run --replica ID`)")
     replica = first + (_env_int(env, "LOCAL_RANK") or 0)
-    prefix = _prefix(env.get(ENV_JOB) or "default")
-    size = _env_int(env, ENV_MAX_REPLICAS) or _published_max(host, port, prefix, timeout)
+    job, token = env.get(ENV_JOB) or "default", read_token(env)
+    size = _env_int(env, ENV_MAX_REPLICAS) or _published_max(host, port, job, token, timeout)
     if size is None:
         raise ConfigError(f"the largest membership is unknown: set {ENV_MAX_REPLICAS} or "
                           "start the store with `hexagram elastic-store --max-replicas N`")
     if replica >= size:
         raise ConfigError(f"replica id {replica} must be below the largest membership "
                           f"({size}); ids are 0..{size - 1}")
-    return LiveAddress(host=host, port=port, prefix=prefix, replica=replica, max_size=size)
+    return LiveAddress(host=host, port=port, prefix=job_prefix(job, token), replica=replica,
+                       max_size=size, job=job, token=token)
 
 
 def _status(store: dist.Store, max_replicas: int, seen: int) -> tuple[int, str | None]:
-    """(newest epoch, a line about it if it is newer than ``seen``)."""
-    newest = int(store.get("epoch").decode()) if store.check(["epoch"]) else 0
+    """(newest epoch, a line about it if it is newer than ``seen``); a malformed record
+    (a buggy or hostile client wrote it) is reported and skipped, never fatal."""
+    try:
+        newest = int(store.get("epoch").decode()) if store.check(["epoch"]) else 0
+    except (ValueError, UnicodeDecodeError):
+        newest = -1
+    if newest < 0:
+        return seen, "ignored a malformed epoch number in the store"
     if newest <= seen or not store.check([f"e{newest}/members"]):
         return seen, None
-    record = json.loads(store.get(f"e{newest}/members").decode())
-    members = ", ".join(f"{r}@{s}" for r, s in zip(record["members"], record["steps"]))
+    try:
+        record = json.loads(store.get(f"e{newest}/members").decode())
+        members = ", ".join(f"{int(r)}@{int(s)}"
+                            for r, s in zip(record["members"], record["steps"]))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return newest, f"ignored the malformed record of membership {newest}"
     return newest, (f"membership {newest}: replicas [{members}] (id@step) of {max_replicas}")
 
 
 def serve(port: int, max_replicas: int, *, job: str = "default", host: str = "0.0.0.0",
-          stop: threading.Event | None = None, poll: float = 0.5,
+          token: str | None = None, stop: threading.Event | None = None, poll: float = 0.5,
           log: Callable[[str], None] = print) -> None:
     """Host the live-mode store of ``job`` on ``port`` until ``stop`` is set (or SIGINT /
     SIGTERM in the main thread); log each membership as it forms.
@@ -167,22 +195,29 @@ def serve(port: int, max_replicas: int, *, job: str = "default", host: str = "0.
             published for the replicas.
         job: key space, so several jobs can share one service (``HEXAGRAM_JOB``).
         host: the address this process's own client uses to reach the server.
+        token: the job token (see :mod:`hexagram.elastic.job_token`); ``None``: any process
+            that reaches the port may join (said in the first log line). Never logged.
     """
     if max_replicas < 1:
         raise ConfigError(f"max_replicas must be >= 1, got {max_replicas}")
     server = dist.TCPStore(host if host != "0.0.0.0" else "127.0.0.1", port, is_master=True,
                            wait_for_workers=False, timeout=timedelta(seconds=30))
-    store = dist.PrefixStore(_prefix(job), server)
+    store = dist.PrefixStore(job_prefix(job, token), server)
     store.set(_CONFIG_KEY, json.dumps({"max_replicas": max_replicas}))
+    server.set(public_prefix(job) + AUTH_KEY, auth_record(token))
     stop = stop or threading.Event()
     restore = _stop_on_signals(stop)
-    log(f"hexagram elastic-store: job {job!r} on port {port}, up to {max_replicas} replicas")
+    guard = "job token required" if token else \
+        f"no job token: any process that reaches the port can join (set {ENV_TOKEN})"
+    log(f"hexagram elastic-store: job {job!r} on port {port}, up to {max_replicas} replicas; "
+        f"{guard}")
     try:
-        seen = 0
+        seen, last = 0, None
         while not stop.wait(poll):
             seen, line = _status(store, max_replicas, seen)
-            if line:
+            if line and line != last:  # a malformed record is reported once, not per poll
                 log(line)
+            last = line or last
     finally:
         restore()
         del store, server
@@ -209,14 +244,15 @@ def _command(argv: Sequence[str]) -> list[str]:
 
 
 def supervise(argv: Sequence[str], *, store: str, replica: int, job: str = "default",
-              max_replicas: int | None = None, max_restarts: int = 3,
+              token: str | None = None, max_replicas: int | None = None, max_restarts: int = 3,
               restart_delay: float = 1.0, env: Mapping[str, str] | None = None,
               stop: threading.Event | None = None) -> int:
     """Run replica ``replica`` of ``job`` (``argv``: a script and its arguments) and start it
     again when it fails, at most ``max_restarts`` times; return its last exit code.
 
     The child gets :data:`ENV_STORE`, :data:`ENV_REPLICA`, :data:`ENV_JOB` (and
-    :data:`ENV_MAX_REPLICAS` when given) on top of ``env`` or this process's environment.
+    :data:`ENV_MAX_REPLICAS` and :data:`ENV_TOKEN` when given) on top of ``env`` or this
+    process's environment.
     SIGINT/SIGTERM (or ``stop``) end the child and the supervisor.
     """
     parse_address(store)
@@ -224,6 +260,8 @@ def supervise(argv: Sequence[str], *, store: str, replica: int, job: str = "defa
                  ENV_REPLICA: str(replica), ENV_JOB: job}
     if max_replicas is not None:
         child_env[ENV_MAX_REPLICAS] = str(max_replicas)
+    if token:
+        child_env[ENV_TOKEN] = token
     stop = stop or threading.Event()
     restore = _stop_on_signals(stop)
     try:

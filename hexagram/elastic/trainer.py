@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.comm.communicator import abort_all
+from hexagram.elastic.job_token import check_token
 from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError, Watcher
 from hexagram.elastic.residuals import check_policy, recenter
 from hexagram.elastic.service import LiveAddress, live_address
@@ -183,6 +184,7 @@ class LiveTrainer:
         self._root = dist.TCPStore(host, port, is_master=False,
                                    timeout=timedelta(seconds=join_timeout),
                                    wait_for_workers=False)
+        check_token(self._root, address.job, address.token)  # refuse before any key
         self._store = dist.PrefixStore(prefix, self._root)
         self._heartbeat = Heartbeat(host, port, prefix, replica, heartbeat_timeout / 5)
         self.quorum = Quorum(self._store, replica, max_size, min_size, heartbeat_timeout,
