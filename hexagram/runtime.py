@@ -202,6 +202,7 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
     """
     global _RUNTIME
     if _RUNTIME is not None:
+        _check_same_request(_RUNTIME, backend, device)
         return _RUNTIME
     td = _as_timedelta(timeout)
     init_td = td if init_timeout is None else _as_timedelta(init_timeout)
@@ -224,6 +225,21 @@ def init(backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOU
                        host_of_rank=[host_index[k] for k in keys], world_group=dist.group.WORLD)
     _settle_at_exit()
     return _RUNTIME
+
+
+def _check_same_request(live: Runtime, backend: str | None,
+                        device: str | torch.device | None) -> None:
+    """``init()`` again is a no-op only if it asks for what is running: a different backend
+    or device cannot be had without tearing the process group down, so say so."""
+    if backend is not None and backend != live.backend:
+        raise ConfigError(
+            f"hexagram.init(backend={backend!r}): this process already runs {live.backend!r} "
+            "(an earlier init() or the adopted process group); call hexagram.shutdown() "
+            "first, or drop the backend argument to reuse it")
+    if device is not None and torch.device(device).type != live.device.type:
+        raise ConfigError(
+            f"hexagram.init(device={str(device)!r}): this process already communicates on "
+            f"{live.device}; call hexagram.shutdown() first, or drop the device argument")
 
 
 def _adopted_backend() -> str:
