@@ -209,9 +209,32 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> str:
     return text
 
 
+def _unknown_algorithm(text: str) -> str | None:
+    """One line naming the first label of ``--algorithms`` that is neither a PyTorch peer nor
+    a registered algorithm (with the closest name), or None when all are known; checked
+    before the lab starts, so a typo costs a line, not a run."""
+    from difflib import get_close_matches
+
+    from hexagram.algorithms import names
+
+    known = [*PEERS, *names()]
+    for label in algorithm_list(text):
+        name = split_label(label)[0]
+        if name not in known:
+            close = get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            return (f"algorithm {name!r} is not registered: valid are {', '.join(known)} "
+                    f"(or 'all'){hint}")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``hexagram bench``; 0 when every algorithm ran, 1 when some failed, 2 when the
     lab is unavailable."""
+    unknown = _unknown_algorithm(args.algorithms)
+    if unknown:
+        print(f"hexagram bench: {unknown}", file=sys.stderr)
+        return 2
     try:
         report = run_bench(args)
     except LabUnavailableError as exc:
