@@ -85,3 +85,41 @@ def _replicated_bytes(spec: ParitySpec) -> float:
     p = plan(model, x, roomy, Constraints(**spec.constraints, zero=False))
     assert not any(k.endswith("+zero") for s in p.stages for k in s.shardings.values())
     return float(p.memory_bytes)
+
+
+# -- DTensor / FSDP2 on CUDA over gloo: refused before anything is built -----------------
+def _plan(dp: int, tp: int, shardings: dict[str, str] | None = None) -> object:
+    from hexagram.parallel.plans import Plan, StagePlan
+
+    stage = StagePlan(layers=(0, 2), ranks=list(range(dp * tp)), dp=dp, tp=tp, latency_s=0.0,
+                      memory_bytes=0.0, shardings=shardings or {})
+    return Plan(cluster=Cluster(hosts=1, devices_per_host=dp * tp), stages=[stage],
+                microbatches=1, global_batch=8, step_time_s=0.0)
+
+
+@pytest.mark.parametrize("dp, tp, shardings, words", [
+    (1, 2, {"0": "colwise", "1": "rowwise"}, "stage 0: tensor parallel (tp=2)"),
+    (2, 1, {"0": "replicate+zero"}, "stage 0: ZeRO (FSDP2) of '0'"),
+])
+def test_dtensor_plan_on_cuda_over_gloo_is_refused_naming_nccl(
+        dp: int, tp: int, shardings: dict[str, str], words: str) -> None:
+    from hexagram.errors import ConfigError
+    from hexagram.parallel.apply import check_backend
+
+    plan = _plan(dp, tp, shardings)
+    with pytest.raises(ConfigError) as info:
+        check_backend(plan, "cuda", "gloo")  # type: ignore[arg-type]
+    message = str(info.value)
+    assert words in message and "NCCL" in message and "SIGSEGV" in message
+    assert "\n" not in message
+    for device, backend in (("cpu", "gloo"), ("cuda", "nccl")):  # these run the plan
+        check_backend(plan, device, backend)  # type: ignore[arg-type]
+
+
+def test_plain_data_parallel_plan_runs_on_cuda_over_gloo() -> None:
+    """No DTensor, no FSDP2 (``+zero`` needs ``dp > 1`` to shard): nothing to refuse."""
+    from hexagram.parallel.apply import check_backend, dtensor_parts
+
+    for plan in (_plan(2, 1, {"0": "replicate"}), _plan(1, 1, {"0": "replicate+zero"})):
+        assert dtensor_parts(plan) == []  # type: ignore[arg-type]
+        check_backend(plan, "cuda", "gloo")  # type: ignore[arg-type]

@@ -110,15 +110,17 @@ class AutoAlgorithm(Algorithm):
     # -- set-up: probe, compressor costs, provisional choice ---------------------------
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
-        rt = ctx.runtime
-        group = dist.new_group(list(range(rt.world_size)), timeout=rt.timeout)
-        self._control = Communicator(group, rt.timeout, name="auto.control", owns_group=True)
-        self._recorder = StepRecorder(ctx.module, ctx.named_params)
         self._flag_lr(ctx)
-        if ctx.comm.size == 1 and self.decision is None:  # nothing to choose between
-            self.decision, self._phase = {"label": "allreduce", "reason": "one rank"}, "single"
-            self._say("auto: one rank, nothing to communicate: allreduce (a no-op)")
+        if ctx.comm.size == 1:  # nothing to choose between, nothing to time or watch
+            self._single()
+        else:
+            rt = ctx.runtime
+            group = dist.new_group(list(range(rt.world_size)), timeout=rt.timeout)
+            self._control = Communicator(group, rt.timeout, name="auto.control",
+                                         owns_group=True)
+            self._recorder = StepRecorder(ctx.module, ctx.named_params)
         if self.decision is None:
+            assert self._recorder is not None and self._control is not None
             self._measure_network()
             static = measure.static_profile(ctx.buckets, self._recorder.specs)
             self.costs = measure.compressor_costs(self.candidates, static, ctx.comm.size,
@@ -126,6 +128,23 @@ class AutoAlgorithm(Algorithm):
             self._adopt(self._decide(static, provisional=True).label, None)
         self.delegate.setup(ctx)
         self._pending = self._rebuild = False
+
+    def _single(self) -> None:
+        """One rank: allreduce (a no-op), and auto costs what it costs: no step recorder
+        (no hooks on the parameters), no control group, no non-finite check (allreduce's
+        ``passes_nonfinite``, which auto takes from its delegate)."""
+        self.decision, self._phase = {"label": "allreduce", "reason": "one rank"}, "single"
+        if self.label != "allreduce":  # a switch() before wrapping: not set up yet
+            self.delegate, self.label = choose.make("allreduce"), "allreduce"
+        self._follow()
+        self._say("auto: one rank, nothing to communicate: allreduce (a no-op)")
+
+    def _follow(self) -> None:
+        """Declare what the delegate declares: the engine reads ``kind`` when it rebuilds
+        and ``passes_nonfinite`` before every forward (it then builds or drops its
+        non-finite check: allreduce needs none)."""
+        vars(self)["kind"] = self.delegate.kind
+        vars(self)["passes_nonfinite"] = self.delegate.passes_nonfinite
 
     def _flag_lr(self, ctx: AlgorithmContext) -> None:
         """Candidates that are not drop-ins with the user's optimizers are excluded."""
@@ -181,7 +200,7 @@ class AutoAlgorithm(Algorithm):
                 self._leave(self.delegate, label)
             self.delegate, self.label = choose.make(label), label  # fresh state
             self._pending = True
-        vars(self)["kind"] = self.delegate.kind  # the engine reads kind when it rebuilds
+        self._follow()
         self._bucket = bucket
         self._rebuild = True
 
@@ -245,17 +264,20 @@ class AutoAlgorithm(Algorithm):
                 residual = self._flush.residual(e.name)
                 if residual is not None:
                     flat.add_(residual.reshape(-1))
-        assert self._recorder is not None
+        if self._recorder is None:  # one rank: nothing is timed
+            return self.delegate.bucket_ready(bucket)
         with self._recorder.communicating():
             return self.delegate.bucket_ready(bucket)
 
     def after_backward(self) -> None:
-        assert self._recorder is not None
-        with self._recorder.communicating():  # decoding, waiting: not the model's compute
+        if self._recorder is None:
             self.delegate.after_backward()
+        else:
+            with self._recorder.communicating():  # decoding, waiting: not compute
+                self.delegate.after_backward()
+            self._recorder.backward_done()
         self._flush = None
         self._steps += 1
-        self._recorder.backward_done()
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.delegate.before_step(optimizer)
@@ -380,10 +402,11 @@ class AutoAlgorithm(Algorithm):
             self.delegate.close()
             self.delegate, self.label = choose.make(state["label"]), state["label"]
             self.delegate.setup(self.ctx)
-        vars(self)["kind"] = self.delegate.kind
+        self._follow()
         self.delegate.load_state_dict(state["delegate"])
         self._bucket, self._pending, self._rebuild = state["bucket_bytes"], False, True
-        self._phase, self._mark = "watch", self._steps
+        self._mark = self._steps
+        self._phase = "watch" if self._recorder is not None else "single"  # one rank
         self._watcher.restart()
 
     @property

@@ -72,7 +72,7 @@ def local_costs(candidates: Sequence[tuple[str, Priced]], profile: ComputeProfil
         out[label] = measure_compressor(comp, device, sizes=sizes, feedback=feedback)
         if algorithm.own_work:
             out[label] = dataclasses.replace(out[label],
-                                             tree=algorithm.own_work_cost(sizes))
+                                             tree=algorithm.own_work_cost(sizes, device))
     return out
 
 

@@ -281,6 +281,8 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
         elif not self._rebucketed and self._reducer is not None \
                 and self._reducer.backward_count > 0:
             self._rebucket_by_ready_order()
+        if self._reducer is not None:  # auto's choice may have changed what it needs
+            self._reducer.match_guard()
         # Weight algorithms let replicas diverge between rounds (and ranks may finish their
         # data at different times), so a per-forward broadcast would block finished peers.
         if self.broadcast_buffers and self.runtime.world_size > 1 \
@@ -348,9 +350,20 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
         self.algorithm.load_state_dict(state)
 
     def close(self) -> None:
-        """Stop background work and detach hooks; the module stays usable locally.
+        """Stop background work, detach hooks and let go of the engine's buffers; the
+        module stays usable locally.
+
+        After ``close()`` the wrapper holds no buckets, reducer, pending handles or
+        non-finite check, and the algorithm sees no buckets, so their device memory is
+        freed even while the wrapper object lives on (``bytes_sent()`` still answers);
+        the module's parameters and the optimizers stay the user's. Nothing refers to the
+        wrapper from a hook, so ``del model`` frees it at once, closed or not.
 
         Optional: the same happens, quietly, when the wrapper is garbage-collected or the
         interpreter exits (see :mod:`hexagram.engine.lifecycle`). Idempotent."""
         self._finalizer.detach()
-        self._resources.release()
+        try:
+            self._resources.release()
+        finally:
+            self._reducer = None
+            self._ctx.buckets = []

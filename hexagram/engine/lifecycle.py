@@ -38,7 +38,6 @@ from hexagram.runtime import settle_collective_workers
 __all__ = ["Resources", "attach", "weak_method"]
 
 
-
 @dataclass
 class Resources:
     """What a wrapper must release; the wrapper updates ``reducer`` when it rebuilds.
@@ -46,7 +45,8 @@ class Resources:
     Attributes:
         algorithm: its ``close()`` stops background threads and finishes exchanges in flight.
         comm: the wrapper's communicator (its issuing thread is stopped last).
-        reducer: the current gradient reducer (its autograd hooks are removed), or None.
+        reducer: the current gradient reducer (its autograd hooks are removed and its
+            buckets, handles and guard let go), or None.
         hooks: other hook handles (optimizer step hooks) to remove.
     """
 
@@ -65,8 +65,9 @@ class Resources:
             if self.algorithm is not None:
                 self.algorithm.close()
         finally:
-            if self.reducer is not None:
-                self.reducer.remove()
+            if self.reducer is not None:  # hooks, buckets, handles, guard
+                self.reducer.release()
+                self.reducer = None
             for handle in self.hooks:
                 handle.remove()
             self.hooks = []

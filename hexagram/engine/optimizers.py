@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -105,10 +106,16 @@ def expose_forward_signature(wrapper: nn.Module, module: nn.Module) -> None:
         signature = inspect.signature(module.forward)
     except (TypeError, ValueError):  # builtins or C extensions without a signature
         return
-    bound = type(wrapper).forward.__get__(wrapper)
+    # the function lives in the wrapper's __dict__: it must hold the wrapper weakly, or
+    # wrapper -> forward -> wrapper is a cycle that only the cycle collector frees (with
+    # every bucket and algorithm state the wrapper holds on the device)
+    owner, method = weakref.ref(wrapper), type(wrapper).forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return bound(*args, **kwargs)
+        target = owner()
+        if target is None:
+            raise ReferenceError("the hexagram wrapper this forward belonged to was freed")
+        return method(target, *args, **kwargs)
 
     forward.__signature__ = signature  # type: ignore[attr-defined]
     forward.__doc__ = type(wrapper).forward.__doc__ or module.forward.__doc__

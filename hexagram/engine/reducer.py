@@ -12,6 +12,7 @@ collectives in the same order everywhere.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -58,7 +59,8 @@ class Reducer:
         self._handles: dict[int, Handle[torch.Tensor] | None] = {}
         self.backward_count = 0
         # the once-per-step non-finite check (None where the reduction carries NaN/Inf)
-        self.guard = None if algorithm.passes_nonfinite else FiniteGuard(buckets, comm)
+        self.guard: FiniteGuard | None = None
+        self.match_guard()
         # results are multiplied by this before they reach .grad (join() sets it to
         # world / active ranks when the mean should be over the ranks that still train)
         self.grad_scale = 1.0
@@ -66,15 +68,43 @@ class Reducer:
         # optimizer's pre-hook reads); called after the algorithm's after_backward
         self.on_backward_end: Callable[[], None] | None = None
 
+    def match_guard(self) -> None:
+        """Build or drop the non-finite check to match ``algorithm.passes_nonfinite`` now.
+
+        An algorithm that delegates (``auto``) declares what its current choice declares;
+        the engine calls this before every forward, so a switch to or from allreduce adds
+        or removes the check (and its cost) from the next step on."""
+        wanted = not self.algorithm.passes_nonfinite
+        if wanted and self.guard is None:
+            self.guard = FiniteGuard(self.buckets, self.comm)
+        elif not wanted:
+            self.guard = None
+
     def remove(self) -> None:
         """Detach the autograd hooks (before re-bucketing or on close)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
 
+    def release(self) -> None:
+        """Detach the hooks and let go of the buckets, handles and guard (on close): what
+        they hold on the device is freed as soon as nothing else refers to it."""
+        self.remove()
+        self.guard = None
+        self._handles.clear()
+        self._where.clear()
+        self.buckets = []
+        self.on_backward_end = None
+
     def _hook_for(self, name: str) -> Callable[[nn.Parameter], None]:
+        # the parameter (the user's, long-lived) holds the hook; the hook holds the reducer
+        # weakly, so a reducer whose wrapper is gone is not kept alive by the model
+        ref = weakref.ref(self)
+
         def hook(_param: nn.Parameter) -> None:
-            self._on_grad(name)
+            reducer = ref()
+            if reducer is not None:
+                reducer._on_grad(name)
         return hook
 
     def _start_backward(self) -> None:
@@ -152,6 +182,7 @@ class Reducer:
                 if self.guard is not None:  # the engine's buffer, never the algorithm's
                     self.guard.poison(bucket, bucket.flat)
                 bucket.attach_grads(skip)
+        self._handles.clear()  # the results are in .grad: hold no device memory between steps
         self.algorithm.after_backward()
         if self.on_backward_end is not None:
             self.on_backward_end()

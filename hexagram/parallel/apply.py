@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hexagram.comm.device import group_device
-from hexagram.errors import HexagramError
+from hexagram.errors import ConfigError, HexagramError
 from hexagram.parallel.dpsync import allreduce_mean
 from hexagram.parallel.hetero import CrossMeshPipeline
 from hexagram.parallel.plans import Plan, StagePlan
@@ -55,8 +55,9 @@ from hexagram.parallel.split import boundaries, split_stages
 from hexagram.parallel.zero import apply_zero, fsdp_managed
 from hexagram.runtime import get_runtime, is_initialized
 
-__all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "apply_zero", "check_executable",
-           "default_loss", "is_heterogeneous", "parallelize", "sync_gradients"]
+__all__ = ["apply_pipeline", "apply_sharding", "apply_stage", "apply_zero", "check_backend",
+           "check_executable", "default_loss", "dtensor_parts", "is_heterogeneous",
+           "parallelize", "sync_gradients"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -93,6 +94,51 @@ def check_executable(model: nn.Module, plan: Plan, world_size: int,
     if plan.blockers:
         raise HexagramError("the plan reshards between non-linear operators, which this "
                             f"executor cannot place: {plan.blockers[:3]}")
+
+
+def dtensor_parts(plan: Plan) -> list[str]:
+    """What of ``plan`` runs on DTensor or FSDP2: ``"stage K: tensor parallel (tp=T)"``
+    for a stage with ``tp > 1``, ``"stage K: ZeRO (FSDP2) of PATH"`` for a module marked
+    ``+zero`` in a stage with ``dp > 1`` (what :func:`apply_sharding` and
+    :func:`apply_zero` would build); empty for plain pipeline and data parallelism."""
+    parts = []
+    for k, st in enumerate(plan.stages):
+        if st.tp > 1:
+            parts.append(f"stage {k}: tensor parallel (tp={st.tp})")
+        zero = [p for p, kind in st.shardings.items() if kind.endswith("+zero")]
+        if st.dp > 1 and zero:
+            parts.append(f"stage {k}: ZeRO (FSDP2) of {zero[0]!r}")
+    return parts
+
+
+def check_backend(plan: Plan, device_type: str, backend: str) -> None:
+    """Refuse a DTensor/FSDP2 plan on CUDA tensors over gloo, before anything is built.
+
+    There the coalesced all-gather of DTensor and FSDP2 crashes every rank (SIGSEGV, no
+    Python error), so the plan is refused with the fix instead: NCCL. The CPU over gloo
+    and CUDA over NCCL run every plan; so does CUDA over gloo without tensor parallelism
+    or ZeRO (pipeline stages and data parallelism use plain collectives).
+
+    Example:
+        >>> from hexagram.parallel.cluster import Cluster
+        >>> st = StagePlan(layers=(0, 1), ranks=[0, 1], dp=1, tp=2, latency_s=0.0,
+        ...                memory_bytes=0.0)
+        >>> plan = Plan(cluster=Cluster(hosts=1, devices_per_host=2), stages=[st],
+        ...             microbatches=1, global_batch=2, step_time_s=0.0)
+        >>> check_backend(plan, "cpu", "gloo")      # fine: the CPU
+        >>> check_backend(plan, "cuda", "gloo")     # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        hexagram.errors.ConfigError: ...
+    """
+    if device_type != "cuda" or "gloo" not in backend.lower():
+        return
+    parts = dtensor_parts(plan)
+    if parts:
+        raise ConfigError(
+            f"this plan runs DTensor/FSDP2 ({'; '.join(parts)}) on CUDA tensors over gloo, "
+            "whose coalesced all-gather crashes every rank there (SIGSEGV): run it over "
+            "NCCL (hexagram.init(backend='nccl'), the default with CUDA), or plan it for "
+            "the CPU, or without tensor parallelism and ZeRO")
 
 
 def apply_stage(model: nn.Module, stage: StagePlan, plan: Plan | None = None,
@@ -214,6 +260,7 @@ def parallelize(model: nn.Module, plan: Plan, loss_fn: LossFn = default_loss,
     rank = dist.get_rank()
     check_executable(model, plan, dist.get_world_size(), example_inputs)
     device = get_runtime().device if is_initialized() else group_device(None)
+    check_backend(plan, device.type, str(dist.get_backend()))
     index, mesh, pp_group = _groups(plan, rank, device)
     stage = plan.stages[index]
     # traced before the model's modules are sharded in place (fx cannot trace DTensors)
