@@ -1,7 +1,8 @@
 """Aten ops a wrapper adds to two training steps, per algorithm, next to torch DDP.
 
-Every op is a kernel launch on a GPU (about 8 us of host time each), so the ops a wrapper
-adds to a step bound how close to torch DDP its step can come on a fast link. For each
+Every op costs host time in the dispatcher, and every op that computes is a kernel launch
+on a GPU (about 8 us of host time), so the ops a wrapper adds to a step bound how close to
+torch DDP its step can come on a fast link. For each
 registered algorithm and for ``torch.nn.parallel.DistributedDataParallel`` this counts the
 ops of two steady training steps of the wrapped model, less those of the same two steps
 of the plain model (same optimizer, same inputs): the wrapper's own per-step work.

@@ -1,12 +1,13 @@
 """The aten ops a wrapper adds to a training step: for every algorithm at most torch DDP's
 count + 400, on a model of 128 parameter tensors.
 
-On a GPU each op is a kernel launch (about 8 us of host time), so a wrapper whose per-step
-work grows with the number of parameter tensors loses to torch DDP on any fast link, however
-well it compresses. ``benchmarks/step_ops.py`` does the counting (its module doc gives the
-set-up and the counting rule: ops as dispatched, a composite op as what it decomposes into,
-never the ops inside another op's kernel, the same for every setup; thread-pool jobs of
-the counted steps included). All setups run in one world-1 process, once per module;
+Each op costs host time in the dispatcher, and on a GPU each op that computes is a kernel
+launch (about 8 us of host time), so a wrapper whose per-step work grows with the number of
+parameter tensors loses to torch DDP on any fast link, however well it compresses.
+``benchmarks/step_ops.py`` does the counting (its module doc gives the set-up and the
+counting rule: ops as dispatched, a composite op as what it decomposes into, never the ops
+inside another op's kernel, the same for every setup; thread-pool jobs of the counted
+steps included). All setups run in one world-1 process, once per module;
 ``pytest -s`` prints the table, and a failure shows it.
 
 Nested ops are not counted on purpose: on the CPU a ``torch._foreach_*`` op runs one op
