@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ("engine", "network", "compression", "compress_cpu", "compressed-algorithms",
          "relaxations", "delay", "auto", "simulate", "robust", "elastic", "planner",
-         "integrations")
+         "integrations", "gpu")
 HEADER = """# Benchmarks
 
 The headline results, each with the command that reproduces it, are in

@@ -13,12 +13,20 @@ Parts (run in the order given; ``all`` = every part):
 - ``sync`` (<= 5 min): host syncs of one steady training step per algorithm, counted with
   ``torch.cuda.set_sync_debug_mode`` (2 ranks, gloo+CUDA; the training thread's syncs).
 - ``compress`` (<= 5 min): ``benchmarks/compress_throughput.py --device cuda``.
-- ``model`` (<= 5 min): one step of a ~100M-parameter MLP at world 1: no wrapper, PyTorch
-  DDP, and every algorithm (CUDA events, median of 3 after 2 warm-up steps).
+- ``model`` (<= 5 min): the step time at world 1 of a 100M-parameter MLP (SGD) and of a
+  124M GPT-2 (bf16 autocast, AdamW; needs ``transformers``, else that half is skipped with
+  the reason), with no wrapper, torch DDP and every algorithm, each as a ratio to torch
+  DDP's step in the same run (CUDA events, median of 8 after 3 warm-up steps; peak memory).
+- ``profile`` (<= 5 min): one steady step of the MLP per setup under ``torch.profiler``:
+  the top 8 ops by CUDA and by CPU time, kernel launches, and the host syncs of a step
+  (``torch.cuda.set_sync_debug_mode``).
 
-Run: ``PYTHONPATH=. python scripts/gpu_check.py smoke tier --out gpu-report`` (the Makefile's
-``make gpu-check`` runs ``all``). Without CUDA every part reports ``skipped: no CUDA`` and
-the script exits 0.
+The steps of ``model`` and ``profile`` live in ``scripts/gpu_check_steps.py`` (warm-ups
+shortened so the timed steps are steady; weight algorithms at period 4).
+
+Run: ``PYTHONPATH=. python scripts/gpu_check.py model profile --out gpu-report`` (the
+Makefile's ``make gpu-check`` runs ``all``). Without CUDA every part reports ``skipped: no
+CUDA`` and the script exits 0.
 """
 
 from __future__ import annotations
@@ -45,28 +53,16 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 #: part -> wall-clock limit in seconds
-LIMITS = {"smoke": 180, "tier": 300, "sync": 300, "compress": 300, "model": 300}
+LIMITS = {"smoke": 180, "tier": 300, "sync": 300, "compress": 300, "model": 300,
+          "profile": 300}
+SPAWN_S = 45.0  # of a part's limit: starting the rank and NCCL, and slack
 MULTI_BLOCK = 1 << 22  # elements of the large bucket: past every compressor's block size
 
 
 # -- workers (run on spawned ranks) --------------------------------------------------------
-def _algorithm(name: str) -> Any:
-    """``name``'s algorithm configured for 1-4 ranks (robust: no Byzantine rank, f=0)."""
-    import hexagram as hx
-
-    return hx.algorithms.get(name, f=0) if name == "robust" else hx.algorithms.get(name)
-
-
-def _optimizer(name: str, params: Any, lr: float = 0.01) -> torch.optim.Optimizer:
-    """The optimizer algorithm ``name`` works with (QAdam brings its own)."""
-    if name == "qadam":
-        from hexagram.optim.qadam import QAdamOptimizer
-
-        return QAdamOptimizer(params, lr=lr / 10, warmup_steps=1)
-    return torch.optim.SGD(params, lr=lr)
-
-
 def _step_algorithms(names: list[str], numel: int, steps: int) -> dict[str, Any]:
+    from gpu_check_steps import algorithm, optimizer
+
     import hexagram as hx
 
     rt = hx.get_runtime() if hx.is_initialized() else hx.init()
@@ -74,9 +70,9 @@ def _step_algorithms(names: list[str], numel: int, steps: int) -> dict[str, Any]
     for name in names:
         try:
             net = torch.nn.Linear(numel // 64, 64).to(rt.device)
-            opt = _optimizer(name, net.parameters())
-            ddp = hx.DistributedDataParallel(net, [opt], algorithm=_algorithm(name),
-                                             bucket_size_mb=64)
+            opt = optimizer(name, net.parameters(), lr=0.01)
+            ddp = hx.DistributedDataParallel(net, optimizers=[opt], bucket_size_mb=64,
+                                             algorithm=algorithm(name))
             for _ in range(steps):
                 ddp(torch.randn(4, numel // 64, device=rt.device)).square().mean().backward()
                 opt.step()
@@ -100,6 +96,8 @@ def _gloo_cuda(names: list[str], numel: int) -> dict[str, Any]:
 def _count_syncs(names: list[str]) -> dict[str, Any]:
     import warnings
 
+    from gpu_check_steps import algorithm, optimizer
+
     import hexagram as hx
 
     rt = hx.init(backend="gloo", device="cuda")
@@ -107,10 +105,10 @@ def _count_syncs(names: list[str]) -> dict[str, Any]:
     for name in names:
         net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
                                   torch.nn.Linear(512, 10)).to(rt.device)
-        opt = _optimizer(name, net.parameters())
+        opt = optimizer(name, net.parameters(), lr=0.01)
         try:
-            ddp = hx.DistributedDataParallel(net, [opt], algorithm=_algorithm(name),
-                                             bucket_size_mb=0.25)
+            ddp = hx.DistributedDataParallel(net, optimizers=[opt], bucket_size_mb=0.25,
+                                             algorithm=algorithm(name))
             x = torch.randn(32, 256, device=rt.device)
             for step in range(3):
                 if step == 2:
@@ -131,66 +129,13 @@ def _count_syncs(names: list[str]) -> dict[str, Any]:
     return out
 
 
-def _wrapper_for(name: str) -> Callable[[torch.nn.Module, Any], torch.nn.Module]:
-    import hexagram as hx
-
-    def wrap(module: torch.nn.Module, opt: Any) -> torch.nn.Module:
-        return hx.DistributedDataParallel(module, [opt], algorithm=_algorithm(name))
-    return wrap
-
-
-def _time_model(names: list[str]) -> dict[str, Any]:
-    import hexagram as hx
-
-    rt = hx.init()
-    width, depth = 4096, 6  # 6 x (4096^2 + 4096) ~ 100.7M parameters
-    out: dict[str, Any] = {"params": depth * (width * width + width), "device": str(rt.device)}
-
-    def build() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]
-                                   ).to(rt.device)
-
-    x = torch.randn(32, width, device=rt.device)
-    setups: dict[str, Callable[[torch.nn.Module, Any], torch.nn.Module]] = {
-        "no wrapper": lambda m, o: m,
-        "torch DDP": lambda m, o: torch.nn.parallel.DistributedDataParallel(m),
-    }
-    for name in names:
-        setups[name] = _wrapper_for(name)
-    for label, wrap in setups.items():
-        try:
-            net = build()
-            opt = _optimizer(label, net.parameters(), lr=1e-4)
-            model = wrap(net, opt)
-            times = []
-            for i in range(5):
-                start, end = torch.cuda.Event(enable_timing=True), \
-                    torch.cuda.Event(enable_timing=True)
-                start.record()
-                model(x).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-                end.record()
-                end.synchronize()
-                if i >= 2:
-                    times.append(start.elapsed_time(end))
-            out[label] = round(sorted(times)[1], 2)  # ms, median of 3
-            if isinstance(model, hx.DistributedDataParallel):
-                model.close()
-            del model, net, opt
-            torch.cuda.empty_cache()
-        except Exception as exc:
-            out[label] = f"failed: {type(exc).__name__}: {exc}"
-    return out
-
-
 # -- parts (run in this process; multi-rank work on spawned ranks) -------------------------
-def _worker(name: str) -> Callable[..., Any]:
-    """A rank function of this file, by reference to the importable module ``gpu_check``."""
+def _worker(name: str, module: str = "gpu_check") -> Callable[..., Any]:
+    """A rank function by reference to an importable module of this folder (``gpu_check``
+    itself or ``gpu_check_steps``): spawned ranks cannot unpickle functions of __main__."""
     import importlib
 
-    return getattr(importlib.import_module("gpu_check"), name)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
 def _names() -> list[str]:
@@ -246,15 +191,32 @@ def part_compress(limit: float) -> dict[str, Any]:
 
 
 def part_model(limit: float) -> dict[str, Any]:
-    """One step of a ~100M-parameter model at world 1, every way of training it."""
+    """Step times at world 1 of the MLP and GPT-2, every setup, x torch DDP."""
+    from gpu_check_steps import model_markdown
+
     from hexagram.launch import run_local
 
-    return run_local(_worker("_time_model"), 1, args=(_names(),), timeout=limit)[0]
+    out: dict[str, Any] = run_local(_worker("time_models", "gpu_check_steps"), 1,
+                                    args=(_names(), limit - SPAWN_S), timeout=limit)[0]
+    out["markdown"] = model_markdown(out)
+    return out
+
+
+def part_profile(limit: float) -> dict[str, Any]:
+    """One profiled steady step of the MLP per setup: top ops, launches, host syncs."""
+    from gpu_check_steps import profile_markdown
+
+    from hexagram.launch import run_local
+
+    out: dict[str, Any] = run_local(_worker("profile_setups", "gpu_check_steps"), 1,
+                                    args=(_names(), limit - SPAWN_S), timeout=limit)[0]
+    out["markdown"] = profile_markdown(out)
+    return out
 
 
 PARTS: dict[str, Callable[[float], dict[str, Any]]] = {
     "smoke": part_smoke, "tier": part_tier, "sync": part_sync, "compress": part_compress,
-    "model": part_model}
+    "model": part_model, "profile": part_profile}
 
 
 def _subprocess(cmd: list[str], limit: float) -> dict[str, Any]:
@@ -303,6 +265,9 @@ def write_report(results: dict[str, Any], out: Path, argv: list[str]) -> None:
              "| part | status | seconds |", "|---|---|---|"]
     lines += [f"| {p} | {r['status']} | {r['seconds']} |" for p, r in results.items()]
     for part, res in results.items():
+        if "markdown" in res:  # the part renders its own tables; the JSON has the rest
+            lines += ["", f"## {part}", "", res["markdown"]]
+            continue
         details = {k: v for k, v in res.items() if k not in ("status", "seconds", "output")}
         if details or "output" in res:
             lines += ["", f"## {part}", "", "```", json.dumps(details, indent=1, default=str)]
@@ -324,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     write_report(results, Path(ns.out), args)
     for part, res in results.items():
         print(f"{part}: {res['status']} ({res['seconds']} s)")
+        if "markdown" in res:
+            print(res["markdown"])
     return 1 if any(r["status"].startswith("failed") for r in results.values()) else 0
 
 
