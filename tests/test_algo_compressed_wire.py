@@ -202,8 +202,8 @@ def expected_bytes(name: str, rank: int, world: int) -> int:
         edges = world.bit_length() - 1 if butterfly(world) else \
             (rank != 0) + len(tree_children(rank, world))
         return sum(8 * k * edges for k in ks)
-    if name == "randomk":  # shared positions: ring allreduce of the k float32 values only
-        return sum(2 * (world - 1) * 4 * _k(CASES[name][2], n) // world for n in sizes)
+    if name == "randomk":  # shared positions: one ring allreduce of the k float32 values
+        return 2 * (world - 1) * 4 * sum(_k(CASES[name][2], n) for n in sizes) // world
     assert isinstance(algo, CompressorAlgorithm), f"{name}: add its byte formula here"
     comp = algo.compressor
     way = route(comp, exact_local=algo.error_feedback is not None or algo.custom_encoding,

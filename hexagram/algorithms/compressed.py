@@ -25,6 +25,7 @@ An algorithm that only applies a compressor needs no class: it is a registry lin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -38,12 +39,14 @@ from hexagram.comm.communicator import Handle
 from hexagram.comm.reduce import reduce_many
 from hexagram.compress.base import Compressor, Payload, all_finite
 from hexagram.compress.feedback import ErrorFeedback
+from hexagram.compress.segments import Segments
 from hexagram.config import check_choice, check_int
 from hexagram.errors import NonFiniteGradientError
 
 __all__ = [
     "GRANULARITIES",
     "NONFINITE_POLICIES",
+    "BucketLayout",
     "CompressedAlgorithm",
     "CompressedConfig",
     "CompressorAlgorithm",
@@ -276,24 +279,64 @@ class CompressedAlgorithm(Algorithm):
         self._generator_loaded = True
 
 
+@dataclass(frozen=True, eq=False)  # one per bucket layout, compared by identity
+class BucketLayout:
+    """What a compressor algorithm keeps per bucket layout, built once (first step, and
+    again when the engine re-forms its buckets) and reused every step.
+
+    Attributes:
+        entries: the bucket's entries (the list object itself: its identity is the layout).
+        names: their parameter names, in buffer order (the error-feedback keys).
+        lengths: their sizes.
+        segments: ``granularity="layer"``: each tensor a segment of one
+            :meth:`~hexagram.compress.base.Compressor.compress_segments` call; ``None``:
+            the bucket compressed as one tensor.
+    """
+
+    entries: list[BucketEntry]
+    names: tuple[str, ...]
+    lengths: tuple[int, ...]
+    segments: Segments | None
+
+    @functools.cached_property
+    def described(self) -> str:
+        """The parameter names, for messages (built once)."""
+        return ", ".join(self.names)
+
+
 class CompressorAlgorithm(CompressedAlgorithm):
     """A compressor applied per segment, exchanged by :func:`hexagram.comm.reduce.reduce_many`.
 
     The compressor's aggregation picks the collective there (one rule for every algorithm);
-    every segment of a bucket goes out in one message per leg, decoded into the bucket.
-    With error feedback (or ``custom_encoding``) the algorithm encodes each segment itself
-    (:meth:`encode_segment`), which keeps scatter-gather formats on the allgather route.
+    a bucket goes out in one message per leg, decoded into the bucket. Layer-wise
+    (``granularity="layer"``) the bucket's tensors are compressed in one
+    :meth:`~hexagram.compress.base.Compressor.compress_segments` call and decoded in one
+    call, and error feedback keeps one residual buffer per bucket layout
+    (:meth:`~hexagram.compress.ErrorFeedback.compress_flat`): the ops a step adds do not
+    grow with the number of tensors. With error feedback (or ``encodes_buckets``) the
+    algorithm encodes the bucket itself (:meth:`encode_bucket`), which keeps scatter-gather
+    formats on the allgather route.
 
     Subclasses set ``compressor`` (and ``error_feedback``) with :meth:`use_compressor`; they
-    may set ``reduction = "majority"`` (signSGD's vote) and override :meth:`encode_segment`
-    with ``custom_encoding = True`` (DGC's momentum correction, fp16's range check).
+    may set ``reduction = "majority"`` (signSGD's vote; layer-wise it goes segment by
+    segment, each tensor's vote scaled on its own), override :meth:`encode_bucket` with
+    ``encodes_buckets = True`` (fp16's range check), or override :meth:`encode_segment`
+    with ``custom_encoding = True`` (DGC's momentum correction): such algorithms reduce
+    segment by segment (:meth:`reduce_segments`).
     """
 
     compressor: Compressor
     #: how the ranks' decoded segments combine: "mean", or "majority" (sign of the sum)
     reduction: ClassVar[str] = "mean"
-    #: True where :meth:`encode_segment` does more than (error-feedback) compression
+    #: True where :meth:`encode_segment` does more than (error-feedback) compression: the
+    #: bucket then goes segment by segment
     custom_encoding: ClassVar[bool] = False
+    #: True where :meth:`encode_bucket` does more than (error-feedback) compression
+    encodes_buckets: ClassVar[bool] = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._layouts: dict[int, BucketLayout] = {}  # bucket index -> its layout
 
     def use_compressor(self, compressor: Compressor, feedback: bool) -> None:
         """Set the compressor, wrapped in error feedback if ``feedback``."""
@@ -302,6 +345,50 @@ class CompressorAlgorithm(CompressedAlgorithm):
         self.error_feedback = ErrorFeedback(compressor) if feedback else None
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
+        """The bucket in one compressed reduction: one payload per leg, decoded into
+        ``bucket.flat`` (per segment for ``custom_encoding`` and layer-wise votes)."""
+        layered = self.config.granularity == "layer"
+        if self.custom_encoding or (layered and (self.reduction == "majority" or min(
+                e.numel for e in bucket.entries) == 0)):
+            return self.reduce_segments(bucket)
+        layout = self.layout(bucket)
+        own = self.error_feedback is not None or self.encodes_buckets
+        return reduce_many(
+            self.ctx.comm, [bucket.flat], self.compressor, reduction=self.reduction,
+            outs=[bucket.flat], segments=[layout.segments],
+            encode=(lambda _, t, d: self.encode_bucket(layout, t, d)) if own else None,
+            generator=self.generator, reduce_generator=self.reduce_generator,
+        ).then(lambda _: bucket.flat)
+
+    def layout(self, bucket: Bucket) -> BucketLayout:
+        """The bucket's :class:`BucketLayout` (cached per bucket index while its entries
+        are the same list: nothing per tensor is built after the first step)."""
+        known = self._layouts.get(bucket.index)
+        if known is not None and known.entries is bucket.entries:
+            return known
+        lengths = tuple(e.numel for e in bucket.entries)
+        layout = BucketLayout(bucket.entries, tuple(e.name for e in bucket.entries), lengths,
+                              Segments.of(lengths)
+                              if self.config.granularity == "layer" else None)
+        self._layouts[bucket.index] = layout
+        return layout
+
+    def encode_bucket(self, layout: BucketLayout, flat: Tensor, divisor: int) -> Payload:
+        """The payload of ``flat / divisor`` (``flat``: the bucket's buffer, ours to
+        change), its tensors compressed each on its own where ``layout.segments`` says so,
+        with error feedback if on (sent + new residual == gradient + old residual)."""
+        comp, ef = self.compressor, self.error_feedback
+        if ef is not None:
+            return ef.compress_flat(layout, layout.names, layout.lengths, flat,
+                                    layout.segments, self.generator, divisor)
+        if divisor > 1:
+            flat.div_(divisor)
+        if layout.segments is None:
+            return comp.compress(flat, self.generator)
+        return comp.compress_segments(flat, layout.segments, self.generator)
+
+    def reduce_segments(self, bucket: Bucket) -> Handle[Tensor]:
+        """Segment by segment (:meth:`encode_segment` per segment), one message per leg."""
         segs = segments(bucket, self.config.granularity)
         views = [bucket.flat[s.start:s.stop] for s in segs]
         own = self.error_feedback is not None or self.custom_encoding

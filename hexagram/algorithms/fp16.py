@@ -25,7 +25,7 @@ from torch import Tensor
 
 from hexagram import compress
 from hexagram.algorithms.cast import check_fp16_range
-from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, Segment
+from hexagram.algorithms.compressed import BucketLayout, CompressedConfig, CompressorAlgorithm
 from hexagram.compress.base import Payload
 from hexagram.config import check_choice
 
@@ -56,18 +56,18 @@ class Fp16Algorithm(CompressorAlgorithm):
     """16-bit gradient allreduce; see :class:`Fp16Config`."""
 
     name = "fp16"
-    custom_encoding = True  # the range check before the division
+    encodes_buckets = True  # the range check before the division
 
     def __init__(self, config: Fp16Config | None = None) -> None:
         super().__init__(config or Fp16Config())
         self.config: Fp16Config
         self.use_compressor(compress.get(self.config.wire), feedback=False)  # see above
 
-    def encode_segment(self, segment: Segment, tensor: Tensor, divisor: int) -> Payload:
-        """Check fp16's range after the division by P, then cast (the sum is reduced in
-        16 bits by :func:`hexagram.comm.reduce.reduce_many`: its ``SUM`` route)."""
+    def encode_bucket(self, layout: BucketLayout, flat: Tensor, divisor: int) -> Payload:
+        """Check fp16's range after the division by P (one check for the bucket, queued
+        with the step's checks), then cast (the sum is reduced in 16 bits by
+        :func:`hexagram.comm.reduce.reduce_many`: its ``SUM`` route)."""
         if self.config.wire == "fp16":
-            check_fp16_range(tensor, 1 / self.ctx.comm.size, f"fp16: gradient of "
-                             f"{', '.join(segment.names)} at step {self.step}",
-                             self.ctx.checks)
-        return super().encode_segment(segment, tensor, divisor)
+            check_fp16_range(flat, 1 / self.ctx.comm.size, f"fp16: gradient of "
+                             f"{layout.described} at step {self.step}", self.ctx.checks)
+        return super().encode_bucket(layout, flat, divisor)

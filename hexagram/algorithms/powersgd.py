@@ -30,7 +30,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -38,9 +38,10 @@ import torch
 from torch import Tensor
 
 from hexagram import compress
+from hexagram.algorithms import powersgd_layers as layers
 from hexagram.algorithms.base import AlgorithmContext
 from hexagram.algorithms.compressed import CompressedAlgorithm, CompressedConfig, Segment, segments
-from hexagram.buckets import Bucket
+from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.device import device_initializer
 from hexagram.comm.reduce import reduce
@@ -103,6 +104,11 @@ class _Matrix:
     p: Tensor  # (rows, r) = M Q, this rank's
 
 
+@dataclass(eq=False)  # compared by identity: the key of one bucket layout's residuals
+class _BucketKey:
+    entries: list[BucketEntry]
+
+
 class PowerSGDAlgorithm(CompressedAlgorithm):
     """Rank-r PowerSGD with warm start and error feedback; see :class:`PowerSGDAlgorithmConfig`."""
 
@@ -119,6 +125,8 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         self.compressor.checks_finite = False  # buckets are checked once per step instead
         if c.error_feedback:
             self.error_feedback = ErrorFeedback(self.compressor)
+        self._layouts: dict[int, layers.LayerLayout] = {}  # bucket index -> its batches
+        self._bucket_keys: dict[int, _BucketKey] = {}  # bucket index -> its residuals' key
 
     def setup(self, ctx: AlgorithmContext) -> None:
         """Over all ranks, the Q allreduces get a process group of their own (collective):
@@ -142,18 +150,43 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         comm = self.ctx.comm
         if self.step < self.config.start_iter:
             return reduce(comm, bucket.flat, out=bucket.flat)
+        if self.config.granularity == "layer":  # matrices of one shape as one batch
+            return self._reduce_layers(bucket)
         mats, dense = self._prepare(bucket)
         first = torch.cat([x.p.reshape(-1) for x in mats]
                           + [bucket.flat[s.start:s.stop].float() for s in dense])
         mean_p = _reduce_as(comm, first, bucket.dtype)
-        if self._q_comm is comm:
-            return mean_p.then_wait(lambda p: self._second_stage(bucket, mats, dense, p))
+        return self._chain(mean_p, lambda p: self._second_stage(bucket, mats, dense, p))
+
+    def _chain(self, mean_p: Handle[Tensor], then: Callable[[Tensor], Handle[Tensor]]
+               ) -> Handle[Tensor]:
+        """Stage 2 (``then`` of the averaged P's) chained on stage 1's allreduce: on its
+        own thread and stream where the Q allreduces have a group of their own."""
+        if self._q_comm is self.ctx.comm:
+            return mean_p.then_wait(then)
         job = on_stream(self._stage2_stream,  # after this stream's P, Q and residual work
-                        lambda: self._second_stage(bucket, mats, dense, mean_p.wait()).wait())
+                        lambda: then(mean_p.wait()).wait())
         handle: Handle[Tensor] = Handle(self._stage2.submit(job), "powersgd.stage2",
                                         self._q_comm)
         handle.stream_job = job if self._stage2_stream is not None else None
         return handle
+
+    def _reduce_layers(self, bucket: Bucket) -> Handle[Tensor]:
+        """Layer-wise, batch by batch (:mod:`hexagram.algorithms.powersgd_layers`)."""
+        layout = self._layouts.get(bucket.index)
+        if layout is None or layout.entries is not bucket.entries:
+            layout = self._layouts[bucket.index] = layers.LayerLayout.of(bucket,
+                                                                         self.compressor)
+        stage, first = layers.first_stage(layout, bucket.flat, self.compressor,
+                                          self.error_feedback)
+
+        def second(mean_p: Tensor) -> Handle[Tensor]:
+            buf = layers.second_stage(stage, mean_p, self.compressor)
+            return _reduce_as(self._q_comm, buf, bucket.dtype).then(
+                lambda mean_q: layers.write(stage, bucket.flat, mean_p, mean_q,
+                                            self.compressor))
+
+        return self._chain(_reduce_as(self.ctx.comm, first, bucket.dtype), second)
 
     def _prepare(self, bucket: Bucket) -> tuple[list[_Matrix], list[Segment]]:
         mats: list[_Matrix] = []
@@ -165,7 +198,8 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
                 continue
             grad = bucket.flat[seg.start:seg.stop]
             # the residual is added in place: the bucket's buffer is not read after this
-            corrected = self.correct_(seg, grad) if self.error_feedback is not None else grad
+            corrected = grad if self.error_feedback is None \
+                else grad.add_(self._residual(bucket))
             m = self.compressor.matrix(corrected.view(shape))
             key = "|".join(seg.names)
             mats.append(_Matrix(seg, key, shape, corrected, m, self.compressor.compute_p(key, m)))
@@ -208,20 +242,29 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         """
         view = bucket.flat[x.segment.start:x.segment.stop]
         ef = self.error_feedback
-        if x.m.data_ptr() == view.data_ptr() and x.m.numel() == view.numel() \
-                and len(x.segment.entries) == 1:
+        if x.m.data_ptr() == view.data_ptr() and x.m.numel() == view.numel():
             if ef is None:
                 self.compressor.product_into(p, q, x.m)
                 return
-            residual = ef.residual_buffer(x.segment.names[0], view).view(x.m.shape)
+            residual = self._residual(bucket).view(x.m.shape)
             residual.copy_(x.m)
             self.compressor.product_into(p, q, x.m)
             residual.sub_(x.m)
             return
         approx = self.compressor.reconstruct(p, q, x.shape, bucket.dtype).reshape(-1)
         if ef is not None:
-            self.update(x.segment, x.corrected, approx)
+            torch.sub(x.corrected, approx, out=self._residual(bucket))
         view.copy_(approx)
+
+    def _residual(self, bucket: Bucket) -> Tensor:
+        """Bucket granularity: the bucket's residuals as one buffer (its tensors' residuals
+        are views of it: :meth:`hexagram.compress.ErrorFeedback.bind_flat`)."""
+        key = self._bucket_keys.get(bucket.index)
+        if key is None or key.entries is not bucket.entries:
+            key = self._bucket_keys[bucket.index] = _BucketKey(bucket.entries)
+        ef = self._feedback()
+        return ef.bind_flat(key, [e.name for e in key.entries],
+                            [e.numel for e in key.entries], bucket.flat).buffer
 
     def bytes_sent(self) -> int:
         extra = self._q_comm.counter.total if self._q_comm is not self.ctx.comm else 0

@@ -44,7 +44,12 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from hexagram import compress
-from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, segments
+from hexagram.algorithms.compressed import (
+    BucketLayout,
+    CompressedConfig,
+    CompressorAlgorithm,
+    segments,
+)
 from hexagram.algorithms.momentum_correction import MomentumCorrection, entry_part
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
@@ -108,30 +113,30 @@ class RandomKAlgorithm(MomentumCorrection, CompressorAlgorithm):
         return self.config.error_feedback
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
-        """Every segment's velocity with feedback, then only the values: summed by
-        allreduce (slot i is the same element on every rank), decoded into the segment's
-        view of the bucket."""
-        segs = segments(bucket, self.config.granularity)
-        views = [bucket.flat[s.start:s.stop] for s in segs]
-        for s, v in zip(segs if self.factors or self.config.momentum else [], views):
-            for e, u in zip(s.entries, self.velocities(s, v)):  # u replaces the gradient
-                entry_part(s, v, e).copy_(u)
-        payloads = [self.compress_with_feedback(s, v, self.compressor)
-                    for s, v in zip(segs, views)]
-        values = [sparse_pairs(p)[0] for p in payloads]  # the payloads' own tensors
-        return reduce_many(self.ctx.comm, values, None, outs=values).then(
-            lambda _: self._decode(payloads, views, bucket.flat))
+        """The bucket's velocities with feedback, then only the values: one draw for the
+        bucket (every tensor its own k), summed by one allreduce (slot i is the same
+        element on every rank), decoded into the bucket with this rank's positions."""
+        if self.factors or self.config.momentum:
+            for s in segments(bucket, self.config.granularity):
+                v = bucket.flat[s.start:s.stop]
+                for e, u in zip(s.entries, self.velocities(s, v)):  # u replaces the gradient
+                    entry_part(s, v, e).copy_(u)
+        layout = self.layout(bucket)
+        payload = self.encode_bucket(layout, bucket.flat, 1)
+        values = sparse_pairs(payload)[0]  # the payload's own tensor
+        return reduce_many(self.ctx.comm, [values], None, outs=[values]).then(
+            lambda _: self._decode(payload, layout, bucket.flat))
 
-    def _decode(self, payloads: list[Payload], views: list[Tensor], flat: Tensor) -> Tensor:
-        for p, v in zip(payloads, views):
-            self.compressor.decompress_into(p, v)
-        return flat
+    def _decode(self, payload: Payload, layout: BucketLayout, flat: Tensor) -> Tensor:
+        if layout.segments is None:
+            return self.compressor.decompress_into(payload, flat)
+        return self.compressor.decompress_segments_into(payload, flat)
 
     def wire_messages(self, bucket: Sequence[TensorSpec], world: int, rank: int
                       ) -> list[Message]:
-        """Only the values cross the wire, one allreduce per segment: the positions are
+        """Only the values cross the wire, one allreduce per bucket: the positions are
         the same on every rank."""
         values = [payload_of(self.compressor, s).tensors[0]
                   for s in segment_shapes(self, bucket)]
-        return [Message("allreduce", ring_sent(v.numel() * v.element_size(), world))
-                for v in values]
+        return [Message("allreduce", ring_sent(sum(v.numel() * v.element_size()
+                                                   for v in values), world))]

@@ -47,6 +47,7 @@ from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.compress.base import Aggregation, Compressor, Payload
 from hexagram.compress.combine import decode_sum
+from hexagram.compress.segments import Segments
 
 __all__ = ["REDUCTIONS", "Encoder", "Reduction", "Route", "reduce", "reduce_many", "route"]
 
@@ -105,7 +106,8 @@ def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
                 compressor: Compressor | None = None, *, reduction: str = "mean",
                 outs: Sequence[Tensor] | None = None, encode: Encoder | None = None,
                 generator: torch.Generator | None = None,
-                reduce_generator: torch.Generator | None = None) -> Handle[list[Tensor]]:
+                reduce_generator: torch.Generator | None = None,
+                segments: Sequence[Segments | None] | None = None) -> Handle[list[Tensor]]:
     """Reduce each of ``tensors`` over the ranks of ``comm``; one message per leg for all.
 
     Args:
@@ -119,6 +121,13 @@ def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
         encode: the caller's encoder (error feedback); see the module doc.
         generator, reduce_generator: draws of the first and (scatter-gather) second
             compression, for stochastic compressors.
+        segments: per tensor, ``None`` (compressed as one tensor) or the
+            :class:`~hexagram.compress.segments.Segments` of the several tensors it lays
+            end to end (1-D), each compressed on its own in one call
+            (:meth:`~hexagram.compress.base.Compressor.compress_segments`; an ``encode``
+            must do the same) and decoded in one call: a bucket's layer-wise compression
+            in a handful of kernels. The scatter-gather route compresses them
+            segment by segment (its chunks are per tensor).
 
     Returns:
         A handle whose result is the list of outputs, every rank's bit for bit the same.
@@ -128,19 +137,27 @@ def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
     results = list(outs) if outs is not None else [torch.empty_like(t) for t in tensors]
     if len(results) != len(tensors):
         raise ValueError(f"outs has {len(results)} tensors for {len(tensors)} inputs")
+    segs = list(segments) if segments is not None else [None] * len(tensors)
+    if len(segs) != len(tensors):
+        raise ValueError(f"segments has {len(segs)} entries for {len(tensors)} inputs")
+    if reduction == "majority" and any(s is not None for s in segs):
+        raise ValueError("a majority vote is scaled per tensor: pass segmented tensors one "
+                         "view per segment (segments=None) to reduce them by majority")
     way = route(compressor, exact_local=encode is not None, reduction=reduction)
     if way is Route.ALLREDUCE or compressor is None:
         return _allreduce(comm, tensors, results, reduction)
     if way is Route.SCATTER_GATHER:
-        return primitives.scatter_gather_many(comm, tensors, compressor, reduction == "mean",
-                                              generator, reduce_generator, results)
+        return _scatter_gather(comm, tensors, compressor, reduction, generator,
+                               reduce_generator, results, segs)
     comp = compressor
     owned = [r.data_ptr() == t.data_ptr() for t, r in zip(tensors, results)]
 
     def default_encode(i: int, t: Tensor, divisor: int) -> Payload:
         if divisor > 1:  # the caller's buffer is ours to scale; else a scaled copy
             t = t.div_(divisor) if owned[i] else t / divisor
-        return comp.compress(t, generator)
+        seg = segs[i]
+        return comp.compress(t, generator) if seg is None \
+            else comp.compress_segments(t, seg, generator)
 
     enc = encode or default_encode
     if way is Route.SUM:
@@ -152,6 +169,32 @@ def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
     payloads = [enc(i, t, 1) for i, t in enumerate(tensors)]
     return primitives.allgather_payloads_many(comm, payloads).then(
         lambda per_tensor: _decode(comp, per_tensor, results, reduction, comm.size))
+
+
+def _scatter_gather(comm: Communicator, tensors: Sequence[Tensor], comp: Compressor,
+                    reduction: str, generator: torch.Generator | None,
+                    reduce_generator: torch.Generator | None, results: list[Tensor],
+                    segs: Sequence[Segments | None]) -> Handle[list[Tensor]]:
+    """Scatter-gather; segmented tensors go segment by segment (each tensor is cut in P
+    chunks of its own), or in one call where one rank is all (compress, then decode)."""
+    if comm.size == 1:
+        for t, res, seg in zip(tensors, results, segs):
+            if seg is None:
+                comp.decompress_into(comp.compress(t, generator), res.view(-1))
+            else:
+                comp.decompress_segments_into(comp.compress_segments(t, seg, generator),
+                                              res.view(-1))
+        return Handle.completed(results, "scatter_gather")
+    if all(s is None for s in segs):
+        return primitives.scatter_gather_many(comm, tensors, comp, reduction == "mean",
+                                              generator, reduce_generator, results)
+    ins: list[Tensor] = []
+    outs: list[Tensor] = []
+    for t, res, seg in zip(tensors, results, segs):
+        ins += [t] if seg is None else seg.views(t)
+        outs += [res] if seg is None else seg.views(res.view(-1))
+    return primitives.scatter_gather_many(comm, ins, comp, reduction == "mean", generator,
+                                          reduce_generator, outs).then(lambda _: results)
 
 
 def _finish(reduction: str, size: int, scale: Tensor | None = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -231,6 +232,29 @@ class Compressor(ABC):
             sub = replace(part, tensors=tuple(next(tensors) for _ in range(count)))
             self.decompress_into(sub, view, add=add)
         return out
+
+    def decompress_segments_sum(self, payloads: Sequence[Payload], out: Tensor,
+                                finish: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """``out`` (1-D) := ``finish(sum of the decoded`` :meth:`compress_segments`
+        ``payloads, in rank order)``; returns ``out``. The segmented counterpart of
+        :func:`hexagram.compress.combine.decode_sum` (which calls it for segmented
+        payloads): the decode-and-sum of P ranks' payloads of one bucket.
+
+        The default decodes each payload into ``out`` (adding from the second on) with
+        :meth:`decompress_segments_into`: P whole-buffer decodes, whatever the number of
+        segments. A format that can sum in code space overrides it (same bits).
+
+        Example:
+            >>> import torch, hexagram.compress as hc
+            >>> from hexagram.compress.segments import Segments
+            >>> c, seg = hc.get("fp16"), Segments.of([1, 2])
+            >>> p = c.compress_segments(torch.ones(3), seg)
+            >>> c.decompress_segments_sum([p, p], torch.empty(3), lambda t: t.div_(2)).tolist()
+            [1.0, 1.0, 1.0]
+        """
+        for i, p in enumerate(payloads):
+            self.decompress_segments_into(p, out, add=i > 0)
+        return out if finish is None else finish(out)
 
     def state_dict(self) -> dict[str, Any]:
         """Compressor state needed to resume exactly (RNG state, warm-start factors)."""

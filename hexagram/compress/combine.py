@@ -38,6 +38,8 @@ def decode_sum(compressor: Compressor, payloads: Sequence[Payload], out: Tensor,
     payloads calls it): in code space when :func:`sum_payloads` allows it, else each payload
     decoded and added straight into ``out`` (no dense temporary per rank). Both give the same
     bits, and the same bits on every rank that holds the same payloads in the same order.
+    Payloads of several tensors (:meth:`~hexagram.compress.base.Compressor.compress_segments`)
+    go to the compressor's :meth:`~hexagram.compress.base.Compressor.decompress_segments_sum`.
 
     Example:
         >>> import torch, hexagram.compress as hc
@@ -45,6 +47,8 @@ def decode_sum(compressor: Compressor, payloads: Sequence[Payload], out: Tensor,
         >>> decode_sum(c, [c.compress(torch.ones(2))] * 3, torch.empty(2)).tolist()
         [3.0, 3.0]
     """
+    if payloads and "segments" in payloads[0].meta:  # several tensors per payload
+        return compressor.decompress_segments_sum(payloads, out, finish)
     if sum_payloads(compressor, list(payloads), out, finish or _keep) is not None:
         return out
     for i, p in enumerate(payloads):

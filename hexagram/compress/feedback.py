@@ -16,6 +16,9 @@ The few operations algorithms need:
   ``ef.update(key, buf, sent)`` (the dense tensor actually counted: gTop-k's global
   selection, PowerSGD's averaged P Q^T); ``ef.residual_buffer(key, like)`` for a caller
   that writes the residual itself.
+- ``ef.compress_flat(layout, keys, lengths, flat, segments)``: the same for all the tensors
+  of a bucket at once, their residuals views of one buffer per bucket layout
+  (:meth:`ErrorFeedback.bind_flat`): a few ops per bucket instead of a few per tensor.
 
 Residuals keep the gradient's dtype and shape; :meth:`ErrorFeedback.state_dict` holds them
 (and the inner compressor's state) for checkpoints.
@@ -32,13 +35,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from hexagram.compress.base import Compressor, Payload
+from hexagram.compress.segments import Segments
 from hexagram.compress.sparsify import TopKCompressor
 
 __all__ = ["ErrorFeedback", "subtract_pairs"]
@@ -52,6 +56,9 @@ class ErrorFeedback:
             raise TypeError(f"ErrorFeedback wraps a Compressor, got {type(compressor).__name__}")
         self.compressor = compressor
         self._residuals: dict[Hashable, Tensor] = {}
+        #: layout -> one buffer whose views are the residuals of its keys (see bind_flat)
+        self._flat: dict[Hashable, _FlatResidual] = {}
+        self._owner: dict[Hashable, _FlatResidual] = {}  # key -> the binding holding it
 
     def residual(self, key: Hashable) -> Tensor | None:
         """The residual of ``key`` (None before its first update)."""
@@ -79,7 +86,7 @@ class ErrorFeedback:
         residual = self._residuals.get(key)
         if residual is None or residual.shape != like.shape or residual.dtype != like.dtype:
             residual = torch.empty_like(like)
-            self._residuals[key] = residual
+            self._store(key, residual)
         return residual
 
     def update_from(self, key: Hashable, corrected: Tensor, payload: Payload) -> None:
@@ -95,7 +102,7 @@ class ErrorFeedback:
         else:
             self.compressor.decompress_into(payload, flat)
             torch.sub(src, flat, out=flat)
-        self._residuals[key] = residual
+        self._store(key, residual)
 
     def update_selected(self, key: Hashable, corrected: Tensor, sent: Tensor) -> None:
         """Residual of ``key`` := ``corrected`` with the (1-D) indices ``sent`` zeroed: what
@@ -106,7 +113,93 @@ class ErrorFeedback:
                 or residual.dtype != corrected.dtype:
             residual = torch.empty_like(corrected)
         residual.copy_(corrected.detach()).view(-1).index_fill_(0, sent, 0.0)
+        self._store(key, residual)
+
+    # -- one buffer per bucket layout: the hot path of layer-wise error feedback ----------
+    def bind_flat(self, layout: Hashable, keys: Sequence[Hashable], lengths: Sequence[int],
+                  like: Tensor) -> _FlatResidual:
+        """One 1-D buffer (``like``'s dtype and device, ``sum(lengths)`` elements) whose
+        consecutive views are the residuals of ``keys`` (1-D, ``lengths`` elements each).
+
+        Built on the first call for ``layout`` (a key the caller keeps for one bucket
+        layout) and reused while every residual it holds is still its view: the residuals
+        found under ``keys`` are copied in (zeros where none), and from then on
+        ``corrected = flat + residual`` and ``residual = corrected - sent`` are one op for
+        the whole bucket instead of one per tensor. The per-key residuals stay what
+        :meth:`residual` and :meth:`state_dict` see, so they survive a new bucket layout
+        (which binds them into its own buffer) and checkpoints. A residual stored by any
+        other method (or reset, or loaded) unbinds its buffer, rebuilt at its next use.
+
+        Raises ValueError when a residual found under a key has another size or dtype.
+        """
+        bound = self._flat.get(layout)
+        if bound is not None and bound.valid and bound.buffer.dtype == like.dtype \
+                and bound.buffer.device == like.device:
+            return bound
+        buffer = torch.zeros(sum(lengths), dtype=like.dtype, device=like.device)
+        bound = _FlatResidual(buffer, tuple(keys))
+        start = 0
+        for key, n in zip(keys, lengths):
+            view = buffer[start:start + n]
+            old = self._residuals.get(key)
+            if old is not None:
+                self._check(key, old.reshape(-1), view)
+                view.copy_(old.reshape(-1))
+                bound.zero = False
+            self._unbind(key)
+            self._residuals[key], self._owner[key] = view, bound
+            start += n
+        self._flat[layout] = bound
+        return bound
+
+    def compress_flat(self, layout: Hashable, keys: Sequence[Hashable],
+                      lengths: Sequence[int], flat: Tensor, segments: Segments | None = None,
+                      generator: torch.Generator | None = None, divisor: int = 1) -> Payload:
+        """The payload of ``(flat + residuals) / divisor``, where ``flat`` (1-D, the
+        caller's buffer: it receives the residuals in place) lays the tensors of ``keys``
+        end to end; their residuals := what the payload does not carry.
+
+        ``segments``: compress per tensor in one call (``compress_segments``); ``None``:
+        ``flat`` compressed as one tensor. Invariant, per key: ``sent + new residual ==
+        tensor + old residual`` with ``sent = divisor * decoded``. A handful of ops per
+        call, whatever the number of keys (:meth:`bind_flat`).
+        """
+        bound = self.bind_flat(layout, keys, lengths, flat)
+        res = bound.buffer
+        if not bound.zero:  # (a zero residual is not added: -0.0 stays -0.0, as alone)
+            flat.add_(res)
+        c = self.compressor
+        work = flat / divisor if divisor > 1 else flat
+        payload = c.compress(work, generator) if segments is None \
+            else c.compress_segments(work, segments, generator)
+        if divisor == 1 and isinstance(c, TopKCompressor):
+            subtract_pairs(payload, flat, res)
+        else:
+            if segments is None:
+                c.decompress_into(payload, res)
+            else:
+                c.decompress_segments_into(payload, res)
+            torch.sub(flat, res.mul_(divisor) if divisor > 1 else res, out=res)
+        bound.zero = False
+        return payload
+
+    def _store(self, key: Hashable, residual: Tensor) -> None:
+        if self._residuals.get(key) is not residual:
+            self._unbind(key)
         self._residuals[key] = residual
+
+    def _unbind(self, key: Hashable) -> None:
+        bound = self._owner.pop(key, None)
+        if bound is not None:  # its buffer no longer holds this key's residual
+            bound.valid = False
+            for layout in [k for k, v in self._flat.items() if v is bound]:
+                del self._flat[layout]
+
+    def _unbind_all(self) -> None:
+        for bound in self._flat.values():
+            bound.valid = False
+        self._flat.clear()
+        self._owner.clear()
 
     @staticmethod
     def _check(key: Hashable, residual: Tensor, grad: Tensor) -> None:
@@ -126,7 +219,7 @@ class ErrorFeedback:
         residual = self._residuals.get(key)
         if residual is None or residual.shape != corrected.shape \
                 or residual.dtype != corrected.dtype:
-            self._residuals[key] = corrected.detach() - sent.detach().to(corrected.dtype)
+            self._store(key, corrected.detach() - sent.detach().to(corrected.dtype))
             return
         torch.sub(corrected.detach(), sent.detach().to(corrected.dtype), out=residual)
 
@@ -143,8 +236,10 @@ class ErrorFeedback:
         """Drop the residual of ``key`` (all residuals when None)."""
         if key is None:
             self._residuals.clear()
+            self._unbind_all()
         else:
             self._residuals.pop(key, None)
+            self._unbind(key)
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals (copied) and the inner compressor's state."""
@@ -154,10 +249,21 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self._unbind_all()
         self.compressor.load_state_dict(state["compressor"])
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.compressor!r}, keys={len(self._residuals)})"
+
+
+class _FlatResidual:
+    """A buffer whose views are the residuals of ``keys`` (see :meth:`ErrorFeedback.bind_flat`)."""
+
+    def __init__(self, buffer: Tensor, keys: tuple[Hashable, ...]) -> None:
+        self.buffer = buffer
+        self.keys = keys
+        self.valid = True  # False once a residual of its keys lives elsewhere
+        self.zero = True  # nothing added yet: every residual is zero
 
 
 def subtract_pairs(payload: Payload, src: Tensor, out: Tensor) -> Tensor:

@@ -105,6 +105,10 @@ class PowerSGDCompressor(Compressor):
     def __init__(self, config: PowerSGDConfig | None = None) -> None:
         self.config = config or PowerSGDConfig()
         self._q: dict[Any, Tensor] = {}
+        #: changes whenever a warm start is replaced (not merely updated in place): a
+        #: caller holding views of its own batched buffer (:meth:`bind_warm_start`)
+        #: rebuilds it then
+        self.q_version = 0
 
     memory_passes = 6.0  # beyond the three matrix products, whose FLOPs the planner adds
 
@@ -147,6 +151,20 @@ class PowerSGDCompressor(Compressor):
             raise ValueError(f"{self.name}: M Q overflows {m.dtype}; scale the tensor down")
         return p
 
+    def warm_start(self, key: Any) -> Tensor | None:
+        """``key``'s warm-start Q (cols, r), None before its first step."""
+        return self._q.get(key)
+
+    def bind_warm_start(self, key: Any, q: Tensor) -> None:
+        """Make ``q`` (cols, r), e.g. a view of a caller's batched buffer that it updates
+        in place, ``key``'s warm start, without changing :attr:`q_version`."""
+        self._q[key] = q
+
+    def initial_q(self, key: Any, cols: int, r: int, like: Tensor) -> Tensor:
+        """``key``'s first Q (cols, r): the same on every rank (seeded by ``seed`` and
+        ``key``), ``like``'s dtype and device."""
+        return self._initial_q(key, cols, r, like, None)
+
     def _initial_q(self, key: Any, cols: int, r: int, like: Tensor,
                    generator: torch.Generator | None) -> Tensor:
         if generator is None:  # the same on every rank: depends on seed and key only
@@ -178,6 +196,7 @@ class PowerSGDCompressor(Compressor):
     def store_q(self, key: Any, q: Tensor) -> None:
         """Keep ``q`` (the allreduced Q) as ``key``'s warm start for the next step."""
         self._q[key] = q.detach().clone()
+        self.q_version += 1
 
     @staticmethod
     def product_into(p: Tensor, q: Tensor, out: Tensor) -> Tensor:
@@ -225,6 +244,7 @@ class PowerSGDCompressor(Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._q = {k: v.clone() for k, v in state["q"].items()}
+        self.q_version += 1
 
     def __repr__(self) -> str:
         return f"PowerSGDCompressor({self.config})"

@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -27,6 +27,7 @@ from hexagram.compress.base import (
     check_compressible,
     check_finite,
 )
+from hexagram.compress.segments import Segments
 
 __all__ = ["BF16Compressor", "CastConfig", "HalfCompressor"]
 
@@ -52,8 +53,27 @@ class _Cast(Compressor):
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
         wire = tensor.detach().to(self.wire_dtype)
-        if not self.checks_finite:  # the caller's check sees NaN/Inf and overflow's Inf
-            return Payload(tensors=(wire,), shape=tensor.shape, dtype=tensor.dtype)
+        if self.checks_finite:
+            self._check_range(tensor, wire)
+        return Payload(tensors=(wire,), shape=tensor.shape, dtype=tensor.dtype)
+
+    def compress_segments(self, flat: Tensor, segments: Segments,
+                          generator: torch.Generator | None = None) -> Payload:
+        """The whole buffer cast at once: a cast is element-wise, so it is each
+        segment's cast (one kernel for the bucket)."""
+        payload = self.compress(flat, generator)
+        return replace(payload, shape=torch.Size([segments.numel]),
+                       meta={"segments": segments})
+
+    def decompress_segments_into(self, payload: Payload, out: Tensor,
+                                 add: bool = False) -> Tensor:
+        return self.decompress_into(payload, out, add)
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        wire = payload.tensors[0].reshape(-1)
+        return out.add_(wire) if add else out.copy_(wire)  # the cast fused into the write
+
+    def _check_range(self, tensor: Tensor, wire: Tensor) -> None:
         # NaN/Inf in the input or from overflow make the min or max non-finite; a minimum and
         # a maximum cannot overflow (a float64 sum of the 16-bit values cost 15x more)
         probe = torch.stack(torch.aminmax(wire))
@@ -64,7 +84,6 @@ class _Cast(Compressor):
                 f"{self.wire_dtype} to inf; scale the tensor down first (e.g. divide by the "
                 "world size) or use bf16"
             )
-        return Payload(tensors=(wire,), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
         return payload.tensors[0].to(payload.dtype).reshape(payload.shape)

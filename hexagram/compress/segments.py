@@ -22,8 +22,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +52,7 @@ class Segments:
     lengths: tuple[int, ...]
     offsets: tuple[int, ...]
     numel: int
-    _cache: dict[tuple[str, str], Tensor] = field(default_factory=dict, repr=False)
+    _cache: dict[tuple[Hashable, str], Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, lengths: Sequence[int]) -> Segments:
@@ -74,7 +75,10 @@ class Segments:
         """One 1-D view of ``flat`` per segment (no copy)."""
         return [flat[o:o + n] for o, n in zip(self.offsets, self.lengths)]
 
-    def _cached(self, what: str, device: torch.device, make: Callable[[], Tensor]) -> Tensor:
+    def cached(self, what: Hashable, device: torch.device, make: Callable[[], Tensor]) -> Tensor:
+        """``make()``, built once per ``what`` and device and kept with this layout: the
+        place for a compressor's per-layout tables (strata, gather indices), so that no
+        step copies host data to the device."""
         key = (what, str(device))
         if key not in self._cache:
             self._cache[key] = make()
@@ -82,19 +86,19 @@ class Segments:
 
     def device_lengths(self, device: torch.device) -> Tensor:
         """``lengths`` as an int64 tensor on ``device`` (cached)."""
-        return self._cached("lengths", device,
+        return self.cached("lengths", device,
                             lambda: torch.tensor(self.lengths, dtype=torch.int64, device=device))
 
     def device_offsets(self, device: torch.device) -> Tensor:
         """``offsets`` as an int64 tensor on ``device`` (cached)."""
-        return self._cached("offsets", device,
+        return self.cached("offsets", device,
                             lambda: torch.tensor(self.offsets, dtype=torch.int64, device=device))
 
     def index(self, device: torch.device) -> Tensor:
         """(numel,) int32: the segment of each element, on ``device`` (cached: built once
         per layout; 4 bytes an element, so prefer :meth:`expand` of per-segment values
         where a kernel can take them)."""
-        return self._cached("index", device, lambda: torch.repeat_interleave(
+        return self.cached("index", device, lambda: torch.repeat_interleave(
             torch.arange(len(self), dtype=torch.int32, device=device),
             self.device_lengths(device), output_size=self.numel))
 
@@ -105,3 +109,41 @@ class Segments:
         """
         return torch.repeat_interleave(values, self.device_lengths(device), dim=0,
                                        output_size=self.numel)
+
+    @functools.cached_property
+    def by_length(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """``(length, indices of the segments of that length)`` per distinct length, in
+        order of first appearance: a transformer's dozens of tensors have a handful of
+        sizes, and segments of one size are compressed as the rows of one matrix.
+
+        >>> Segments.of([3, 2, 3]).by_length
+        ((3, (0, 2)), (2, (1,)))
+        """
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(self.lengths):
+            groups.setdefault(n, []).append(i)
+        return tuple((n, tuple(members)) for n, members in groups.items())
+
+    def rows(self, flat: Tensor, members: tuple[int, ...]) -> Tensor:
+        """(len(members), n): the segments ``members`` of ``flat`` (all of length n) as
+        rows. A view (no copy) where they lie at equal distances (one tensor, or the same
+        tensor of repeated blocks), else one gather through an index cached per device.
+
+        >>> Segments.of([2, 1, 2]).rows(torch.arange(5.0), (0, 2)).tolist()
+        [[0.0, 1.0], [3.0, 4.0]]
+        """
+        n, starts = self.lengths[members[0]], [self.offsets[i] for i in members]
+        steps = {b - a for a, b in itertools.pairwise(starts)}
+        if len(steps) <= 1 and flat.stride(0) == 1:
+            step = steps.pop() if steps else n
+            return flat.as_strided((len(members), n), (step, 1),
+                                   flat.storage_offset() + starts[0])
+        index = self.cached(("rows", members), flat.device, lambda: (
+            torch.tensor(starts, dtype=torch.int64, device=flat.device)[:, None]
+            + torch.arange(n, device=flat.device)).reshape(-1))
+        return flat.index_select(0, index).view(len(members), n)
+
+    def starts(self, members: tuple[int, ...], device: torch.device) -> Tensor:
+        """(len(members), 1) int64: where each of the segments ``members`` starts (cached)."""
+        return self.cached(("starts", members), device, lambda: torch.tensor(
+            [self.offsets[i] for i in members], dtype=torch.int64, device=device)[:, None])

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hexagram.compress import sparse_segments as seg_ops
 from hexagram.compress.base import (
     Aggregation,
     Compressor,
@@ -49,6 +50,7 @@ from hexagram.compress.base import (
 )
 from hexagram.compress.chunks import work_dtype
 from hexagram.compress.packing import BLOCK, block_size, blocks, cpu_fast
+from hexagram.compress.segments import Segments
 from hexagram.config import check_float, check_int
 
 __all__ = [
@@ -275,6 +277,38 @@ class TopKCompressor(SeededCompressor):
         values, indices = payload.tensors
         return _scatter(payload, values, indices, out, add)
 
+    def compress_segments(self, flat: Tensor, segments: Segments,
+                          generator: torch.Generator | None = None) -> Payload:
+        """Each segment's top-k, one ``topk`` per distinct segment length
+        (:mod:`hexagram.compress.sparse_segments`); a large segment on the CPU takes the
+        sampled threshold, as :meth:`compress` does."""
+        if not seg_ops.fits(segments):
+            return super().compress_segments(flat, segments, generator)
+        check_compressible(flat, self.name)
+        flat = flat.detach()
+
+        def sampled(rows: Tensor, k: int, members: tuple[int, ...]) -> Tensor | None:
+            start = segments.offsets[members[0]]
+            view = flat[start:start + rows.shape[1]]
+            if len(members) > 1 or not (self.config.approximate and view.numel() > BLOCK
+                                        and cpu_fast(view)):
+                return None
+            chosen = self._approximate(view, k, self.generator_for(flat, generator))
+            return None if chosen is None else chosen[0].view(1, -1)
+
+        positions = seg_ops.top_positions(flat.abs(), segments, self.config.count, sampled)
+        payload = seg_ops.pairs_payload(flat, positions, segments)
+        if self.checks_finite:  # topk ranks NaN and Inf first: the values carry them
+            ensure_finite(flat, payload.tensors[0], self.name)
+        return payload
+
+    def decompress_segments_into(self, payload: Payload, out: Tensor,
+                                 add: bool = False) -> Tensor:
+        if "parts" in payload.meta:  # the per-segment payload of a huge bucket
+            return super().decompress_segments_into(payload, out, add)
+        values, positions = payload.tensors
+        return seg_ops.scatter_pairs(values, positions, out, add)
+
     def __repr__(self) -> str:
         return f"TopKCompressor({self.config})"
 
@@ -349,6 +383,35 @@ class RandomKCompressor(SeededCompressor):
                                  "use rescale=False or a wider dtype")
         return _scatter(payload, values, indices, out, add)
 
+    def _segmented(self, segments: Segments) -> bool:
+        return seg_ops.fits(segments) and all(  # strata in exact float64 integers
+            (self.config.count(n) + 1) * n < 2**53 for n, _ in segments.by_length)
+
+    def compress_segments(self, flat: Tensor, segments: Segments,
+                          generator: torch.Generator | None = None) -> Payload:
+        """One draw for the bucket, every tensor's strata at once (positions per tensor
+        as :meth:`compress` draws them from the same uniforms)."""
+        if not self._segmented(segments):
+            return super().compress_segments(flat, segments, generator)
+        check_compressible(flat, self.name)
+        flat = flat.detach()
+        if self.checks_finite:
+            ensure_finite(flat, flat.sum(), self.name)
+        start, size = seg_ops.strata(segments, self.config.count, flat.device)
+        u = torch.rand(start.numel(), dtype=torch.float64, device=flat.device,
+                       generator=self.generator_for(flat, generator))
+        return seg_ops.pairs_payload(flat, seg_ops.random_positions(u, start, size), segments)
+
+    def decompress_segments_into(self, payload: Payload, out: Tensor,
+                                 add: bool = False) -> Tensor:
+        if "parts" in payload.meta:
+            return super().decompress_segments_into(payload, out, add)
+        values, positions = payload.tensors
+        if self.config.rescale:  # x_i / P(i kept): the stratum sizes, recomputed
+            _, size = seg_ops.strata(payload.meta["segments"], self.config.count, out.device)
+            values = values.to(work_dtype(payload.dtype)) * size
+        return seg_ops.scatter_pairs(values, positions, out, add)
+
     def __repr__(self) -> str:
         return f"RandomKCompressor({self.config})"
 
@@ -397,6 +460,32 @@ class ThresholdCompressor(Compressor):
         count, values, indices = payload.tensors
         used = int(count[0])
         return _scatter(payload, values[:used], indices[:used], out, add)
+
+    def compress_segments(self, flat: Tensor, segments: Segments,
+                          generator: torch.Generator | None = None) -> Payload:
+        """Each segment's entries with ``|x| >= threshold``, up to its capacity (the
+        largest), as the capacity largest of ``|x|`` with the rest set to -1; slots that
+        did not pass send value 0. No count is sent (the slots say it): 4 bytes a tensor
+        fewer than per tensor."""
+        if not seg_ops.fits(segments):
+            return super().compress_segments(flat, segments, generator)
+        check_compressible(flat, self.name)
+        flat = flat.detach()
+        score = flat.abs()
+        score.masked_fill_(score < self.config.threshold, -1.0)  # NaN passes, as alone
+        positions = seg_ops.top_positions(score, segments, self.capacity)
+        values = flat.index_select(0, positions)
+        if self.checks_finite:
+            ensure_finite(flat, values, self.name)
+        values.masked_fill_(score.index_select(0, positions) < 0, 0.0)
+        return seg_ops.pairs_payload(flat, positions, segments, values)
+
+    def decompress_segments_into(self, payload: Payload, out: Tensor,
+                                 add: bool = False) -> Tensor:
+        if "parts" in payload.meta:
+            return super().decompress_segments_into(payload, out, add)
+        values, positions = payload.tensors
+        return seg_ops.scatter_pairs(values, positions, out, add)
 
     def __repr__(self) -> str:
         return f"ThresholdCompressor({self.config})"
