@@ -58,12 +58,15 @@ def random_words(gen: torch.Generator, device: torch.device) -> Callable[[int], 
 
 
 def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
-                     gen: torch.Generator, pre: Tensor | None = None) -> Tensor:
+                     gen: torch.Generator, pre: Tensor | None = None,
+                     packed: bool = True) -> Tensor:
     """Packed codes ``floor(x * scale[chunk] + u) + levels``, ``u ~ U(0, 1)``, clamped to
     ``[0, 2 * levels]``: the unbiased stochastic rounding of ``x * scale`` to an integer
     in ``[-levels, levels]`` (values beyond are clipped), in ceil(log2(2s + 1)) bits.
     ``pre`` (per chunk, a power of two) multiplies ``x`` first, for scales beyond
-    ``scale.dtype``'s range split in two without reading which chunks need it."""
+    ``scale.dtype``'s range split in two without reading which chunks need it.
+    ``packed=False``: one code per byte, unpacked (``chunk=1`` with per-element ``scale``
+    rounds every element with its own scale)."""
     s, n = levels, flat.numel()
     block = block_size(flat.device)
     tmp = torch.empty(min(block, n), dtype=scale.dtype, device=flat.device)
@@ -90,4 +93,4 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
         # clipping (trunc toward 0 is then right too), above 2s only by rounding or clipping
         truncate_to(codes, buf.clamp_(0, 2 * s), ints)
 
-    return encode_blocks(n, (2 * s).bit_length(), fill, flat.device, block)
+    return encode_blocks(n, (2 * s).bit_length() if packed else 8, fill, flat.device, block)

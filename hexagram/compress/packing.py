@@ -154,6 +154,8 @@ def pack_codes(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor:
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in [1, 8], got {bits}")
     n = codes.numel()
+    if bits in _WORD and codes.storage_offset() % (8 // bits):
+        codes = codes.clone()  # a slice off a word boundary: the word view needs alignment
     if bits in _WORD and n % (8 // bits) == 0 and codes.is_contiguous():
         return _pack_words(codes, bits, out if out is not None
                            else codes.new_empty(packed_nbytes(n, bits)))

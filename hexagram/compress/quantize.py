@@ -57,11 +57,19 @@ from hexagram.compress.chunks import (
     decode_table,
     fma_rows,
     halves,
-    robust_norms,
     work_dtype,
 )
 from hexagram.compress.codes import random_words, stochastic_codes, truncate_to
 from hexagram.compress.packing import block_size, cpu_fast, encode_blocks, packed_nbytes
+from hexagram.compress.quantize_segments import (
+    check_segments,
+    chunk_norms,
+    minmax_decode,
+    minmax_encode,
+    qsgd_decode,
+    qsgd_encode,
+)
+from hexagram.compress.segments import Segments
 from hexagram.compress.ternary import TernGradCompressor, TernGradConfig
 from hexagram.config import check_int
 
@@ -183,7 +191,18 @@ class MinMax8Compressor(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         return decompress_via_into(self, payload)
 
+    def compress_segments(self, flat: Tensor, segments: Segments,
+                          generator: torch.Generator | None = None) -> Payload:
+        """Every segment's chunks in one pass (:mod:`hexagram.compress.quantize_segments`)."""
+        return minmax_encode(self, check_segments(flat, segments, self.name), segments)
+
+    def decompress_segments_into(self, payload: Payload, out: Tensor,
+                                 add: bool = False) -> Tensor:
+        return minmax_decode(self, payload, out, add)
+
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        if "segments" in payload.meta:
+            return minmax_decode(self, payload, out, add)
         c = self.config.chunk_size
         n = _check_header(payload, c, self.name)
         header, codes = payload.tensors
@@ -290,7 +309,8 @@ class QSGDCompressor(SeededCompressor):
         check_compressible(tensor, self.name)
         flat, d, wd = _flat(tensor), self.config.bucket_size, work_dtype(tensor.dtype)
         s = self.config.levels
-        norms = robust_norms(flat, d, wd, self.name, check=self.checks_finite)
+        # the last bucket padded with zeros: the norms of compress_segments' padded rows
+        norms = chunk_norms(flat, d, wd, self.name, check=self.checks_finite)
         # an unchecked Inf norm (values too large for wd) decodes to NaN: the caller sees it
         if self.checks_finite and not bool(torch.isfinite(norms).all()):
             raise ValueError(f"{self.name}: a bucket's L2 norm exceeds the {wd} range; "
@@ -309,7 +329,20 @@ class QSGDCompressor(SeededCompressor):
     def decompress(self, payload: Payload) -> Tensor:
         return decompress_via_into(self, payload)
 
+    def compress_segments(self, flat: Tensor, segments: Segments,
+                          generator: torch.Generator | None = None) -> Payload:
+        """Every segment's buckets in one pass: the same norms as :meth:`compress` of each
+        segment, the codes drawn for the whole buffer at once."""
+        flat = check_segments(flat, segments, self.name)
+        return qsgd_encode(self, flat, segments, self.generator_for(flat, generator))
+
+    def decompress_segments_into(self, payload: Payload, out: Tensor,
+                                 add: bool = False) -> Tensor:
+        return qsgd_decode(self, payload, out, add)
+
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        if "segments" in payload.meta:
+            return qsgd_decode(self, payload, out, add)
         d, s = self.config.bucket_size, self.config.levels
         n = _check_header(payload, d, self.name)
         norms, codes = payload.tensors

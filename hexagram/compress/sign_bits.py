@@ -35,8 +35,8 @@ def encode_signs(flat: Tensor, who: str, stats: bool = True, check: bool = True
                  ) -> tuple[Tensor, Tensor]:
     """Packed sign bits (1 where ``x >= 0``) and float64 ``[sum |x|, sum x, count(x >= 0)]``.
 
-    With ``stats=False`` only ``sum x`` is computed (the finiteness probe; on the device not
-    even that when ``check`` is off).
+    With ``stats=False`` only ``sum x`` is computed (the finiteness probe; not even that
+    when ``check`` is off).
     On the CPU each block's sums are taken in the block's dtype (float32: 3x faster than
     float64) and accumulated in float64, and float32/float64 tensors take the signs in
     numpy (:func:`_signs_numpy`: the same bits, 4x less CPU time). Elsewhere (CUDA) the
@@ -54,6 +54,8 @@ def encode_signs(flat: Tensor, who: str, stats: bool = True, check: bool = True
     tmp = flat.new_empty(min(block, flat.numel()) if stats else 0)
 
     def block_sums(start: int, stop: int) -> None:
+        if not (stats or check):  # nobody reads the sums: spare the pass
+            return
         blk, row = flat[start:stop], start // block
         torch.sum(blk, 0, out=sums[row, 1])
         if stats:

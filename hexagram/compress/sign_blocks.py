@@ -39,7 +39,8 @@ from hexagram.compress.chunks import decode_affine, halves, work_dtype
 from hexagram.compress.packing import cpu_fast
 from hexagram.compress.sign_bits import encode_signs  # the same bits as without blocks
 
-__all__ = ["decode_blocked", "encode_blocked", "header_shape"]
+__all__ = ["blocked_rows", "check_header", "decode_blocked", "encode_blocked", "header_shape",
+           "row_header"]
 
 
 def header_shape(kind: str, n: int, block: int) -> tuple[int, ...]:
@@ -49,22 +50,43 @@ def header_shape(kind: str, n: int, block: int) -> tuple[int, ...]:
     return (groups,) if kind == "efsign" else (groups, 2)
 
 
-def _block_sums(flat: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per block: sum |x|, sum x, count(x >= 0), element count (float64 sums of blocks
-    summed in the input's dtype)."""
+def row_header(rows: Tensor, sizes: Tensor | int, kind: str, dtype: torch.dtype) -> Tensor:
+    """The header values of the blocks in the rows of ``rows`` ((R, B), padded with zeros
+    beyond ``sizes`` real elements per row), float64, in the work dtype of ``dtype``:
+    efsign (R,) mean |x|; onebit (R, 2) [mean of x < 0, mean of x >= 0] (0 for an empty
+    half). A row's values do not depend on the rows beside it."""
+    abs_sum = rows.abs().sum(1, dtype=torch.float64)
+    count = torch.as_tensor(sizes, dtype=torch.float64, device=rows.device)
+    if kind == "efsign":
+        return (abs_sum / count).to(work_dtype(dtype))
+    total = rows.sum(1, dtype=torch.float64)
+    # zero padding counts as x >= 0: take it off
+    pos = (rows >= 0).sum(1).to(torch.float64) - (rows.shape[1] - count)
+    neg = count - pos
+    # sum over x >= 0 is (sum x + sum |x|) / 2, over x < 0 (sum x - sum |x|) / 2
+    values = torch.stack([((total - abs_sum) / 2 / neg.clamp(min=1)),
+                          ((total + abs_sum) / 2 / pos.clamp(min=1))], dim=1)
+    return values.to(work_dtype(dtype))
+
+
+def _blocks_header(flat: Tensor, block: int, kind: str) -> Tensor:
+    """:func:`row_header` of the blocks of one tensor: the whole blocks as a view, the
+    short last one copied into a zero-padded row (as a bucket's padded rows hold it)."""
     n = flat.numel()
     full = n - n % block
-    parts = [flat[:full].view(-1, block)] if full else []
+    parts = [row_header(flat[:full].view(-1, block), block, kind, flat.dtype)] if full else []
     if full < n:
-        parts.append(flat[full:].view(1, -1))
-    abs_sum, total, pos, count = [], [], [], []
-    for rows in parts:
-        abs_sum.append(rows.abs().sum(1, dtype=torch.float64))
-        total.append(rows.sum(1, dtype=torch.float64))
-        pos.append((rows >= 0).sum(1).to(torch.float64))
-        count.append(torch.full((rows.shape[0],), float(rows.shape[1]), dtype=torch.float64,
-                                device=flat.device))
-    return tuple(torch.cat(t) for t in (abs_sum, total, pos, count))  # type: ignore[return-value]
+        tail = flat.new_zeros(1, block)
+        tail[0, : n - full] = flat[full:]
+        parts.append(row_header(tail, n - full, kind, flat.dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def check_header(header: Tensor, who: str) -> None:
+    """ValueError where a block's reconstruction value overflowed the header's dtype."""
+    if not bool(torch.isfinite(header).all()):
+        raise ValueError(f"{who}: a block's reconstruction value overflows {header.dtype}; "
+                         "scale the tensor down first")
 
 
 def encode_blocked(flat: Tensor, block: int, kind: str, who: str, check: bool = True
@@ -77,34 +99,32 @@ def encode_blocked(flat: Tensor, block: int, kind: str, who: str, check: bool = 
     NaN/Inf) and an overflowing header value is Inf.
     """
     bits, _ = encode_signs(flat, who, stats=False, check=check)
-    abs_sum, total, pos, count = _block_sums(flat, block)
-    if kind == "efsign":
-        values = abs_sum / count
-    else:  # sum over x >= 0 is (sum x + sum |x|) / 2, over x < 0 (sum x - sum |x|) / 2
-        neg = count - pos
-        values = torch.stack([((total - abs_sum) / 2 / neg.clamp(min=1)),
-                              ((total + abs_sum) / 2 / pos.clamp(min=1))], dim=1)
-    header = values.to(work_dtype(flat.dtype))
-    if check and not bool(torch.isfinite(header).all()):
-        raise ValueError(f"{who}: a block's reconstruction value overflows {header.dtype}; "
-                         "scale the tensor down first")
+    header = _blocks_header(flat, block, kind)
+    if check:
+        check_header(header, who)
     return header, bits
+
+
+def blocked_rows(header: Tensor, kind: str, device_path: bool) -> Tensor:
+    """(G, 2 or 3) per block ``[scale, offset(, post)]``: a sign bit decodes to
+    ``(bit * scale + offset) (* post)`` in the rows' dtype (:func:`decode_blocked`'s
+    arithmetic, for a bucket's decoder)."""
+    if kind == "efsign" and device_path:  # -s + bit * 2 s; halves where 2 s overflows
+        factor, post = halves(~torch.isfinite(header * 2), header.dtype)
+        h = header * factor
+        return torch.stack([h * 2, -h, post], 1)
+    if kind == "efsign":  # -s + bit * 2 s: +-s exactly, in float64 where 2 s overflows
+        h = header.double() if not bool(torch.isfinite(header * 2).all()) else header
+        return torch.stack([h * 2, -h], 1)
+    h = header.double()  # neg + bit * (pos - neg), in float64: exactly pos for bit 1
+    return torch.stack([h[:, 1] - h[:, 0], h[:, 0]], 1)
 
 
 def decode_blocked(header: Tensor, bits: Tensor, n: int, block: int, kind: str,
                    dtype: torch.dtype, out: Tensor | None = None, add: bool = False) -> Tensor:
     """Dense values of a blocked payload: bit 1 -> the block's positive value, bit 0 -> its
     negative one (``efsign``: +- scale); into (or added to, ``add``) ``out`` if given."""
-    if kind == "efsign" and not cpu_fast(bits):  # -s + bit * 2 s; halves where 2 s overflows
-        factor, post = halves(~torch.isfinite(header * 2), header.dtype)
-        h = header * factor
-        return decode_affine(bits, 1, n, block, h * 2, -h, dtype, out, add, post=post)
-    h = header.double() if kind == "efsign" and not bool(torch.isfinite(header * 2).all()) \
-        else header
-    if kind == "efsign":  # -s + bit * 2 s
-        scale, offset = h * 2, -h
-    else:  # neg + bit * (pos - neg), in float64: exactly pos for bit 1 (float32 headers)
-        h = h.double()
-        scale, offset = h[:, 1] - h[:, 0], h[:, 0].clone()
-    return decode_affine(bits, 1, n, block, scale.contiguous(), offset.contiguous(), dtype,
-                         out, add)
+    rows = blocked_rows(header, kind, not cpu_fast(bits))
+    post = rows[:, 2].contiguous() if rows.shape[1] > 2 else None
+    return decode_affine(bits, 1, n, block, rows[:, 0].contiguous(),
+                         rows[:, 1].contiguous(), dtype, out, add, post=post)

@@ -49,8 +49,10 @@ from hexagram.compress.base import (
 )
 from hexagram.compress.chunks import TableCodedCompressor, code_values, work_dtype
 from hexagram.compress.packing import cpu_fast, packed_nbytes
-from hexagram.compress.sign_bits import encode_signs
+from hexagram.compress.quantize_segments import check_segments
+from hexagram.compress.segments import Segments
 from hexagram.compress.sign_blocks import decode_blocked, encode_blocked, header_shape
+from hexagram.compress.sign_segments import scaled_sign_decode, scaled_sign_encode, sign_encode
 from hexagram.config import check_choice, check_int
 
 __all__ = ["EFSignCompressor", "OneBitCompressor", "SignCompressor", "SignConfig",
@@ -103,37 +105,6 @@ def _sign_values(payload: Payload, scale: Tensor) -> Tensor:
     return code_values(1, scale * 2, -scale, payload.dtype)
 
 
-def _rms(flat: Tensor) -> float:
-    """``||x||_2 / sqrt(n)`` (0 for an empty tensor), in float64 if float32 overflows."""
-    if flat.numel() == 0:
-        return 0.0
-    norm = float(torch.linalg.vector_norm(flat))
-    if not math.isfinite(norm):
-        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
-    return norm / math.sqrt(flat.numel())
-
-
-def _rms_on_device(flat: Tensor) -> Tensor:
-    """:func:`_rms` as a one-element float64 tensor, the squares summed in float64 (no
-    overflow to fall back from, nothing read back)."""
-    norm = torch.linalg.vector_norm(flat, dtype=torch.float64)
-    return (norm / math.sqrt(flat.numel())).reshape(1)
-
-
-def _header(values: list[float] | Tensor, tensor: Tensor, who: str, check: bool = True
-            ) -> Tensor:
-    """The header in the work dtype from Python floats (CPU) or a float64 tensor (CUDA:
-    nothing read back); ``check``: a ValueError when a value overflows it."""
-    if isinstance(values, Tensor):
-        header = values.to(work_dtype(tensor.dtype))
-    else:
-        header = torch.tensor(values, dtype=work_dtype(tensor.dtype), device=tensor.device)
-    if check and not bool(torch.isfinite(header).all()):
-        raise ValueError(f"{who}: the reconstruction values {values} overflow "
-                         f"{header.dtype}; scale the tensor down first")
-    return header
-
-
 class SignCompressor(TableCodedCompressor):
     """signSGD: one bit per element, decodes to +-1 (see the module docstring)."""
 
@@ -154,15 +125,24 @@ class SignCompressor(TableCodedCompressor):
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
-        flat = tensor.detach().reshape(-1)
         # raises on NaN/Inf (checks_finite); unchecked, a NaN/Inf input makes the rms
         # header non-finite (scaled), or the caller's probe of its input sees it
-        bits, _ = encode_signs(flat, self.name, stats=False, check=self.checks_finite)
-        if not self.config.scaled:
-            return Payload(tensors=(bits,), shape=tensor.shape, dtype=tensor.dtype)
-        rms = [_rms(flat)] if cpu_fast(flat) else _rms_on_device(flat)
-        header = _header(rms, tensor, self.name, self.checks_finite)
-        return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
+        flat = tensor.detach().reshape(-1)
+        return Payload(tensors=sign_encode(self, flat, Segments.of([flat.numel()])),
+                       shape=tensor.shape, dtype=tensor.dtype)
+
+    def compress_segments(self, flat: Tensor, segments: Segments,
+                          generator: torch.Generator | None = None) -> Payload:
+        """The sign bits of the whole buffer (and, ``scaled``, each segment's rms):
+        the same ``+-1`` as each segment compressed alone."""
+        flat = check_segments(flat, segments, self.name)
+        return Payload(tensors=sign_encode(self, flat, segments),
+                       shape=torch.Size([segments.numel]), dtype=flat.dtype,
+                       meta={"segments": segments})
+
+    def decompress_segments_into(self, payload: Payload, out: Tensor,
+                                 add: bool = False) -> Tensor:
+        return self.decompress_into(payload, out, add)  # +-1 everywhere: one table
 
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         bits = payload.tensors[-1]
@@ -194,7 +174,8 @@ class _ScaledSignCompressor(TableCodedCompressor):
     """Shared by ``efsign`` and ``onebit``: sign bits plus reconstruction values, one set per
     tensor, or per block of ``config.block`` elements (:mod:`hexagram.compress.sign_blocks`:
     decoded by :meth:`decompress_into`, no single code table). Subclasses give the
-    per-tensor header (:meth:`_header_of`) and code table (:meth:`_table`)."""
+    per-tensor code table (:meth:`_table`); the headers come from
+    :mod:`hexagram.compress.sign_segments`, for one tensor or a bucket."""
 
     aggregation = Aggregation.GATHER
     unbiased = False
@@ -222,22 +203,36 @@ class _ScaledSignCompressor(TableCodedCompressor):
             header, bits = encode_blocked(flat, self.config.block, self.name, self.name,
                                           self.checks_finite)
         else:
-            bits, stats = encode_signs(flat, self.name, check=self.checks_finite)
-            header = self._header_of(tensor, stats)
+            header, bits = scaled_sign_encode(self, flat, Segments.of([flat.numel()]))
+            header = header.reshape(-1)
         return Payload(tensors=(header, bits), shape=tensor.shape, dtype=tensor.dtype)
 
+    def compress_segments(self, flat: Tensor, segments: Segments,
+                          generator: torch.Generator | None = None) -> Payload:
+        """Sign bits of the whole buffer, each segment's header (or its blocks')."""
+        flat = check_segments(flat, segments, self.name)
+        return Payload(tensors=scaled_sign_encode(self, flat, segments),
+                       shape=torch.Size([segments.numel]), dtype=flat.dtype,
+                       meta={"segments": segments})
+
+    def decompress_segments_into(self, payload: Payload, out: Tensor,
+                                 add: bool = False) -> Tensor:
+        return scaled_sign_decode(self, payload, out, add)
+
     def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor] | None:
-        return None if self.config.block else self._table(payload)
+        """The per-tensor format's table; None with blocks or segments (a scale each)."""
+        if self.config.block or "segments" in payload.meta:
+            return None
+        return self._table(payload)
 
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        if "segments" in payload.meta:
+            return scaled_sign_decode(self, payload, out, add)
         if not self.config.block:
             return super().decompress_into(payload, out, add)
         header, bits = payload.tensors
         return decode_blocked(header, bits, out.numel(), self.config.block, self.name,
                               out.dtype, out, add)
-
-    def _header_of(self, tensor: Tensor, stats: Tensor) -> Tensor:
-        raise NotImplementedError
 
     def _table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         raise NotImplementedError
@@ -247,12 +242,6 @@ class EFSignCompressor(_ScaledSignCompressor):
     """Scaled sign ``(||x||_1 / n) * sign(x)``, for use with error feedback."""
 
     name = "efsign"
-
-    def _header_of(self, tensor: Tensor, stats: Tensor) -> Tensor:
-        if not cpu_fast(tensor):  # the same float64 division, on the device
-            return _header((stats[0] / tensor.numel()).reshape(1), tensor, self.name,
-                           self.checks_finite)
-        return _header([float(stats[0]) / tensor.numel()], tensor, self.name)
 
     def _table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, bits = payload.tensors
@@ -269,29 +258,7 @@ class OneBitCompressor(_ScaledSignCompressor):
     name = "onebit"
     header_values = 2
 
-    def _header_of(self, tensor: Tensor, stats: Tensor) -> Tensor:
-        if not cpu_fast(tensor):
-            return _header(_onebit_means(stats, tensor.numel()), tensor, self.name,
-                           self.checks_finite)
-        abs_sum, total, n_pos = (float(v) for v in stats)
-        n_neg = tensor.numel() - n_pos
-        # sum over x >= 0 is (sum x + sum |x|) / 2, over x < 0 (sum x - sum |x|) / 2
-        pos = (total + abs_sum) / 2 / n_pos if n_pos else 0.0
-        neg = (total - abs_sum) / 2 / n_neg if n_neg else 0.0
-        return _header([neg, pos], tensor, self.name)
-
     def _table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
         header, bits = payload.tensors
         # bit 0 -> the negative half's mean, bit 1 -> the non-negative half's
         return 1, header.to(payload.dtype), bits
-
-
-def _onebit_means(stats: Tensor, n: int) -> Tensor:
-    """float64 ``[mean of x < 0, mean of x >= 0]`` from ``[sum |x|, sum x, count(x >= 0)]``
-    on the device: the float64 arithmetic of :meth:`OneBitCompressor._header_of` (0 for
-    an empty half)."""
-    abs_sum, total, n_pos = stats.unbind()
-    n_neg = n - n_pos
-    pos = torch.where(n_pos > 0, (total + abs_sum) / 2 / n_pos.clamp(min=1), 0.0)
-    neg = torch.where(n_neg > 0, (total - abs_sum) / 2 / n_neg.clamp(min=1), 0.0)
-    return torch.stack([neg, pos])

@@ -27,9 +27,12 @@ from hexagram.compress.base import (
     check_compressible,
     ensure_finite,
 )
-from hexagram.compress.chunks import TableCodedCompressor, code_values, work_dtype
+from hexagram.compress.chunks import TableCodedCompressor, work_dtype
 from hexagram.compress.codes import stochastic_codes
-from hexagram.compress.packing import cpu_fast, packed_nbytes
+from hexagram.compress.packing import cpu_fast, packed_nbytes, unpack_codes
+from hexagram.compress.quantize_segments import check_segments, merge_parts
+from hexagram.compress.segments import Segments
+from hexagram.compress.sign_segments import decode_tables
 from hexagram.config import check_float, check_int
 
 __all__ = ["TernGradCompressor", "TernGradConfig"]
@@ -56,6 +59,12 @@ class TernGradConfig:
     def __post_init__(self) -> None:
         check_float(self, "clip", low=0.0)
         check_int(self, "seed", low=0)
+
+
+def _tables(header: Tensor, dtype: torch.dtype) -> Tensor:
+    """(S, 4) ``(code - 1) * scale`` of each scale in ``header`` (S,), cast to ``dtype``."""
+    codes = torch.arange(4, dtype=header.dtype, device=header.device) - 1
+    return (codes * header[:, None]).to(dtype)
 
 
 def _std(flat: Tensor, wd: torch.dtype) -> float:
@@ -130,9 +139,54 @@ class TernGradCompressor(TableCodedCompressor, SeededCompressor):
         return Payload(tensors=(peak.to(wd).reshape(1), codes), shape=tensor.shape,
                        dtype=tensor.dtype)
 
-    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor]:
+    def code_table(self, payload: Payload) -> tuple[int, Tensor, Tensor] | None:
+        """``(code - 1) * scale`` (exact: +-scale and 0); None for a bucket's payload (a
+        scale per segment)."""
+        if "segments" in payload.meta:
+            return None
         header, codes = payload.tensors
-        return 2, code_values(2, header, -header, payload.dtype), codes  # (code - 1) * scale
+        return 2, _tables(header, payload.dtype).reshape(-1), codes
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
+        if "segments" in payload.meta:
+            return self.decompress_segments_into(payload, out, add)
+        return super().decompress_into(payload, out, add)
+
+    def compress_segments(self, flat: Tensor, segments: Segments,
+                          generator: torch.Generator | None = None) -> Payload:
+        """Each segment's scale (``_foreach_norm``, max |x|), the codes of the whole buffer
+        drawn at once; with ``clip``, segment by segment (the default)."""
+        flat = check_segments(flat, segments, self.name)
+        if self.config.clip:  # a standard deviation per segment: no foreach equivalent
+            return super().compress_segments(flat, segments, generator)
+        gen = self.generator_for(flat, generator)
+        wd = work_dtype(flat.dtype)
+        peak = torch.stack(torch._foreach_norm(flat.split(segments.lengths), math.inf))
+        if self.checks_finite:
+            ensure_finite(flat, peak, self.name)
+        peak = peak.double()
+        inv = torch.where(peak > 0, 1 / peak, 0.0)
+        index = segments.index(flat.device)
+        if not cpu_fast(flat):  # subnormal peaks: x * 2**64 first
+            pre = torch.where(inv > torch.finfo(wd).max, 2.0**64, 1.0)
+            codes = stochastic_codes(flat, 1, (inv / pre).to(wd).index_select(0, index), 1,
+                                     gen, pre.to(wd).index_select(0, index))
+        elif bool((inv <= torch.finfo(wd).max).all()):
+            codes = stochastic_codes(flat, 1, inv.to(wd).index_select(0, index), 1, gen)
+        else:  # the CPU scales those tensors in float64
+            return merge_parts([self.compress(v, gen) for v in segments.views(flat)], 2,
+                               flat, segments)
+        return Payload(tensors=(peak.to(wd), codes), shape=torch.Size([segments.numel]),
+                       dtype=flat.dtype, meta={"segments": segments})
+
+    def decompress_segments_into(self, payload: Payload, out: Tensor,
+                                 add: bool = False) -> Tensor:
+        if "parts" in payload.meta:  # compressed segment by segment (clip)
+            return super().decompress_segments_into(payload, out, add)
+        segments: Segments = payload.meta["segments"]
+        header, packed = payload.tensors
+        codes = unpack_codes(packed, 2, segments.numel)
+        return decode_tables(_tables(header, out.dtype), codes, 2, segments, out, add)
 
     def __repr__(self) -> str:
         return f"TernGradCompressor({self.config})"
