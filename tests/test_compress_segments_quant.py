@@ -181,3 +181,16 @@ def device_path() -> Iterator[None]:
         yield
     finally:
         packing.CPU_FAST_PATHS = True
+
+
+def test_terngrad_clipped_scales_per_segment_match_each_tensor_alone() -> None:
+    from hexagram.compress.segments import Segments
+
+    seg = Segments.of([300, 7, 1, 64, 1025])
+    x = torch.randn(seg.numel, generator=torch.Generator().manual_seed(3)) \
+        * torch.linspace(0.1, 3.0, seg.numel) + 0.5
+    c = hc.get("terngrad", clip=2.5)
+    scales = c.compress_segments(x.clone(), seg).tensors[0]
+    alone = torch.stack([c.compress(v.clone()).tensors[0].reshape(()) for v in seg.views(x)])
+    torch.testing.assert_close(scales, alone, rtol=1e-5, atol=0.0)
+    assert "parts" not in c.compress_segments(x.clone(), seg).meta  # one call, no loop

@@ -79,6 +79,21 @@ def _std(flat: Tensor, wd: torch.dtype) -> float:
     return float(flat.to(wd).std(correction=0))
 
 
+def _segment_std(flat: Tensor, segments: Segments, wd: torch.dtype) -> Tensor:
+    """(len(segments),) float64: each segment's population standard deviation (what
+    ``Tensor.std(correction=0)`` gives per tensor), from a per-segment mean and the sum of
+    squared deviations from it (two passes, no cancellation), a fixed number of kernels
+    whatever the number of segments and no host read."""
+    index = segments.index(flat.device)
+    lengths = segments.device_lengths(flat.device).to(wd)
+    x = flat if flat.dtype == wd else flat.to(wd)
+    mean = torch.zeros(len(segments), dtype=wd, device=flat.device).index_add_(0, index, x)
+    mean.div_(lengths)
+    dev = x - mean.index_select(0, index)
+    square = torch.zeros_like(mean).index_add_(0, index, dev.mul_(dev))
+    return square.div_(lengths).sqrt_().double()
+
+
 class TernGradCompressor(TableCodedCompressor, SeededCompressor):
     """TernGrad: ``x -> scale * sign(x) * Bernoulli(|x| / scale)``, ``scale = max|x|``.
 
@@ -154,17 +169,18 @@ class TernGradCompressor(TableCodedCompressor, SeededCompressor):
 
     def compress_segments(self, flat: Tensor, segments: Segments,
                           generator: torch.Generator | None = None) -> Payload:
-        """Each segment's scale (``_foreach_norm``, max |x|), the codes of the whole buffer
-        drawn at once; with ``clip``, segment by segment (the default)."""
+        """Each segment's scale (``_foreach_norm``, max |x|; with ``clip``, at most ``clip``
+        times the segment's standard deviation, :func:`_segment_std`), the codes of the
+        whole buffer drawn at once."""
         flat = check_segments(flat, segments, self.name)
-        if self.config.clip:  # a standard deviation per segment: no foreach equivalent
-            return super().compress_segments(flat, segments, generator)
         gen = self.generator_for(flat, generator)
         wd = work_dtype(flat.dtype)
         peak = torch.stack(torch._foreach_norm(flat.split(segments.lengths), math.inf))
         if self.checks_finite:
             ensure_finite(flat, peak, self.name)
         peak = peak.double()
+        if self.config.clip:
+            peak = torch.minimum(peak, self.config.clip * _segment_std(flat, segments, wd))
         inv = torch.where(peak > 0, 1 / peak, 0.0)
         index = segments.index(flat.device)
         if not cpu_fast(flat):  # subnormal peaks: x * 2**64 first
