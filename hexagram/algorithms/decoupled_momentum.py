@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,17 +46,15 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import AlgorithmContext
-from hexagram.algorithms.compressed import (
-    CompressedConfig,
-    CompressorAlgorithm,
-    Segment,
-    segments,
-)
+from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm
+from hexagram.algorithms.flat_weights import Flat, FlatWeights
 from hexagram.algorithms.momentum_correction import MomentumCorrection
-from hexagram.buckets import Bucket
+from hexagram.buckets import Bucket, BucketEntry
+from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Payload
 from hexagram.compress.dct import DCTTopKCompressor, DCTTopKConfig
+from hexagram.compress.dct_flat import DCTTopKRows
 from hexagram.config import check_float
 from hexagram.errors import ConfigError
 
@@ -123,10 +122,6 @@ class DeMoAlgorithm(MomentumCorrection, CompressorAlgorithm):
         self.use_compressor(DCTTopKCompressor(DCTTopKConfig(
             chunk=c.chunk, k=c.k, wire_dtype=c.wire_dtype)), feedback=False)
 
-    def setup(self, ctx: AlgorithmContext) -> None:
-        check_optimizers(list(ctx.optimizers), self.config.momentum is not None)
-        super().setup(ctx)
-
     def refuses(self, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
         """Why DeMo cannot run on ``optimizers`` (what ``setup`` would raise), or None;
         ``auto`` leaves it out then."""
@@ -136,24 +131,66 @@ class DeMoAlgorithm(MomentumCorrection, CompressorAlgorithm):
             return str(e)
         return None
 
-    def encode_segment(self, segment: Segment, tensor: Tensor, divisor: int) -> Payload:
-        """m <- beta m + g; send the top DCT components of m; remove them from m."""
-        (m,) = self.velocities(segment, tensor)  # layer granularity: one tensor
-        payload = self.compressor.compress(m, self.generator)
-        m.sub_(self.compressor.decompress(payload).reshape(-1))
-        return payload
+    def setup(self, ctx: AlgorithmContext) -> None:
+        check_optimizers(list(ctx.optimizers), self.config.momentum is not None)
+        super().setup(ctx)
+        self._plans: dict[int, _Plan] = {}
+
+    def reset(self, ctx: AlgorithmContext) -> None:
+        super().reset(ctx)
+        self._plans = {}  # buckets re-formed: new layouts (the momenta move by name)
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
-        segs = segments(bucket, self.config.granularity)
+        """m <- beta m + g; send the top DCT components of m (ONE payload for the bucket);
+        remove them from m; the handle's result is ``sign(Q) rms(Q) gain`` per tensor in
+        ``bucket.flat``, Q the mean of every rank's decoded components."""
+        plan = self._plan(bucket)
+        self._accumulate(plan)
+        payload, sent = plan.coder.encode(plan.momentum.flat)
+        plan.coder.inverse([sent], plan.own.flat)  # q: decoded once, for m and the mean
+        plan.momentum.flat.sub_(plan.own.flat)
+        comm = self.ctx.comm
 
-        def scaled_sign(flat: Tensor) -> Tensor:
-            for s in segs:  # Q -> sign(Q) * rms(Q) * gain, per tensor, on the device
-                q = flat[s.start:s.stop]
-                gain = self.gain(s.entries[0].name) / (q.numel() ** 0.5)
-                q.copy_(q.sign() * (torch.linalg.vector_norm(q) * gain))
-            return flat
+        def finish(gathered: list[list[Payload]]) -> Tensor:
+            mean = plan.own
+            if comm.size > 1:  # sum of the spectra in rank order, one inverse transform
+                mean = plan.mean
+                plan.coder.inverse([sent if r == comm.rank else plan.coder.decode(p)
+                                    for r, p in enumerate(gathered[0])], mean.flat)
+                mean.flat.div_(comm.size)  # the mean (world 1: x / 1, exact, skipped)
+            self._scaled_sign(plan, mean)
+            torch._foreach_copy_(plan.grads, mean.views)
+            return bucket.flat
 
-        return super().reduce_bucket(bucket).then(scaled_sign)
+        return primitives.allgather_payloads_many(comm, [payload]).then(finish)
+
+    def _plan(self, bucket: Bucket) -> _Plan:
+        """The bucket's flat layout and buffers, made at its first step (cached by its
+        entries; the momenta by name are moved in, and stay views of the buffer)."""
+        plan = self._plans.get(id(bucket.entries))
+        if plan is None or plan.entries is not bucket.entries:
+            plan = self._plans[id(bucket.entries)] = _Plan.make(self, bucket)
+        if plan.source is not bucket.flat:  # the gradients' views, once per buffer
+            plan.source = bucket.flat
+            plan.grads = [bucket.view(e) for e in bucket.entries]
+        return plan
+
+    def _accumulate(self, plan: _Plan) -> None:
+        """u <- momentum * u + g (+ wd * w) per tensor: a few ``_foreach`` kernels."""
+        m = plan.momentum.views
+        torch._foreach_mul_(m, plan.betas)
+        torch._foreach_add_(m, plan.grads)
+        with torch.no_grad():
+            for wd, (views, params) in plan.decay.items():
+                torch._foreach_add_(views, params, alpha=wd)
+
+    def _scaled_sign(self, plan: _Plan, mean: Flat) -> None:
+        """Q -> sign(Q) * rms(Q) * gain per tensor, in place, on the device."""
+        scale = torch.stack(torch._foreach_norm(mean.views)).mul_(plan.gains)
+        rows = scale.index_select(0, plan.row_tensor)  # each chunk's tensor's scale
+        mean.flat.sign_()
+        for g, (a, b) in zip(plan.coder.layout.groups, plan.row_spans):
+            g.view(mean.flat).mul_(rows[a:b, None])
 
     def gain(self, name: str) -> float:
         """Factor of the RMS-scaled sign of tensor ``name``: ``1 / (1 - beta)`` (module
@@ -171,3 +208,57 @@ class DeMoAlgorithm(MomentumCorrection, CompressorAlgorithm):
         state["momenta"] = state["feedback"]["residuals"]
         state["feedback"] = None
         super().load_state_dict(state)
+        self._plans = {}  # the loaded momenta move into new buffers at the next step
+
+
+@dataclass
+class _Plan:
+    """A bucket's flat layout (its tensors cut into DCT chunks) and buffers: the momenta,
+    this rank's decoded components, the mean; per-tensor factors as device tensors."""
+
+    entries: list[BucketEntry]
+    coder: DCTTopKRows
+    momentum: Flat
+    own: Flat
+    mean: Flat
+    betas: list[float]
+    decay: dict[float, tuple[list[Tensor], list[Tensor]]]
+    gains: Tensor
+    row_tensor: Tensor
+    row_spans: list[tuple[int, int]]
+    source: Tensor | None = None
+    grads: list[Tensor] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def make(cls, algo: DeMoAlgorithm, bucket: Bucket) -> _Plan:
+        entries, flat = bucket.entries, bucket.flat
+        coder = DCTTopKRows(algo.compressor.config, [e.numel for e in entries], flat.dtype)
+        weights = FlatWeights([(e.name, e.param) for e in entries], coder.layout.offsets,
+                              coder.layout.numel)
+
+        def buffer() -> Flat:
+            t = torch.zeros(coder.layout.numel, dtype=flat.dtype, device=flat.device)
+            return Flat(t, weights.views(t))
+
+        momentum, default = buffer(), (algo.config.momentum or 0.0, 0.0)
+        for e, view in zip(entries, momentum.views):  # once per layout: move them in
+            old = algo.momenta.get(e.name)
+            if old is not None and old.numel() == e.numel and old.dtype == flat.dtype:
+                view.copy_(old.view(e.shape))
+            algo.momenta[e.name] = view.view(-1)
+        factors = [algo.factors.get(e.name, default) for e in entries]
+        decay: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+        for e, view, (_, wd) in zip(entries, momentum.views, factors):
+            if wd and e.name in algo._params:
+                decay.setdefault(wd, ([], []))[0].append(view)
+                decay[wd][1].append(algo._params[e.name])
+        gains = [algo.gain(e.name) / e.numel ** 0.5 for e in entries]
+        rows, spans, at = [], [], 0
+        for g in coder.layout.groups:
+            for t, count in zip(g.tensors, g.counts):
+                rows += [t] * count
+            spans.append((at, at + g.rows))
+            at += g.rows
+        return cls(entries, coder, momentum, buffer(), buffer(), [b for b, _ in factors],
+                   decay, torch.tensor(gains, dtype=flat.dtype, device=flat.device),
+                   torch.tensor(rows, device=flat.device), spans)

@@ -51,23 +51,20 @@ from typing import Any
 import torch
 
 from hexagram.algorithms.base import AlgorithmContext
+from hexagram.algorithms.flat_weights import Flat, FlatWeights, by_dtype_and_device
 from hexagram.algorithms.weight_sync import (
     RoundAlgorithm,
     as_compressor,
     check_compressor_spec,
     compressed_sum,
-    flats_from_named,
-    named_from_flats,
-    read_weights,
-    write_weights,
 )
-from hexagram.buckets import Bucket
+from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
 from hexagram.comm.reduce import Route, route
 from hexagram.compress.base import Compressor
 from hexagram.config import check_float, check_int
 from hexagram.cost.payload_size import payload_nbytes
-from hexagram.errors import ConfigError
+from hexagram.errors import ConfigError, NonFiniteGradientError
 
 __all__ = ["DiLoCoAlgorithm", "DiLoCoConfig"]
 
@@ -121,8 +118,9 @@ class DiLoCoConfig:
 
 @dataclass
 class _InFlight:
-    """A fragment's pseudo-gradient exchange started after step ``start`` (sum over ranks
-    per bucket of the fragment), whose outer update applies after step ``due``."""
+    """A fragment's pseudo-gradient exchange started after step ``start`` (sum over ranks,
+    one flat buffer per dtype and device of the fragment), whose outer update applies
+    after step ``due``."""
 
     fragment: int
     start: int
@@ -131,23 +129,35 @@ class _InFlight:
     sums: list[Handle[torch.Tensor]]
 
 
+@dataclass
+class _Local:
+    """What a rank prepared for a fragment's round before the control collective: its
+    update per flat buffer (pseudo-gradients, or encoded payloads) and, where the round
+    checks finiteness, a 0-dim device flag (True: NaN/Inf)."""
+
+    updates: list[Any]
+    nonfinite: torch.Tensor | None
+
+
 def _nbytes(comp: Compressor, shape: tuple[int, ...]) -> int:
     """Wire bytes of ``comp``'s payload of a float32 tensor of ``shape``."""
     sized = payload_nbytes(comp, shape)
     return sized if sized is not None else comp.compress(torch.zeros(shape)).nbytes
 
 
-def _split(buckets: list[Bucket], parts: int) -> list[list[Bucket]]:
-    """The tensors of ``buckets`` in ``parts`` contiguous groups of similar size."""
+Named = list[tuple[str, torch.nn.Parameter]]
+
+
+def _split(named: Named, parts: int) -> list[Named]:
+    """The tensors ``named`` in ``parts`` contiguous groups of similar size."""
     if parts == 1:
-        return [buckets]
-    named = [(e.name, e.param) for b in buckets for e in b.entries]
+        return [named]
     if len(named) < parts:
         raise ConfigError(f"DiLoCoConfig.fragments={parts} but the model has only "
                           f"{len(named)} trainable tensors; use fragments <= {len(named)}")
     total, size = sum(p.numel() for _, p in named), 0
-    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
-    current: list[tuple[str, torch.nn.Parameter]] = []
+    groups: list[Named] = []
+    current: Named = []
     for i, (name, p) in enumerate(named):
         current.append((name, p))
         size += p.numel()
@@ -157,11 +167,31 @@ def _split(buckets: list[Bucket], parts: int) -> list[list[Bucket]]:
             groups.append(current)
             current = []
     groups.append(current)
-    return [[Bucket(0, g)] for g in groups]
+    return groups
+
+
+def _named(weights: Sequence[FlatWeights], flats: Sequence[Flat | torch.Tensor]
+           ) -> dict[str, torch.Tensor]:
+    """Per-parameter copies of one flat buffer per :class:`FlatWeights` (checkpoints)."""
+    out: dict[str, torch.Tensor] = {}
+    for w, flat in zip(weights, flats):
+        out.update(w.named(flat.flat if isinstance(flat, Flat) else flat))
+    return out
+
+
+def any_flag(flags: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 0-dim bool tensor: any of ``flags`` (0-dim bool tensors of one device)."""
+    return flags[0] if len(flags) == 1 else torch.stack(list(flags)).any()
 
 
 class DiLoCoAlgorithm(RoundAlgorithm):
-    """Inner steps locally, outer Nesterov step on averaged pseudo-gradients."""
+    """Inner steps locally, outer Nesterov step on averaged pseudo-gradients.
+
+    The weights of each fragment live in flat buffers (:class:`~hexagram.algorithms.
+    flat_weights.FlatWeights`, one per dtype and device): an outer step reads and writes
+    the parameters with one ``_foreach_copy_`` each and updates anchor and momentum with
+    element-wise kernels over the buffers, whatever the number of tensors.
+    """
 
     name = "diloco"
     #: True where the exchange encodes itself (error feedback): no scatter-gather route
@@ -172,19 +202,33 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         self.config: Any
         self.outer: DiLoCoConfig = self.config  # the outer step and schedule (see LocalSGD)
         self.compressor = as_compressor(self.outer.compressor)
+        # a compressor's own NaN/Inf check reads the device per tensor; the round checks
+        # its update once instead, in the control collective (RoundAlgorithm._control)
+        self._checks = self.compressor is not None and self.compressor.checks_finite
+        if self.compressor is not None:
+            self.compressor.checks_finite = False
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
-        self.fragments = _split(ctx.buckets, self.outer.fragments)
+        named = [(e.name, e.param) for b in ctx.buckets for e in b.entries]
+        self.fragments = [self._lay_out(g) for g in _split(named, self.outer.fragments)]
         with_momentum = self.outer.outer_momentum > 0  # none at all for local SGD
-        self.momentum = [[torch.zeros_like(b.flat) for b in f] if with_momentum else []
+        self.momentum = [[w.new() for w in f] if with_momentum else []
                          for f in self.fragments]
+        self._scratch = [[w.new() for w in f] for f in self.fragments]  # local weights
         self.fresh = [False] * len(self.fragments)  # local steps since the fragment's sync
         self.inflight: list[_InFlight] = []  # exchanges started, outer update not applied
         self._after_consensus()
 
+    def _lay_out(self, named: Named) -> list[FlatWeights]:
+        """The flat buffers of a fragment's tensors (end to end, one per dtype/device)."""
+        return [FlatWeights(g) for g in by_dtype_and_device(named)]
+
     def _after_consensus(self) -> None:
-        self.anchor = [read_weights(f) for f in self.fragments]
+        self.anchor = [[w.new() for w in f] for f in self.fragments]
+        for f, a in zip(self.fragments, self.anchor):
+            for w, flat in zip(f, a):
+                w.read(flat)
         self.fresh = [False] * len(self.fragments)
 
     def _on_step(self) -> None:
@@ -201,9 +245,15 @@ class DiLoCoAlgorithm(RoundAlgorithm):
     def _round(self, active: bool) -> int:
         f = self.rounds % len(self.fragments)
         self.rounds += 1
-        counts = self._control(active, contributing=self.fresh[f]).wait()
+        local = self._prepare(f) if self.fresh[f] else None
+        flag: torch.Tensor | bool | None = None
+        if self._checks:  # every rank sends the flag (False: nothing of its own to check)
+            flag = False if local is None or local.nonfinite is None else local.nonfinite
+        counts = self._control(active, contributing=self.fresh[f], nonfinite=flag).wait()
+        if getattr(counts, "nonfinite", 0):  # identical on every rank: all stop here
+            raise NonFiniteGradientError(self._nonfinite_message(f, counts.nonfinite, local))
         if counts.contributing > 0:  # identical decision everywhere
-            exchange = self._start(f, counts.contributing)
+            exchange = self._start(f, counts.contributing, local)
             if active and self.outer.overlap_steps > 0:
                 self.inflight.append(exchange)  # applied in _on_step, tau steps later
             else:  # no inner step to overlap: apply now, as without overlap
@@ -214,35 +264,63 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         # engine's join and elastic checks
         return int(counts.active)
 
-    def _start(self, f: int, n: int) -> _InFlight:
-        """Start the sum over ranks of the fragment's pseudo-gradients ``anchor - x``."""
-        local = read_weights(self.fragments[f])
-        deltas = [a - x if self.fresh[f] else torch.zeros_like(x)
-                  for a, x in zip(self.anchor[f], local)]
+    def _prepare(self, f: int) -> _Local:
+        """The fragment's pseudo-gradients ``anchor - x``, one flat buffer per dtype and
+        device (in the fragment's scratch buffers), and their NaN/Inf flag if checked."""
+        deltas = []
+        for w, a, x in zip(self.fragments[f], self.anchor[f], self._scratch[f]):
+            w.read(x)
+            deltas.append(torch.sub(a.flat, x.flat, out=x.flat))
+        flags = [~torch.isfinite(d).all() for d in deltas] if self._checks else []
+        return _Local(deltas, any_flag(flags) if flags else None)
+
+    def _nonfinite_message(self, f: int, ranks: int, local: _Local | None) -> str:
+        """Names the first tensor of this rank whose update holds NaN/Inf (reads the
+        device tensor by tensor: only on the way to the error)."""
+        where = "on another rank"
+        for w, x in zip(self.fragments[f], self._scratch[f]):
+            bad = [n for n, v in zip(w.names, x.views) if not bool(torch.isfinite(v).all())]
+            if local is not None and bad:
+                where = f"here first in parameter {bad[0]!r}"
+                break
+        return (f"algorithm {self.name!r}: the outer update of round {self.rounds} holds "
+                f"NaN or Inf on {ranks} rank(s) ({where}), detected before sending. Lower "
+                "the inner learning rate, clip gradients or use loss scaling")
+
+    def _start(self, f: int, n: int, local: _Local | None) -> _InFlight:
+        """Start the sum over ranks of the fragment's pseudo-gradients (zeros where this
+        rank has nothing new since the fragment's last sync)."""
         self.fresh[f] = False
-        sums = [compressed_sum(self.ctx.comm, d, self.compressor, b.entries)
-                for b, d in zip(self.fragments[f], deltas)]
+        deltas = local.updates if local is not None else \
+            [torch.zeros_like(a.flat) for a in self.anchor[f]]
+        if self.compressor is None:  # in place: the scratch is free again once it lands
+            sums = [primitives.allreduce(self.ctx.comm, d, average=False) for d in deltas]
+        else:
+            sums = [compressed_sum(self.ctx.comm, d, self.compressor, w.entries)
+                    for w, d in zip(self.fragments[f], deltas)]
         return _InFlight(f, self.step, self.step + self.outer.overlap_steps, n, sums)
 
     def _apply(self, exchange: _InFlight) -> None:
         """Outer Nesterov step of the fragment; merge if inner steps ran meanwhile."""
         f = exchange.fragment
-        buckets, anchor = self.fragments[f], self.anchor[f]
         mu, lr = self.outer.outer_momentum, self.outer.outer_lr
-        for i, (a, h) in enumerate(zip(anchor, exchange.sums)):
-            d = h.wait() / exchange.contributors
+        n = exchange.contributors
+        for i, (a, h) in enumerate(zip(self.anchor[f], exchange.sums)):
+            # x / 1 and 1.0 * x are exact: those passes over the buffer are skipped
+            d = h.wait() if n == 1 else h.wait() / n
             if mu > 0:
-                m = self.momentum[f][i].mul_(mu).add_(d)
+                m = self.momentum[f][i].flat.mul_(mu).add_(d)
                 d = d + mu * m
-            a.sub_(lr * d)
+            a.flat.sub_(d if lr == 1.0 else lr * d)
         late, mix = self.step > exchange.start, self.outer.overlap_mix
-        if late and mix > 0:  # x_f = mix * x_f + (1 - mix) * anchor_f
-            local = read_weights(buckets)
-            write_weights(buckets, [mix * x + (1 - mix) * a for x, a in zip(local, anchor)])
-            self.fresh[f] = True  # the merged fragment differs from the anchor
-        else:
-            write_weights(buckets, anchor)
-            self.fresh[f] = False
+        for w, a, x in zip(self.fragments[f], self.anchor[f], self._scratch[f]):
+            if late and mix > 0:  # x_f = mix * x_f + (1 - mix) * anchor_f
+                w.read(x)
+                x.flat.copy_(mix * x.flat + (1 - mix) * a.flat)
+                w.write(x)
+            else:
+                w.write(a)
+        self.fresh[f] = late and mix > 0  # a merged fragment differs from the anchor
 
     def round_messages(self, shapes: Sequence[tuple[int, ...]], world: int
                        ) -> list[tuple[str, int]]:
@@ -281,12 +359,12 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         state["fresh"] = list(self.fresh)
         state["schedule"] = self._schedule()
         state["anchor"], state["outer_momentum"] = {}, {}
-        for f, buckets in enumerate(self.fragments):
-            state["anchor"].update(named_from_flats(buckets, self.anchor[f]))
-            state["outer_momentum"].update(named_from_flats(buckets, self.momentum[f]))
+        for f, weights in enumerate(self.fragments):
+            state["anchor"].update(_named(weights, self.anchor[f]))
+            state["outer_momentum"].update(_named(weights, self.momentum[f]))
         state["inflight"] = [  # results awaited (identical on every rank), applied later
             {"fragment": x.fragment, "start": x.start, "due": x.due, "n": x.contributors,
-             "sums": named_from_flats(self.fragments[x.fragment], [h.wait() for h in x.sums])}
+             "sums": _named(self.fragments[x.fragment], [h.wait() for h in x.sums])}
             for x in self.inflight]
         if self.compressor is not None:  # after the waits: compression jobs have run
             state["compressor"] = self.compressor.state_dict()
@@ -305,17 +383,17 @@ class DiLoCoAlgorithm(RoundAlgorithm):
                               f"has {self._schedule()}; use the same config to resume")
         self._load_base_state(state)
         self.fresh = [bool(x) for x in state["fresh"]]
-        self.anchor = [flats_from_named(b, state["anchor"], "diloco anchor")
-                       for b in self.fragments]
-        self.momentum = [flats_from_named(b, state["outer_momentum"], "diloco momentum")
-                         if self.momentum[f] else [] for f, b in enumerate(self.fragments)]
+        self.anchor = [[w.load(state["anchor"], "diloco anchor") for w in f]
+                       for f in self.fragments]
+        self.momentum = [[w.load(state["outer_momentum"], "diloco momentum") for w in f]
+                         if self.momentum[i] else [] for i, f in enumerate(self.fragments)]
         for x in self.inflight:  # exchanges of the replaced state: let them land, unapplied
             for h in x.sums:
                 h.wait()
         self.inflight = [
             _InFlight(x["fragment"], int(x["start"]), int(x["due"]), int(x["n"]),
-                      [Handle.completed(t) for t in flats_from_named(
-                          self.fragments[x["fragment"]], x["sums"], "diloco in-flight sums")])
+                      [Handle.completed(w.load(x["sums"], "diloco in-flight sums").flat)
+                       for w in self.fragments[x["fragment"]]])
             for x in state.get("inflight", [])]
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])

@@ -39,15 +39,21 @@ from typing import Any
 import torch
 
 from hexagram.algorithms.base import AlgorithmContext
-from hexagram.algorithms.diloco import DiLoCoAlgorithm, DiLoCoConfig, _InFlight
-from hexagram.algorithms.weight_sync import (
-    compressed_sum,
-    flats_from_named,
-    named_from_flats,
-    read_weights,
+from hexagram.algorithms.diloco import (
+    DiLoCoAlgorithm,
+    DiLoCoConfig,
+    Named,
+    _InFlight,
+    _Local,
+    _named,
+    any_flag,
 )
+from hexagram.algorithms.flat_weights import FlatWeights, by_dtype_and_device
+from hexagram.comm import primitives
+from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Payload
 from hexagram.compress.chunk_topk import ChunkTopKCompressor, ChunkTopKConfig
+from hexagram.compress.chunk_topk_flat import ChunkTopKRows, Sparse
 from hexagram.config import check_float, check_int
 
 __all__ = ["SparseLoCoAlgorithm", "SparseLoCoConfig"]
@@ -99,8 +105,24 @@ class SparseLoCoConfig:
                             overlap_mix=self.overlap_mix)
 
 
+class _Chunked(FlatWeights):
+    """A fragment's tensors of one dtype/device laid out in whole chunks (``coder``'s
+    :class:`~hexagram.compress.chunk_rows.ChunkRows`): the buffers SparseLoCo encodes."""
+
+    def __init__(self, named: Named, config: ChunkTopKConfig) -> None:
+        self.coder = ChunkTopKRows(config, [p.numel() for _, p in named], named[0][1].dtype)
+        super().__init__(named, self.coder.layout.offsets, self.coder.layout.numel)
+
+
 class SparseLoCoAlgorithm(DiLoCoAlgorithm):
-    """DiLoCo with chunked top-k, quantized pseudo-gradients and error feedback."""
+    """DiLoCo with chunked top-k, quantized pseudo-gradients and error feedback.
+
+    Per outer step and flat buffer (every tensor of one dtype and device, padded to whole
+    chunks): one read of the weights, the error update over the buffer, one top-k and one
+    quantizer per row format (:class:`~hexagram.compress.chunk_topk_flat.ChunkTopKRows`),
+    ONE payload allgathered, decoded once per rank into the sum (this rank's own from what
+    it encoded), and the NaN/Inf flag of the encode joined to the round's control read.
+    """
 
     name = "sparseloco"
     exact_local = True
@@ -112,41 +134,62 @@ class SparseLoCoAlgorithm(DiLoCoAlgorithm):
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
-        self.errors = [[torch.zeros_like(b.flat) for b in f] for f in self.fragments]
+        self.errors = [[w.new() for w in f] for f in self.fragments]
 
-    def _start(self, f: int, n: int) -> _InFlight:
-        """Start the sum over ranks of the fragment's sparse, quantized updates ``s_i``."""
-        if not self.fresh[f]:  # nothing new since the last sync: contribute zeros
-            return super()._start(f, n)
-        self.fresh[f] = False
-        comp, beta = self.compressor, self.config.error_decay
-        assert comp is not None
-        sums = []
-        for b, a, x, e in zip(self.fragments[f], self.anchor[f], read_weights(self.fragments[f]),
+    def _lay_out(self, named: Named) -> list[FlatWeights]:
+        return [_Chunked(g, self.config.compressor_config()) for g in by_dtype_and_device(named)]
+
+    def _prepare(self, f: int) -> _Local:
+        """``e = beta e + (anchor - x)``; encode ``e``; ``e -= s_i`` (what was sent)."""
+        beta, updates, flags = self.config.error_decay, [], []
+        for w, a, x, e in zip(self.fragments[f], self.anchor[f], self._scratch[f],
                               self.errors[f]):
-            e.mul_(beta).add_(a - x)
-            parts = [e[p.offset : p.offset + p.numel] for p in b.entries]
+            assert isinstance(w, _Chunked)
+            w.read(x)
+            e.flat.mul_(beta).add_(torch.sub(a.flat, x.flat, out=x.flat))
+            payload, sent, nonfinite = w.coder.encode(e.flat)
+            w.coder.add_into(e.flat, sent, sign=-1.0)  # the rest stays local
+            updates.append((payload, sent))
+            flags.append(nonfinite)
+        return _Local(updates, any_flag(flags))
 
-            def encode(i: int, t: torch.Tensor, divisor: int,
-                       parts: list[torch.Tensor] = parts) -> Payload:
-                payload = comp.compress(t)  # t is parts[i]: one tensor's error buffer
-                parts[i].sub_(comp.decompress(payload).reshape(-1))  # e -= s_i: the rest
-                return payload
-
-            sums.append(compressed_sum(self.ctx.comm, e, comp, b.entries, encode))
+    def _start(self, f: int, n: int, local: _Local | None) -> _InFlight:
+        """Start the sum over ranks of the fragment's sparse, quantized updates ``s_i``
+        (a payload of zeros where this rank has nothing new since the last sync)."""
+        self.fresh[f] = False
+        sums = []
+        for i, w in enumerate(self.fragments[f]):
+            assert isinstance(w, _Chunked)
+            if local is not None:
+                payload, sent = local.updates[i]
+            else:
+                payload, sent, _ = w.coder.encode(torch.zeros_like(self.anchor[f][i].flat))
+            sums.append(self._exchange(w, payload, sent))
         return _InFlight(f, self.step, self.step + self.outer.overlap_steps, n, sums)
+
+    def _exchange(self, w: _Chunked, payload: Payload, sent: Sparse) -> Handle[torch.Tensor]:
+        """Allgather ``payload``; the handle's result is the sum of every rank's decoded
+        update in rank order (a new buffer of ``w``'s layout, zero padding)."""
+        comm = self.ctx.comm
+
+        def decode(gathered: list[list[Payload]]) -> torch.Tensor:
+            out = torch.zeros(w.numel, dtype=w.dtype, device=w.device)
+            for r, p in enumerate(gathered[0]):
+                w.coder.add_into(out, sent if r == comm.rank else w.coder.decode(p))
+            return out
+
+        return primitives.allgather_payloads_many(comm, [payload]).then(decode)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         residuals: dict[str, torch.Tensor] = {}
-        for f, buckets in enumerate(self.fragments):
-            residuals.update(named_from_flats(buckets, self.errors[f]))
+        for f, weights in enumerate(self.fragments):
+            residuals.update(_named(weights, self.errors[f]))
         state["feedback"] = {"residuals": residuals}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         named = state["feedback"]["residuals"]
-        self.errors = [flats_from_named(b, named, "sparseloco error feedback")
-                       for b in self.fragments]
-
+        self.errors = [[w.load(named, "sparseloco error feedback") for w in f]
+                       for f in self.fragments]

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.control import count_flags
+from hexagram.comm.device import control_tensor
 from hexagram.comm.reduce import Encoder, reduce, reduce_many
 from hexagram.compress.base import Compressor
 from hexagram.errors import ConfigError
@@ -59,6 +61,8 @@ __all__ = [
     "write_weights",
 ]
 
+#: the counts of a round that also checks finiteness (see RoundAlgorithm._control)
+_Counts = namedtuple("_Counts", ["active", "contributing", "nonfinite"])
 
 
 def as_compressor(spec: str | Compressor | None) -> Compressor | None:
@@ -225,10 +229,26 @@ class RoundAlgorithm(Algorithm):
     def _on_step(self) -> None:
         """Called after each counted step (start a round here if it is due)."""
 
-    def _control(self, active: bool, contributing: bool) -> Handle[Any]:
+    def _control(self, active: bool, contributing: bool,
+                 nonfinite: Tensor | bool | None = None) -> Handle[Any]:
         """Start the join allreduce; result ``(active, contributing)``: how many ranks are
-        still training, how many have local steps to contribute."""
-        return count_flags(self.ctx.comm, active=active, contributing=contributing)
+        still training, how many have local steps to contribute.
+
+        With ``nonfinite`` (a 0-dim bool tensor on any device, computed by the caller on
+        the device: e.g. its encoded update holds NaN/Inf; or a bool where the rank has
+        nothing to check) the result has a third count,
+        ``nonfinite``: how many ranks raised it. It rides in the same allreduce, so the
+        round's one host read (the counts) is also its finiteness check, and every rank
+        learns of a bad peer at the same round. Every rank of a round passes it or none.
+        """
+        if nonfinite is None:
+            return count_flags(self.ctx.comm, active=active, contributing=contributing)
+        host = nonfinite if isinstance(nonfinite, bool) else False
+        flags = control_tensor([active, contributing, host], self.ctx.comm)
+        if isinstance(nonfinite, Tensor):
+            flags[2:].copy_(nonfinite.reshape(1))
+        return primitives.allreduce(self.ctx.comm, flags, average=False).then(
+            lambda t: _Counts(*(int(v) for v in t.tolist())))
 
     def _sync_buffers(self) -> None:
         """End of a round: buffers (BatchNorm statistics) equal on every rank."""

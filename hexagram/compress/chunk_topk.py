@@ -56,8 +56,8 @@ from hexagram.compress.chunks import padded_rows, work_dtype
 from hexagram.compress.packing import pack_codes, packed_nbytes, unpack_codes
 from hexagram.config import check_float, check_int
 
-__all__ = ["ChunkTopKCompressor", "ChunkTopKConfig", "chunk_layout", "pack_positions",
-           "unpack_positions"]
+__all__ = ["ChunkTopKCompressor", "ChunkTopKConfig", "chunk_layout", "code_values",
+           "pack_positions", "quantize_rows", "unpack_positions"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +117,35 @@ def check_chunk_payload(name: str, matches: bool, chunks: int, chunk: int, k: in
                          f"k={k}; was it compressed with another config?")
 
 
+def quantize_rows(rows: Tensor, k: int, bits: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The format's encode of a (rows, c) matrix (one chunk a row): ``(mags, pos, levels,
+    codes)``, the (rows, k) kept magnitudes (largest first) and their positions in the
+    row, the (rows, 2**(bits - 1)) bin means and the (rows, k) uint8 value codes.
+
+    The one implementation of the per-chunk quantizer: :class:`ChunkTopKCompressor` runs
+    it on one tensor's chunks, :mod:`hexagram.compress.chunk_topk_flat` on the chunks of
+    many tensors at once (rows are independent, so both give the same bits)."""
+    mags, pos = rows.abs().topk(k, dim=1)  # (G, k); sorted: deterministic order
+    m = 1 << (bits - 1)
+    inv = torch.where(mags[:, :1] > 0, m / mags[:, :1], 0.0)  # (G, 1): m / s
+    level = (mags * inv).floor_().clamp_(0, m - 1).to(torch.uint8)  # (G, k) bins
+    # mean magnitude per (chunk, bin): sums of a one-hot (G, k, m), no atomics, so the
+    # same bits on every run and device
+    onehot = level[..., None] == torch.arange(m, device=level.device, dtype=torch.uint8)
+    counts = onehot.sum(1)  # (G, m)
+    sums = (onehot * mags[..., None]).sum(1)
+    levels = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).contiguous()
+    negative = rows.gather(1, pos) < 0
+    return mags, pos, levels, level + negative.to(torch.uint8) * m
+
+
+def code_values(levels: Tensor, codes: Tensor, bits: int) -> Tensor:
+    """(rows, k) values of (rows, k) value ``codes`` under the bin means ``levels``."""
+    m = 1 << (bits - 1)
+    mag = levels.gather(1, (codes % m).long())  # each bin's mean magnitude
+    return torch.where(codes >= m, -mag, mag)
+
+
 class ChunkTopKCompressor(Compressor):
     """Top-k per chunk, values in ``bits`` bits with per-chunk scales (module doc)."""
 
@@ -135,20 +164,9 @@ class ChunkTopKCompressor(Compressor):
         n = tensor.numel()
         c, g, k, b = chunk_layout(self.config, n)
         rows = padded_rows(tensor, g, c, work_dtype(tensor.dtype))
-        mags, pos = rows.abs().topk(k, dim=1)  # (G, k); sorted: deterministic order
-        if self.checks_finite:  # a host read (SparseLoCo keeps it: once per round)
+        mags, pos, levels, codes = quantize_rows(rows, k, self.config.bits)
+        if self.checks_finite:  # a host read (a standalone compressor's check)
             ensure_finite(tensor, mags[:, 0], self.name)  # NaN sorts first: non-finite
-        m = 1 << (self.config.bits - 1)
-        inv = torch.where(mags[:, :1] > 0, m / mags[:, :1], 0.0)  # (G, 1): m / s
-        level = (mags * inv).floor_().clamp_(0, m - 1).to(torch.uint8)  # (G, k) bins
-        # mean magnitude per (chunk, bin): sums of a one-hot (G, k, m), no atomics, so the
-        # same bits on every run and device
-        onehot = level[..., None] == torch.arange(m, device=level.device, dtype=torch.uint8)
-        counts = onehot.sum(1)  # (G, m)
-        sums = (onehot * mags[..., None]).sum(1)
-        levels = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).contiguous()
-        negative = rows.gather(1, pos) < 0
-        codes = level + negative.to(torch.uint8) * m
         return Payload(tensors=(levels, pack_codes(codes.reshape(-1), self.config.bits),
                                 pack_positions(pos, b)),
                        shape=tensor.shape, dtype=tensor.dtype)
@@ -175,10 +193,8 @@ class ChunkTopKCompressor(Compressor):
         levels, packed, packed_pos = payload.tensors
         check_chunk_payload(self.name, levels.shape[0] == g and
                             packed_pos.numel() == packed_nbytes(g * k, b), g, c, k)
-        m = 1 << (self.config.bits - 1)
         codes = unpack_codes(packed, self.config.bits, g * k).view(g, k)
-        mag = levels.gather(1, (codes % m).long())  # (G, k): each bin's mean magnitude
-        vals = torch.where(codes >= m, -mag, mag)
+        vals = code_values(levels, codes, self.config.bits)
         base = torch.arange(g, device=levels.device)[:, None] * c
         pos = unpack_positions(packed_pos, b, g * k).view(g, k) + base
         return pos.reshape(-1), vals.reshape(-1)
