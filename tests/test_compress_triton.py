@@ -11,6 +11,7 @@ before this module, one test reruns the file in a fresh process.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,8 @@ if not CUDA:
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 SIZES = [1, 7, 8, 1023, 4097]
+#: the repository (first on the path of the processes the tests start)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 3
 
 
@@ -387,18 +390,36 @@ def test_importing_hexagram_never_imports_triton() -> None:
             "x = torch.ones(3, device='cuda' if torch.cuda.is_available() else 'cpu')\n"
             "assert not k.available(x)\n"
             "try:\n    k.sign_bits(x)\nexcept k.KernelUnavailable as e:\n    print('ok', e)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = _fresh_python(code)
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a new interpreter, Triton not in interpreter mode, this tree first."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_compiled_kernels_round_as_torch() -> None:
+    """Compiled for an H200 (no GPU needed): no fused multiply-add, divisions exact (never
+    float32's approximate ``div.full``), no flush of subnormals: what the interpreter's
+    numpy cannot show."""
+    done = _fresh_python("import json; from hexagram.compress.kernels.ptx import audit; "
+                         "print(json.dumps(audit()))")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert len(report) == 7 and report["minmax_header"]["div.rn"] > 0
+    for counts in report.values():
+        assert counts["fma"] == counts["div.full"] == counts["div.approx"] == counts["ftz"] == 0
 
 
 @pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_in_a_fresh_process() -> None:
     """Triton was imported compiled before this module (another test module): run this
     file in a process of its own, where the interpreter can be chosen first."""
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = dict(os.environ, PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            __file__], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "FP_OPTIONS", "GROUPS", "INTERPRETED", "codes_at", "finite", "store_out",
-           "store_packed", "tile"]
+__all__ = ["BLOCK", "FP_OPTIONS", "GROUPS", "INTERPRETED", "codes_at", "div_rn", "finite",
+           "store_out", "store_packed", "tile"]
 
 #: True when the kernels were decorated for Triton's interpreter (CPU tensors)
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
@@ -50,6 +50,16 @@ def tile(pid, n, GROUPS: tl.constexpr):
 def finite(v):
     """True where ``v`` is neither NaN nor infinite."""
     return tl.abs(v) < float("inf")
+
+
+@triton.jit
+def div_rn(a, b):
+    """``a / b`` rounded to nearest, as IEEE (and torch) divide: ``/`` on float32 compiles
+    to an approximate ``div.full.f32`` on NVIDIA (float64 divides exactly either way)."""
+    if a.dtype == tl.float32:
+        return tl.math.div_rn(a, b)
+    else:
+        return a / b
 
 
 @triton.jit

@@ -17,7 +17,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hexagram.compress.kernels.triton_bits import FP_OPTIONS, GROUPS, finite, store_packed, tile
+from hexagram.compress.kernels.triton_bits import (
+    FP_OPTIONS,
+    GROUPS,
+    div_rn,
+    finite,
+    store_packed,
+    tile,
+)
 
 __all__ = ["launch_minmax", "launch_stochastic"]
 
@@ -60,12 +67,12 @@ def _minmax_header_kernel(x_ptr, header_ptr, aux_ptr, n, chunk, groups,
     span = hi * 0.5 - lo * 0.5
     div = tl.full([ROWS], HALF_TOP, wd)
     if RECIP:
-        step = span * tl.math.fdiv(tl.full([ROWS], 1.0, wd), div, ieee_rounding=True)
+        step = span * div_rn(tl.full([ROWS], 1.0, wd), div)
     else:
-        step = tl.math.fdiv(span, div, ieee_rounding=True)
+        step = div_rn(span, div)
     one = tl.full([ROWS], 1.0, wd)
     # 1 / step where step > 0 (elsewhere 0; the division by 1 there is never used)
-    inv = tl.math.fdiv(one, tl.where(step > 0, step, one), ieee_rounding=True)
+    inv = div_rn(one, tl.where(step > 0, step, one))
     inv = tl.where(step > 0, inv, 0.0)
     inv = tl.where(finite(inv), inv, 0.0)  # subnormal step: every code 0 (= lo)
     factor = tl.where(finite(hi - lo), one, 0.5)  # a range beyond the dtype: halves
@@ -73,7 +80,7 @@ def _minmax_header_kernel(x_ptr, header_ptr, aux_ptr, n, chunk, groups,
     tl.store(header_ptr + rows * 2 + 1, step, mask=ok)
     tl.store(aux_ptr + rows * 3, factor, mask=ok)
     tl.store(aux_ptr + rows * 3 + 1, lo * factor, mask=ok)
-    tl.store(aux_ptr + rows * 3 + 2, tl.math.fdiv(inv, factor, ieee_rounding=True), mask=ok)
+    tl.store(aux_ptr + rows * 3 + 2, div_rn(inv, factor), mask=ok)
 
 
 @triton.jit
@@ -114,8 +121,8 @@ def launch_minmax(flat: Tensor, chunk: int, bits: int, recip: bool) -> tuple[Ten
 
 @triton.jit
 def _stochastic_kernel(x_ptr, scale_ptr, pre_ptr, dither_ptr, out_ptr, n, nbytes, chunk,
-                       LEVELS: tl.constexpr, HAS_PRE: tl.constexpr, BITS: tl.constexpr,
-                       GROUPS: tl.constexpr):
+                       LEVELS: tl.constexpr, SHIFT: tl.constexpr, HAS_PRE: tl.constexpr,
+                       BITS: tl.constexpr, GROUPS: tl.constexpr):
     """Packed codes ``clamp(x [* pre] * scale + (s + 0.5 + 2**-17) + r / 2**16, 0, 2 s)``
     truncated, ``r`` the element's int16 dither."""
     cd = scale_ptr.dtype.element_ty
@@ -125,9 +132,9 @@ def _stochastic_kernel(x_ptr, scale_ptr, pre_ptr, dither_ptr, out_ptr, n, nbytes
     if HAS_PRE:
         t = t * tl.load(pre_ptr + c, mask=m, other=1.0)
     t = t * tl.load(scale_ptr + c, mask=m, other=0.0)
-    t = t + tl.full([1], LEVELS + 0.5 + 2.0**-17, cd)  # exact in float32
+    t = t + tl.full([1], SHIFT, cd)  # s + 0.5 + 2**-17: exact in float32
     dither = tl.load(dither_ptr + idx, mask=m, other=0).to(cd)
-    t = t + dither * 2.0**-16  # r / 2**16: exact
+    t = t + dither * 0.0000152587890625  # r / 2**16: exact
     t = tl.minimum(tl.maximum(t, 0.0), 2.0 * LEVELS)
     codes = t.to(tl.int32) & 255
     store_packed(out_ptr, codes & ((1 << BITS) - 1), g, m, nbytes, BITS)
@@ -142,5 +149,6 @@ def launch_stochastic(flat: Tensor, chunk: int, scale: Tensor, levels: int, dith
     codes = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
     _stochastic_kernel[(triton.cdiv(n, 8 * GROUPS),)](
         flat, scale, scale if pre is None else pre, dither, codes, n, nbytes, chunk,
-        LEVELS=levels, HAS_PRE=pre is not None, BITS=bits, GROUPS=GROUPS, **FP_OPTIONS)
+        LEVELS=levels, SHIFT=levels + 0.5 + 2.0**-17, HAS_PRE=pre is not None, BITS=bits,
+        GROUPS=GROUPS, **FP_OPTIONS)
     return codes
