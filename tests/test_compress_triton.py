@@ -302,6 +302,29 @@ def test_decoders_of_edge_chunks(name: str, device: torch.device, fused_decoders
     assert all(_same(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("name", ["minmax8", "minmax4", "qsgd", "terngrad", "sign"])
+def test_a_large_bucket_on_cuda(name: str, device: torch.device, fused_draws: list[int],
+                                fused_decoders: list[str],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four million elements and three (many programs, grids beyond one wave) encode and
+    decode to the eager bits; CUDA only (the interpreter would take minutes)."""
+    if device.type != "cuda":
+        pytest.skip("a large bucket in the interpreter is too slow; the gpu tier runs it")
+    x = _x((1 << 22) + 3, device)
+    c = hc.get(name)
+    if name in ("qsgd", "terngrad"):
+        want, got = _stochastic_pair(name, x, monkeypatch, {})
+        payload = c.compress(x, torch.Generator(device).manual_seed(SEED))
+    else:
+        payload = c.compress(x)
+        want = payload.tensors
+        got = kernels.minmax_encode(x, c.config.chunk_size, c.bits) \
+            if name.startswith("minmax") else (kernels.sign_bits(x),)
+    assert all(_same(a, b) for a, b in zip(got, want))
+    got_d, want_d = _decode_both(c, payload, _x((1 << 22) + 3, device, shift=1.0), monkeypatch)
+    assert all(_same(a, b) for a, b in zip(got_d, want_d))
+
+
 def test_minmax_header_is_a_finiteness_probe(device: torch.device) -> None:
     """NaN or Inf in a chunk make its header row non-finite (the compressor's cheap check);
     the other chunks keep the eager bits."""
