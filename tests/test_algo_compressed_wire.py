@@ -31,6 +31,7 @@ from hexagram.algorithms.compressed import CompressedAlgorithm, CompressorAlgori
 from hexagram.algorithms.gtopk import sparse_pairs
 from hexagram.comm.gtopk import butterfly, tree_children
 from hexagram.comm.reduce import Route, route
+from hexagram.compress.segments import Segments
 from hexagram.launch import run_local
 
 WORLD = 3
@@ -215,8 +216,11 @@ def expected_bytes(name: str, rank: int, world: int) -> int:
         elif way is Route.SCATTER_GATHER:
             # P chunks of ceil(n/P): all-to-all sends P-1 of them, allgather P-1 copies of one
             total += 2 * (world - 1) * comp.compress(torch.randn(-(-n // world))).nbytes
-        else:  # ring allgather of the payload
+        elif len(sizes) == 1:  # ring allgather of the payload
             total += (world - 1) * comp.compress(torch.randn(n)).nbytes
+    if way is Route.GATHER and len(sizes) > 1:  # one bucket payload, packed across tensors
+        payload = comp.compress_segments(torch.randn(TOTAL), Segments.of(sizes))
+        total += (world - 1) * payload.nbytes
     return total
 
 
