@@ -132,10 +132,10 @@ def merge_topk(values_a: Tensor, indices_a: Tensor, values_b: Tensor, indices_b:
     ``unique``. Unsorted inputs are sorted first.
 
     Example:
-        >>> v, i = merge_topk(torch.tensor([5., -1.]), torch.tensor([0, 3]),
+        >>> v, i = merge_topk(torch.tensor([5., -2.]), torch.tensor([0, 3]),
         ...                   torch.tensor([-4., 3.]), torch.tensor([0, 9]), k=2)
         >>> i.tolist(), v.tolist()
-        ([3, 9], [-1.0, 3.0])
+        ([3, 9], [-2.0, 3.0])
     """
     idx = torch.cat([indices_a.long(), indices_b.long()])
     val = torch.cat([values_a, values_b])
