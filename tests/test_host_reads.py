@@ -83,7 +83,7 @@ CASES: dict[str, Case] = {
     "local_sgd": Case("local_sgd", {"period": 2}),
     "diloco": Case("diloco", {"period": 2}),
     "sparseloco": Case("sparseloco", {"period": 2}),
-    "async": Case("async"),
+    "async": Case("async", {"interval_ms": 500.0}),  # its thread reads once a round
 }
 
 _READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy",

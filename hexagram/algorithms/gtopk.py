@@ -118,13 +118,13 @@ class GTopKAlgorithm(CompressedAlgorithm):
             gvalues, gindices, included = results[0]
             if feedback:  # sent = my values the global sum includes; the rest stays
                 self._keep_residual(segment, tensor, indices, included)
-            # a peer's indices are checked on the device (read with the step's checks) and
-            # kept in range meanwhile, so a bad one cannot fault the scatter
-            checks.add(out_of_range(gindices, numel), lambda: (
-                f"gtopk: a peer sent indices outside [0, {numel}) for "
-                f"{', '.join(segment.names)}; are all ranks running the same model?"))
-            safe = gindices.clamp(0, numel - 1)
-            return tensor.zero_().index_put_((safe,), gvalues / size)
+            if size > 1:  # a peer's indices are checked on the device (read with the
+                # step's checks) and kept in range meanwhile: a bad one cannot fault the scatter
+                checks.add(out_of_range(gindices, numel), lambda: (
+                    f"gtopk: a peer sent indices outside [0, {numel}) for "
+                    f"{', '.join(segment.names)}; are all ranks running the same model?"))
+                gindices = gindices.clamp(0, numel - 1)
+            return tensor.zero_().index_put_((gindices,), gvalues / size)
 
         return Handle.gather([handle], "gtopk").then(finish)
 

@@ -135,7 +135,9 @@ class MomentumCorrection:
     def _advance(self, entries: Sequence[BucketEntry], grads: Sequence[Tensor]) -> list[Tensor]:
         """``u <- m u + g``, then ``u += wd w`` where taken over, for each entry: one
         ``_foreach`` op per step of the update (per distinct weight decay for the last)."""
-        us, ms, decays = [], [], {}
+        us: list[Tensor] = []
+        ms: list[float] = []
+        decays: dict[float, list[tuple[Tensor, Tensor]]] = {}
         default = (self.config.momentum or 0.0, 0.0)
         for e, g in zip(entries, grads):
             u = self.momenta.get(e.name)

@@ -224,7 +224,7 @@ class QAdamAlgorithm(Algorithm):
         for e, x, q, ok in zip(bucket.entries, xs, sent, fits):
             if not ok:  # the first compressed step: new residuals
                 self.feedback.update(e.name, x, q)
-        rs = [r for r, ok in zip(have, fits) if ok]
+        rs = [r for r, ok in zip(have, fits) if ok and r is not None]
         if rs:  # torch.sub(x, q, out=r) for each, in two ops
             torch._foreach_copy_(rs, [x for x, ok in zip(xs, fits) if ok])
             torch._foreach_sub_(rs, [q for q, ok in zip(sent, fits) if ok])

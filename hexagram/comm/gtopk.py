@@ -290,7 +290,7 @@ def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor,
         >>> residual[i[~mine]]  # still to send                              # doctest: +SKIP
     """
     k = values.numel()
-    _check(values, indices, numel, checks)
+    _check(values, indices, numel, checks if comm.size > 1 else _unused)
     values, indices = values.detach().clone(), indices.detach().long().clone()
     if comm.size == 1:
         return Handle.completed((values, indices, torch.ones(k, dtype=torch.bool,
@@ -323,6 +323,10 @@ def out_of_range(indices: Tensor, numel: int) -> Tensor:
     return (lo < 0) | (hi >= numel)
 
 
+def _unused(bad: Tensor, explain: Callable[[], str]) -> None:
+    """A :data:`FlagSink` that drops the flag: alone, a rank's indices reach no peer."""
+
+
 def _check(values: Tensor, indices: Tensor, numel: int, checks: FlagSink | None) -> None:
     if indices.numel() != values.numel() or values.dim() != 1:
         raise ValueError(f"values and indices must be 1-D of equal length, got "
@@ -335,6 +339,8 @@ def _check(values: Tensor, indices: Tensor, numel: int, checks: FlagSink | None)
         return (f"gtopk: indices must lie in [0, {numel}), got [{int(indices.min())}, "
                 f"{int(indices.max())}]")
 
+    if checks is _unused:
+        return
     bad = out_of_range(indices, numel)
     if checks is not None:  # read with the step's other checks: an index out of range
         checks(bad, explain)  # would corrupt a peer's merge, not fail here

@@ -203,7 +203,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
         during the warm-up ``v <- beta2 v + (1 - beta2) g^2``, ``v_hat = v / (1 - beta2^t)``;
         ``p <- p - lr / (1 - beta1^t) * m / (sqrt(v_hat) + eps)``."""
         beta1, beta2 = group["betas"]
-        grads = [p.grad for p in params]
+        grads: list[Tensor] | tuple[Tensor, ...] = [p.grad for p in params
+                                                     if p.grad is not None]
         if group["weight_decay"] != 0:
             grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
         moms = [self.momentum(p) for p in params]
