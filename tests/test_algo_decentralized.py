@@ -206,3 +206,36 @@ def test_configs_reject_bad_values_with_the_field_name() -> None:
         registry.get("low_precision_decentralized", compressor=8)
     with pytest.raises(ValueError, match="unknown compressor"):
         registry.get("low_precision_decentralized", compressor="nope")
+
+
+def _nan_round_worker() -> str:
+    """low_precision_decentralized on 2 ranks, rank 1's weights NaN before its second
+    step: the error each rank raised in that round ("" if none)."""
+    import hexagram as hx
+
+    hx.init()
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    model = hx.DistributedDataParallel(
+        net, optimizers=[opt], algorithm=registry.get("low_precision_decentralized"))
+    error = ""
+    try:
+        for step in range(2):
+            model(torch.randn(4, 5)).sum().backward()
+            if step == 1 and dist.get_rank() == 1:
+                with torch.no_grad():
+                    next(net.parameters())[0, 0] = float("nan")
+            try:
+                opt.step()  # the round runs after the step
+            except hx.NonFiniteGradientError as exc:
+                error = str(exc)
+            opt.zero_grad()
+    finally:
+        model.close()
+    return error
+
+
+def test_low_precision_nan_weights_stop_every_rank_in_the_same_round() -> None:
+    # the payloads' NaN/Inf flag rides in the round's control collective (its one read)
+    for error in run_local(_nan_round_worker, 2, timeout=120):
+        assert "1 rank(s) hold NaN or Inf at round 2" in error, error

@@ -4,7 +4,9 @@ The multi-process part runs once on 5 ranks and uses the collective over the fir
 and 5 of them (one spawn instead of four). Per world size it checks that every rank gets
 the same k pairs with exactly k distinct indices, that the result is the exact global top-k
 where it must be (disjoint supports; identical supports), and that the counted bytes are
-2 (P-1) messages of k pairs in total, one message up per non-root rank.
+2 (P-1) messages of k pairs in total, one message up per non-root rank; and that the
+device path (fixed-size merges, no host reads: what CUDA runs) gives the CPU fast path's
+pairs and inclusion flags bit for bit.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from hexagram.comm.gtopk import (
     _reduce_up,
     butterfly,
     gtopk_allreduce,
+    gtopk_allreduce_tracked,
     gtopk_bytes,
     merge_topk,
+    out_of_range,
     tree_children,
     tree_parent,
 )
@@ -105,10 +109,27 @@ def _trials(comm: Communicator, trials: int) -> list[dict[str, object]]:
                 row.update(tree_gv=tv.tolist(), tree_gi=ti.tolist())
             out.append(row)
         after = comm.counter.by_op()
+        rows = out[-len(cases):]
         out.append({"trial": trial, "case": "bytes",
                     "up": after.get("gtopk.reduce", 0) - before.get("gtopk.reduce", 0),
                     "down": after.get("gtopk.broadcast", 0) - before.get("gtopk.broadcast", 0)})
+        for row, (values, indices) in zip(rows, cases.values()):
+            row["paths"] = [_tracked(comm, values, indices, fast) for fast in (True, False)]
     return out
+
+
+def _tracked(comm: Communicator, values: torch.Tensor, indices: torch.Tensor, fast: bool
+             ) -> list[list[Any]]:
+    """The tracked collective's (values, indices, included) with the CPU fast paths on or
+    off (off: the device path CUDA takes)."""
+    from hexagram.compress import packing
+
+    saved, packing.CPU_FAST_PATHS = packing.CPU_FAST_PATHS, fast
+    try:
+        v, i, mine = gtopk_allreduce_tracked(comm, values, indices, NUMEL).wait()
+    finally:
+        packing.CPU_FAST_PATHS = saved
+    return [v.tolist(), i.tolist(), mine.tolist()]
 
 
 def _dense(values: object, indices: object) -> torch.Tensor:
@@ -141,6 +162,9 @@ def test_gtopk_allreduce_identical_exact_k(
                 assert sum(ups) + sum(downs) == 2 * (world - 1) * msg
             continue
         ref = _dense(rows[0]["gv"], rows[0]["gi"])
+        for r in rows:  # the device path: the fast path's pairs and flags, bit for bit
+            fast, device = r["paths"]
+            assert device == fast and fast[:2] == [r["gv"], r["gi"]]
         for r in rows[1:]:  # identical on every rank, bit for bit
             assert r["gv"] == rows[0]["gv"] and r["gi"] == rows[0]["gi"]
         if butterfly(world):  # recursive doubling gives the tree's pairs, bit for bit
@@ -155,3 +179,81 @@ def test_gtopk_allreduce_identical_exact_k(
         elif case == "same":  # one support everywhere: the exact sum
             assert torch.equal(ref, total)
         assert int((ref != 0).sum()) <= K
+
+
+def _merge_stable_reference(va: torch.Tensor, ia: torch.Tensor, vb: torch.Tensor,
+                            ib: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge by ``unique`` and ``index_add_`` into zeros, the k largest magnitudes by a
+    stable sort (ties: the lower index first), in index order."""
+    uniq, inverse = torch.unique(torch.cat([ia, ib]), return_inverse=True)
+    summed = torch.zeros(uniq.numel(), dtype=va.dtype).index_add_(0, inverse,
+                                                                  torch.cat([va, vb]))
+    keep = torch.sort(summed.abs(), descending=True, stable=True).indices[:k].sort().values
+    return summed[keep], uniq[keep]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_merge_is_the_reference_with_ties_to_the_lower_index(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixed-size merge (CPU fast paths off, as on CUDA): the sums of ``index_add_``
+    into zeros bit for bit (signed zeros, exact cancellations), ties broken by index."""
+    from hexagram.compress import packing
+
+    monkeypatch.setattr(packing, "CPU_FAST_PATHS", False)
+    g = torch.Generator().manual_seed(5)
+    for trial in range(80):
+        numel = int(torch.randint(2, 300, (1,), generator=g))
+        k = int(torch.randint(1, numel + 1, (1,), generator=g))
+        ia, ib = (torch.randperm(numel, generator=g)[:k] for _ in range(2))
+        va = torch.randint(-3, 3, (k,), generator=g).to(dtype)
+        va[va == 0] = -0.0
+        if trial % 2:  # shared support, values cancelling exactly
+            ib, vb = ia.clone(), -va
+        else:
+            vb = torch.randn(k, generator=g).to(dtype)
+        v, i = merge_topk(va, ia, vb, ib, k)
+        rv, ri = _merge_stable_reference(va, ia, vb, ib, k)
+        assert torch.equal(i, ri), trial
+        assert torch.equal(v.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           rv.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        assert v.numel() == k and bool((i[1:] > i[:-1]).all())
+
+
+def test_out_of_range_is_a_device_flag() -> None:
+    assert not bool(out_of_range(torch.tensor([0, 5, 9]), 10))
+    assert bool(out_of_range(torch.tensor([0, 10]), 10))
+    assert bool(out_of_range(torch.tensor([-1, 3]), 10))
+    assert not bool(out_of_range(torch.zeros(0, dtype=torch.int64), 10))
+
+
+def _staging_worker() -> list[bool]:
+    """On a gloo group: does a CUDA tensor (a fake one: no GPU needed) take the host
+    staging of point-to-point exchanges, and a CPU tensor not?"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import hexagram as hx
+    from hexagram.comm.device import needs_host_staging
+
+    rt = hx.init()
+    comm = Communicator(None, rt.timeout, "test-gtopk-staging")
+    with FakeTensorMode():
+        on_gpu = torch.empty(8, dtype=torch.uint8, device="cuda")
+    try:
+        return [needs_host_staging(on_gpu, comm), needs_host_staging(torch.empty(8), comm)]
+    finally:
+        comm.close()
+
+
+def test_recursive_doubling_stages_cuda_tensors_on_gloo() -> None:
+    """gTop-k's exchange (recursive doubling) goes through the point-to-point helper of
+    hexagram.comm.primitives, which stages CUDA tensors through the host on gloo (gloo's
+    send/recv read host memory only: "writev ... Bad address" otherwise)."""
+    import inspect
+
+    from hexagram.comm import gtopk, primitives
+
+    source = inspect.getsource(gtopk._recursive_doubling)
+    assert "exchange_works(" in source and "batch_isend_irecv" not in source
+    assert gtopk.exchange_works is primitives._exchange_works
+    assert "needs_host_staging" in inspect.getsource(primitives._exchange_works)
+    assert run_local(_staging_worker, 1, timeout=60) == [[True, False]]

@@ -178,3 +178,37 @@ def test_equals_byzfl(n: int, f: int) -> None:
                   (agg.multikrum(x, f), a.MultiKrum(f=f)(x.clone()))]
     for ours, theirs in pairs:
         assert torch.allclose(ours, torch.as_tensor(theirs), atol=1e-5)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("aggregator", ["median", "trimmed_mean"])
+def test_coordinate_wise_drops_bad_rows_without_reading_them(
+        aggregator: str, fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device counts (no host read) give the host path's result: the finite rows selected,
+    ``f`` lowered by the dropped ones and capped, the aggregator applied; bit for bit when
+    every row is finite (and for the median always), else up to the float sum's order."""
+    from hexagram.compress import packing
+    from hexagram.robust.shard_reduce import coordinate_wise
+
+    monkeypatch.setattr(packing, "CPU_FAST_PATHS", fast)
+    g = torch.Generator().manual_seed(7)
+    for trial in range(120):
+        n, f = int(torch.randint(1, 10, (1,), generator=g)), int(torch.randint(0, 3, (1,),
+                                                                               generator=g))
+        x = torch.randn(n, 17, generator=g)
+        bad = torch.rand(n, generator=g) < (0.3 if trial % 3 else 0.0)
+        x[bad, int(torch.randint(0, 17, (1,), generator=g))] = float("nan") \
+            if trial % 2 else float("inf")
+        kept = x[~bad]
+        f_eff = min(max(0, f - int(bad.sum())), max(0, (kept.shape[0] - 1) // 2))
+        if kept.shape[0] == 0:
+            expect = torch.zeros(17)
+        elif aggregator == "median":
+            expect = agg.median(kept)
+        else:
+            expect = agg.trimmed_mean(kept, f_eff)
+        got = coordinate_wise(x, aggregator, f)
+        if aggregator == "median" or not bool(bad.any()):
+            assert torch.equal(got.view(torch.int32), expect.view(torch.int32)), (trial, n, f)
+        else:
+            assert torch.allclose(got, expect, rtol=1e-6, atol=1e-7), (trial, n, f)

@@ -34,6 +34,11 @@ Sparsity warm-up: for the first ``warmup_steps`` steps the density falls from
 ``warmup_density`` to ``density`` in four geometric stages (DGC's 75%, 93.75%, 98.4%,
 99.6% sparsity for 0.25 -> 0.001), so early, fast-changing gradients are sent more densely.
 
+Per bucket, not per tensor, and no host reads: clipping (one norm per segment by
+``_foreach_norm``, one scale per element), the momentum update and ``v = u + residual`` are
+a few ``_foreach_*`` ops for the whole bucket before its segments are encoded; masking
+zeroes the sent entries of ``u`` by a scatter of the ``k`` pairs (no boolean indexing).
+
 Example:
     >>> import hexagram as hx
     >>> cfg = DGCConfig(density=0.01, warmup_steps=100)
@@ -47,12 +52,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from hexagram import compress
-from hexagram.algorithms.compressed import CompressedConfig, CompressorAlgorithm, Segment
+from hexagram.algorithms.compressed import (
+    CompressedConfig,
+    CompressorAlgorithm,
+    Segment,
+    segments,
+)
 from hexagram.algorithms.momentum_correction import MomentumCorrection, entry_part
+from hexagram.buckets import Bucket
+from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Compressor, Payload
+from hexagram.compress.segments import Segments
 from hexagram.config import check_choice, check_float, check_int
 
 __all__ = ["DGCAlgorithm", "DGCConfig", "density_at"]
@@ -128,6 +142,7 @@ class DGCAlgorithm(MomentumCorrection, CompressorAlgorithm):
         super().__init__(config or DGCConfig())
         self.config: DGCConfig
         self._by_density: dict[float, Compressor] = {}
+        self._layouts: dict[tuple[int, ...], Segments] = {}  # clipping's, per bucket layout
         # the accumulated velocity v is DGC's error-feedback residual
         self.use_compressor(self._compressor(self.config.density), feedback=True)
 
@@ -142,32 +157,71 @@ class DGCAlgorithm(MomentumCorrection, CompressorAlgorithm):
             self._by_density[density] = topk
         return self._by_density[density]
 
+    def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
+        """Clip, update every ``u`` and build ``v = u + residual`` in the bucket's buffer
+        (bucket-wide ``_foreach`` ops), then encode and exchange it segment by segment."""
+        self._clip(bucket)
+        self.accumulate(bucket.entries, bucket.flat,
+                        [self._residual_of(e.name, e.numel, bucket.flat.dtype)
+                         for e in bucket.entries])
+        return super().reduce_bucket(bucket)
+
+    def _residual_of(self, name: str, numel: int, dtype: torch.dtype) -> Tensor | None:
+        """The residual of ``name`` (1-D), None before its first step."""
+        residual = self._feedback().residual(name)
+        if residual is not None and (residual.shape != (numel,) or residual.dtype != dtype):
+            raise ValueError(f"dgc: the residual of {name!r} is {tuple(residual.shape)} "
+                             f"{residual.dtype} but the tensor has {numel} {dtype} values; "
+                             "load a checkpoint of the same model")
+        return residual
+
     def encode_segment(self, segment: Segment, tensor: Tensor, divisor: int) -> Payload:
-        """Clip, update u, build v = u + residual in ``tensor`` (the bucket's own view),
-        encode top-k(v), mask u and v where sent; all in place: no gradient-sized copies.
-        (Top-k is gathered, never summed: ``divisor`` is 1.) Every rank's payload is then
-        decoded by any of our top-k compressors: decoding does not depend on the density."""
-        self._clip(tensor)
-        ef, moms = self._feedback(), self.velocities(segment, tensor)
-        for e, u in zip(segment.entries, moms):  # v = u + residual, in the bucket's view
-            ef.correct_(e.name, entry_part(segment, tensor, e).copy_(u))
+        """Encode top-k(v) of ``tensor`` (the bucket's own view, holding v since
+        :meth:`reduce_bucket`), mask u where sent, keep v - sent as the residual; in place,
+        no gradient-sized copies. (Top-k is gathered, never summed: ``divisor`` is 1.) Every
+        rank's payload is decoded by any of our top-k compressors: decoding does not depend
+        on the density."""
         comp = self._compressor(self.density_at(self.step))
         payload = comp.compress(tensor, self.generator)
-        values, indices = payload.tensors
-        sent = indices[values != 0].long()  # where decompress(payload) != 0
-        for e, u in zip(segment.entries, moms if self.config.masking else []):  # masking
-            lo = e.offset - segment.start
-            u.index_fill_(0, sent[(sent >= lo) & (sent < lo + e.numel)] - lo, 0.0)
+        if self.config.masking:
+            self._mask(segment, payload)
+        ef = self._feedback()
         if len(segment.entries) == 1:  # v - sent: zero where sent
             ef.update_from(segment.entries[0].name, tensor, payload)
         else:
             self.update(segment, tensor, comp.decompress(payload).reshape(-1))
         return payload
 
-    def _clip(self, grad: Tensor) -> None:
-        """Local gradient clipping, in place, to ``clip_norm / sqrt(P)``."""
-        if self.config.clip_norm > 0:
-            limit = self.config.clip_norm / math.sqrt(self.ctx.comm.size)
-            norm = float(grad.norm())
-            if norm > limit:
-                grad.mul_(limit / norm)
+    def _mask(self, segment: Segment, payload: Payload) -> None:
+        """Momentum factor masking: ``u := 0`` where the payload sends a non-zero value
+        (where ``decompress(payload) != 0``), by scatters of the ``k`` pairs."""
+        values, indices = payload.tensors
+        idx, sent = indices.long(), values != 0
+        if len(segment.entries) == 1:
+            u = self.momenta[segment.entries[0].name]
+            mine = u.index_select(0, idx)
+            u.scatter_(0, idx, torch.where(sent, torch.zeros_like(mine), mine))
+            return
+        mask = torch.zeros(segment.numel, dtype=torch.bool, device=values.device)
+        mask.scatter_(0, idx, sent)  # the segment's sent entries
+        for e in segment.entries:
+            self.momenta[e.name].masked_fill_(entry_part(segment, mask, e), 0.0)
+
+    def _clip(self, bucket: Bucket) -> None:
+        """Local gradient clipping of each segment, in place, to ``clip_norm / sqrt(P)``:
+        ``g *= min(1, limit / ||g||)`` (the factor in float64, as a host float would be)."""
+        if self.config.clip_norm <= 0:
+            return
+        limit = self.config.clip_norm / math.sqrt(self.ctx.comm.size)
+        segs = segments(bucket, self.config.granularity)
+        views = [bucket.flat[s.start:s.stop] for s in segs]
+        norms = torch.stack(torch._foreach_norm(views)).double()
+        scale = (limit / norms).clamp_(max=1.0).to(bucket.flat.dtype)
+        if len(segs) == 1:
+            bucket.flat.mul_(scale)
+            return
+        lengths = tuple(s.numel for s in segs)
+        layout = self._layouts.get(lengths)
+        if layout is None:  # once per bucket layout: its lengths cached on the device
+            layout = self._layouts[lengths] = Segments.of(lengths)
+        bucket.flat.mul_(layout.expand(scale, bucket.flat.device))

@@ -16,6 +16,10 @@ good (at density 0.01 on 4 ranks, digits MLP: 78.2% against 91.5% for allreduce)
 :func:`~hexagram.comm.gtopk.gtopk_allreduce_tracked` says which of a rank's values the
 result includes, at no extra bytes, and only those leave the residual.
 
+No host reads per segment: the selections are fixed-size (``k`` pairs in and out, masks
+applied by ``torch.where`` and scatters), and the range checks of this rank's indices and
+of the result's (a peer's bytes) join the step's one read (``ctx.checks``).
+
 Example:
     >>> import hexagram as hx
     >>> hx.algorithms.get("gtopk", density=0.001).config.density
@@ -38,7 +42,13 @@ from hexagram.algorithms.compressed import (
     Segment,
 )
 from hexagram.comm.communicator import Handle
-from hexagram.comm.gtopk import butterfly, gtopk_allreduce_tracked, gtopk_bytes, sparse_pairs
+from hexagram.comm.gtopk import (
+    butterfly,
+    gtopk_allreduce_tracked,
+    gtopk_bytes,
+    out_of_range,
+    sparse_pairs,
+)
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.config import check_float
 from hexagram.cost.facts import Shapes
@@ -99,25 +109,37 @@ class GTopKAlgorithm(CompressedAlgorithm):
         if feedback:
             self.correct_(segment, tensor)
         values, indices = sparse_pairs(self.compressor.compress(tensor, self.generator))
-        handle = gtopk_allreduce_tracked(self.ctx.comm, values, indices, segment.numel)
-        size = self.ctx.comm.size
+        checks = self.ctx.checks
+        handle = gtopk_allreduce_tracked(self.ctx.comm, values, indices, segment.numel,
+                                         checks=checks.add)
+        size, numel = self.ctx.comm.size, segment.numel
 
         def finish(results: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
             gvalues, gindices, included = results[0]
             if feedback:  # sent = my values the global sum includes; the rest stays
-                self._keep_residual(segment, tensor, indices[included])
+                self._keep_residual(segment, tensor, indices, included)
+            if size > 1:  # a peer's indices are checked on the device (read with the
+                # step's checks) and kept in range meanwhile: a bad one cannot fault the scatter
+                checks.add(out_of_range(gindices, numel), lambda: (
+                    f"gtopk: a peer sent indices outside [0, {numel}) for "
+                    f"{', '.join(segment.names)}; are all ranks running the same model?"))
+                gindices = gindices.clamp(0, numel - 1)
             return tensor.zero_().index_put_((gindices,), gvalues / size)
 
         return Handle.gather([handle], "gtopk").then(finish)
 
-    def _keep_residual(self, segment: Segment, acc: Tensor, sent: Tensor) -> None:
-        """Residuals := ``acc`` with the ``sent`` entries (segment indices) zeroed."""
+    def _keep_residual(self, segment: Segment, acc: Tensor, indices: Tensor,
+                       included: Tensor) -> None:
+        """Residuals := ``acc`` with the ``included`` entries of ``indices`` (segment
+        indices, distinct) zeroed: a scatter of ``k`` values, no host read."""
         ef = self._feedback()
+        mine = acc.index_select(0, indices)
+        zero = torch.zeros_like(mine)
         if len(segment.entries) == 1:
-            ef.update_selected(segment.entries[0].name, acc, sent)
+            residual = ef.residual_buffer(segment.entries[0].name, acc)
+            residual.copy_(acc).view(-1).scatter_(0, indices, torch.where(included, zero, mine))
             return
-        counted = torch.zeros_like(acc)
-        counted[sent] = acc[sent]
+        counted = torch.zeros_like(acc).scatter_(0, indices, torch.where(included, mine, zero))
         self.update(segment, acc, counted)
 
     # -- facts the cost model prices ---------------------------------------------------

@@ -18,6 +18,11 @@ tests check with the compressor's own reconstruction.
 The round runs in ``after_step`` (after the first optimizer's ``step()``), so the averaged
 weights are those used by the next forward pass.
 
+One host read per round: the compressor's own NaN/Inf check (a read per bucket) is off;
+instead a device flag of the payloads rides in the round's control collective (the join
+counts), so a NaN/Inf weight on any rank stops every rank in the same round, before any
+weight is mixed.
+
 Example:
     >>> LowPrecisionDecentralizedConfig(compressor="fp16").gamma
     1.0
@@ -32,6 +37,7 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import AlgorithmContext
+from hexagram.algorithms.finite import non_finite
 from hexagram.algorithms.weight_sync import (
     RoundAlgorithm,
     as_compressor,
@@ -42,9 +48,11 @@ from hexagram.algorithms.weight_sync import (
 )
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
+from hexagram.comm.control import count_flags
 from hexagram.comm.peers import select_peers
 from hexagram.compress.base import Compressor
 from hexagram.config import check_float, check_int
+from hexagram.errors import NonFiniteGradientError
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedConfig"]
 
@@ -82,6 +90,7 @@ class LowPrecisionDecentralizedAlgorithm(RoundAlgorithm):
         self.config: LowPrecisionDecentralizedConfig
         compressor = as_compressor(self.config.compressor)
         assert compressor is not None
+        compressor.checks_finite = False  # the payloads' flag joins the round's one read
         self.compressor: Compressor = compressor
         # public copies: "self" and one per neighbour (group rank), one flat per bucket
         self.replicas: dict[str, list[Tensor]] = {}
@@ -107,14 +116,23 @@ class LowPrecisionDecentralizedAlgorithm(RoundAlgorithm):
         and then each h_j - h_self (no temporaries as large as the model)."""
         comm, c = self.ctx.comm, self.compressor
         self.rounds += 1
-        control = self._control(active, contributing=True)
-        handles = []
+        handles, flags = [], []
         for b, h_self in zip(self.ctx.buckets, self.replicas["self"]):
             b.copy_in_weights()
             payload = c.compress(torch.sub(b.flat, h_self, out=self._scratch(b)))
+            flags += [non_finite(t.reshape(-1)) for t in payload.tensors
+                      if t.is_floating_point()]
             c.decompress_into(payload, h_self, add=True)  # h_i += Q(x_i - h_i)
             handles.append(primitives.neighbor_exchange_payloads(comm, payload, self.peers,
                                                                  self.peers))
+        bad = torch.stack(flags).any() if flags else False
+        # the round's one host read: the join counts, and how many ranks sent NaN/Inf
+        counts = count_flags(comm, active=active, contributing=True, nonfinite=bad).wait()
+        if counts.nonfinite:
+            raise NonFiniteGradientError(
+                f"low_precision_decentralized: the weights of {counts.nonfinite} rank(s) hold "
+                f"NaN or Inf at round {self.rounds}; no weight was mixed. Lower the learning "
+                "rate, clip gradients or use loss scaling")
         share = self.config.gamma / (len(self.peers) + 1)
         for i, (b, handle) in enumerate(zip(self.ctx.buckets, handles)):
             h_self, scratch = self.replicas["self"][i], self._scratch(b)
@@ -123,11 +141,8 @@ class LowPrecisionDecentralizedAlgorithm(RoundAlgorithm):
                 c.decompress_into(payload, h_peer, add=True)  # as the neighbour did
                 b.flat.add_(torch.sub(h_peer, h_self, out=scratch), alpha=share)
             b.copy_out_weights()
-        # host read (kept, weight algorithm: once per exchange, not per bucket): the count of
-        # active ranks the engine's join and elastic checks need on the host
-        n_active = int(control.wait().active)
         self._sync_buffers()
-        return n_active
+        return int(counts.active)
 
     def _scratch(self, bucket: Bucket) -> Tensor:
         buf = self._scratches.get(bucket.index)

@@ -47,6 +47,11 @@ from hexagram.optim.takeover import TakenMomentum, take_sgd_momentum
 __all__ = ["MomentumCorrection", "entry_part"]
 
 
+def _flat_parts(flat: Tensor, entries: Sequence[BucketEntry]) -> list[Tensor]:
+    """Each entry's 1-D slice of a bucket's ``flat`` (offsets are the bucket's)."""
+    return [flat[e.offset:e.offset + e.numel] for e in entries]
+
+
 def entry_part(segment: Segment, flat: Tensor, entry: BucketEntry) -> Tensor:
     """``entry``'s slice of the segment's 1-D ``flat``."""
     start = entry.offset - segment.start
@@ -109,19 +114,46 @@ class MomentumCorrection:
                       "the default) to take the optimizer's over, a drop-in")
 
     def velocities(self, segment: Segment, grad: Tensor) -> list[Tensor]:
-        """u <- momentum * u + g (+ wd * w, taken over) per tensor of the segment."""
-        out, default = [], (self.config.momentum or 0.0, 0.0)
-        for e in segment.entries:
+        """u <- momentum * u + g (+ wd * w, taken over) per tensor of the segment
+        (``grad``: the segment's 1-D view)."""
+        return self._advance(segment.entries,
+                             [entry_part(segment, grad, e) for e in segment.entries])
+
+    def accumulate(self, entries: Sequence[BucketEntry], flat: Tensor,
+                   residuals: Sequence[Tensor | None]) -> None:
+        """For every tensor of a bucket (``flat``: its 1-D buffer, holding the gradients):
+        ``u <- m u + g (+ wd w)``, then ``flat := u + residual`` (``residuals[i]``: the
+        error-feedback residual of ``entries[i]``, 1-D, or None). The same arithmetic as
+        :meth:`velocities` and a copy and an add per tensor, in ``_foreach_*`` ops."""
+        parts = _flat_parts(flat, entries)
+        us = self._advance(entries, parts)
+        torch._foreach_copy_(parts, us)
+        pairs = [(p, r) for p, r in zip(parts, residuals) if r is not None]
+        if pairs:
+            torch._foreach_add_([p for p, _ in pairs], [r for _, r in pairs])
+
+    def _advance(self, entries: Sequence[BucketEntry], grads: Sequence[Tensor]) -> list[Tensor]:
+        """``u <- m u + g``, then ``u += wd w`` where taken over, for each entry: one
+        ``_foreach`` op per step of the update (per distinct weight decay for the last)."""
+        us: list[Tensor] = []
+        ms: list[float] = []
+        decays: dict[float, list[tuple[Tensor, Tensor]]] = {}
+        default = (self.config.momentum or 0.0, 0.0)
+        for e, g in zip(entries, grads):
             u = self.momenta.get(e.name)
-            if u is None or u.shape != (e.numel,) or u.dtype != grad.dtype:
-                u = grad.new_zeros(e.numel)
+            if u is None or u.shape != (e.numel,) or u.dtype != g.dtype:
+                u = self.momenta[e.name] = g.new_zeros(e.numel)
             m, wd = self.factors.get(e.name, default)
-            u.mul_(m).add_(entry_part(segment, grad, e))
+            us.append(u)
+            ms.append(m)
             if wd and e.name in self._params:
-                u.add_(self._params[e.name].detach().reshape(-1), alpha=wd)
-            self.momenta[e.name] = u
-            out.append(u)
-        return out
+                decays.setdefault(wd, []).append((u, self._params[e.name].detach().reshape(-1)))
+        if us:
+            torch._foreach_mul_(us, ms)
+            torch._foreach_add_(us, list(grads))
+        for wd, pairs in decays.items():
+            torch._foreach_add_([u for u, _ in pairs], [w for _, w in pairs], alpha=wd)
+        return us
 
     def predicted_gradient(self, name: str, grad: Tensor) -> Tensor:
         """The velocity ``u`` (this step's gradient included): with the optimizer's momentum

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.algorithms.finite import non_finite
 from hexagram.algorithms.weight_sync import as_compressor, check_compressor_spec
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
@@ -104,6 +105,14 @@ def optimizer_extra_s(shapes: Sequence[tuple[int, ...]], reps: int = 3) -> float
         torch.set_num_threads(threads)
     return max(0.0, adam - sgd)
 
+def _by_beta(betas: Sequence[float]) -> list[tuple[float, list[int]]]:
+    """Positions grouped by beta1 (one group unless the optimizer's groups differ)."""
+    groups: dict[float, list[int]] = {}
+    for i, beta in enumerate(betas):
+        groups.setdefault(beta, []).append(i)
+    return list(groups.items())
+
+
 class QAdamAlgorithm(Algorithm):
     """Gradient allreduce during warm-up, then compressed momentum; see the module doc."""
 
@@ -117,6 +126,8 @@ class QAdamAlgorithm(Algorithm):
         compressor = as_compressor(self.config.compressor)
         assert compressor is not None
         self.compressor: Compressor = compressor
+        # the payload's flag is read once per step instead (see _encode)
+        compressor.checks_finite = False
         self.feedback = ErrorFeedback(compressor)  # residuals keyed by parameter name
         self._scratch: dict[int, Tensor] = {}  # per bucket: this rank's own Q(x), reused
 
@@ -131,23 +142,44 @@ class QAdamAlgorithm(Algorithm):
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor]:
         if not self.optimizer.frozen:
             return primitives.allreduce(self.ctx.comm, bucket.flat, average=True)
-        opt, flat = self.optimizer, bucket.flat
-        terms = [(bucket.view(e), opt.momentum(e.param), opt.denominator(e.param),
-                  opt.beta1(e.param)) for e in bucket.entries]
+        flat = bucket.flat
+        grads = [bucket.view(e) for e in bucket.entries]
+        moms, denoms, betas = self.optimizer.frozen_terms([e.param for e in bucket.entries])
+        groups = _by_beta(betas)
         # in place, the bucket is ours until the handle completes: x = (beta m + (1 - beta)
         # g) / d + residual, per parameter (residuals are keyed by name)
-        for e, (g, m, d, beta) in zip(bucket.entries, terms):
-            self.feedback.correct_(e.name, g.mul_(1 - beta).add_(m, alpha=beta).div_(d))
+        for beta, idx in groups:
+            gs = [grads[i] for i in idx]
+            torch._foreach_mul_(gs, 1 - beta)
+            torch._foreach_add_(gs, [moms[i] for i in idx], alpha=beta)
+        torch._foreach_div_(grads, denoms)
+        self._correct(bucket, grads)
 
         def effective_grad(u: Tensor) -> Tensor:
             # g_eff = (mean_j u_j * d - beta m) / (1 - beta), in place; u is the mean
             if u is not flat:
                 flat.copy_(u)
-            for g, m, d, beta in terms:
-                g.mul_(d).sub_(m, alpha=beta).div_(1 - beta)
+            torch._foreach_mul_(grads, denoms)
+            for beta, idx in groups:
+                gs = [grads[i] for i in idx]
+                torch._foreach_sub_(gs, [moms[i] for i in idx], alpha=beta)
+                torch._foreach_div_(gs, 1 - beta)
             return flat
 
         return self._exchange(bucket).then(effective_grad)
+
+    def _correct(self, bucket: Bucket, grads: list[Tensor]) -> None:
+        """``g += residual`` for every tensor of the bucket that has one (one op)."""
+        pairs = []
+        for e, g in zip(bucket.entries, grads):
+            r = self.feedback.residual(e.name)
+            if r is None:
+                continue
+            if r.shape != g.shape or r.dtype != g.dtype:
+                self.feedback.correct_(e.name, g)  # raises, naming the tensor
+            pairs.append((g, r))
+        if pairs:
+            torch._foreach_add_([g for g, _ in pairs], [r for _, r in pairs])
 
     def _exchange(self, bucket: Bucket) -> Handle[Tensor]:
         """Send Q(x) (x: the bucket's contents), keep x - sent as the residuals. Returns the
@@ -160,6 +192,7 @@ class QAdamAlgorithm(Algorithm):
         def encode(_: int, t: Tensor, divisor: int) -> Payload:
             # summed formats (fp16) are divided by P first: sent = P * decode(payload)
             payload = c.compress(t / divisor if divisor > 1 else t)
+            self._check_payload(payload, bucket)
             mine = self._scratch.get(bucket.index)
             if mine is None or mine.shape != t.shape or mine.dtype != t.dtype:
                 mine = self._scratch[bucket.index] = torch.empty_like(t)
@@ -169,9 +202,32 @@ class QAdamAlgorithm(Algorithm):
 
         return reduce(self.ctx.comm, x, c, out=x, encode=encode)
 
+    def _check_payload(self, payload: Payload, bucket: Bucket) -> None:
+        """Queue "the payload holds NaN/Inf" (its floats: min-max headers, cast values; the
+        input's NaN/Inf and an fp16 overflow show there) for the step's one read."""
+        floats = [t for t in payload.tensors if t.is_floating_point()]
+        if not floats:
+            return
+        flag = torch.stack([non_finite(t.reshape(-1)) for t in floats]).any()
+        self.ctx.checks.add(flag, lambda: (
+            f"qadam: the compressed momentum of {', '.join(bucket.names)} holds NaN or Inf "
+            f"({self.compressor.name}: a non-finite momentum, or values past the wire "
+            "format's range). Lower the learning rate or raise variance_floor"))
+
     def _update_residuals(self, bucket: Bucket, mine: Tensor) -> None:
-        for e in bucket.entries:  # e <- x - Q(x), in the old residuals' memory
-            self.feedback.update(e.name, bucket.view(e), bucket.view(e, mine))
+        """e <- x - Q(x) for every tensor of the bucket, in the old residuals' memory."""
+        xs = [bucket.view(e) for e in bucket.entries]
+        sent = [bucket.view(e, mine) for e in bucket.entries]
+        have = [self.feedback.residual(e.name) for e in bucket.entries]
+        fits = [r is not None and r.shape == x.shape and r.dtype == x.dtype
+                for r, x in zip(have, xs)]
+        for e, x, q, ok in zip(bucket.entries, xs, sent, fits):
+            if not ok:  # the first compressed step: new residuals
+                self.feedback.update(e.name, x, q)
+        rs = [r for r, ok in zip(have, fits) if ok and r is not None]
+        if rs:  # torch.sub(x, q, out=r) for each, in two ops
+            torch._foreach_copy_(rs, [x for x, ok in zip(xs, fits) if ok])
+            torch._foreach_sub_(rs, [q for q, ok in zip(sent, fits) if ok])
 
     def state_dict(self) -> dict[str, Any]:
         return {"feedback": self.feedback.state_dict()}

@@ -15,6 +15,9 @@ default the optimizer's SGD momentum is taken over by the workers, as those pape
 leaves training unchanged for the mean and hands the aggregator vectors with far less noise
 to confuse with an attack. With ``compressor``
 both legs carry compressed payloads, decoded before aggregation (no error feedback).
+Coordinate-wise aggregators make no host read (:func:`hexagram.robust.shard_reduce.
+coordinate_wise`); distance-based ones and pre-aggregation still read which rows are finite,
+once per bucket.
 
 Example:
     >>> import hexagram as hx
@@ -97,6 +100,8 @@ class RobustAlgorithm(Algorithm):
         c = self.config
         self.compressor: Compressor | None = (
             None if c.compressor is None else compress.get(c.compressor))
+        if self.compressor is not None:  # no read per shard: a row decoded with NaN/Inf is
+            self.compressor.checks_finite = False  # dropped as Byzantine by the aggregator
         self.worker = WorkerMomentum(c.momentum)
         self.spec: ReduceSpec = c  # the aggregation as run: tau rescaled at setup
         self.centers: dict[int, Tensor] = {}   # bucket index -> previous aggregate (flat)

@@ -29,7 +29,14 @@ pair is included when it survived every merge; the tree: each parent flags, in t
 of the indices it sends down, where the result includes that child's value).
 
 Pairs travel as one uint8 buffer: ``k`` values in their own dtype, then ``k`` int32 indices
-(tensors of up to 2**31 elements).
+(tensors of up to 2**31 elements). A gloo group sends CUDA tensors through host memory,
+staged by the helper behind :func:`hexagram.comm.primitives.neighbor_exchange` (gloo's
+point-to-point ops read host memory only).
+
+No host reads on the device path: every size is known on the host (``k`` pairs in, ``k``
+out), merges sort and select fixed-size buffers, and the range check of the caller's
+indices is a device flag handed to the caller's once-per-step read (``checks``). The
+CPU-only numpy merges (:func:`~hexagram.compress.packing.cpu_fast`) read freely.
 
 Example:
     >>> h = gtopk_allreduce(comm, values, indices, numel=1000)   # doctest: +SKIP
@@ -38,6 +45,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -45,10 +54,18 @@ from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.device import needs_host_staging
+from hexagram.comm.primitives import _exchange_works as exchange_works
 from hexagram.compress.base import Payload
+from hexagram.compress.packing import cpu_fast
 
-__all__ = ["butterfly", "gtopk_allreduce", "gtopk_allreduce_tracked", "gtopk_bytes",
-           "merge_topk", "sparse_pairs", "tree_children", "tree_parent"]
+__all__ = ["FlagSink", "butterfly", "gtopk_allreduce", "gtopk_allreduce_tracked",
+           "gtopk_bytes", "merge_topk", "out_of_range", "sparse_pairs", "tree_children",
+           "tree_parent"]
+
+#: where a device-side condition goes to be read with the step's other checks: called with
+#: a 0-d bool tensor (True: a problem) and the function that explains it
+#: (:meth:`hexagram.algorithms.finite.StepChecks.add` is one)
+FlagSink = Callable[[Tensor, Callable[[], str]], None]
 
 
 def sparse_pairs(payload: Payload) -> tuple[Tensor, Tensor]:
@@ -115,22 +132,42 @@ def merge_topk(values_a: Tensor, indices_a: Tensor, values_b: Tensor, indices_b:
     ``unique``. Unsorted inputs are sorted first.
 
     Example:
-        >>> v, i = merge_topk(torch.tensor([5., -1.]), torch.tensor([0, 3]),
+        >>> v, i = merge_topk(torch.tensor([5., -2.]), torch.tensor([0, 3]),
         ...                   torch.tensor([-4., 3.]), torch.tensor([0, 9]), k=2)
         >>> i.tolist(), v.tolist()
-        ([3, 9], [-1.0, 3.0])
+        ([3, 9], [-2.0, 3.0])
     """
     idx = torch.cat([indices_a.long(), indices_b.long()])
     val = torch.cat([values_a, values_b])
-    if idx.device.type == "cpu" and val.dtype in (torch.float32, torch.float64):
+    if cpu_fast(idx) and val.dtype in (torch.float32, torch.float64):
         return _merge_cpu(val, idx, k)
-    uniq, inverse = torch.unique(idx, return_inverse=True)  # union of both index sets
+    if k <= max(indices_a.numel(), indices_b.numel()):  # the union holds at least k
+        return _merge_fixed(val, idx, k)
+    uniq, inverse = torch.unique(idx, return_inverse=True)  # sized by the data: a host read
     summed = torch.zeros(uniq.numel(), dtype=val.dtype, device=val.device)
     summed.index_add_(0, inverse, val)
-    keep = torch.topk(summed.abs(), min(k, uniq.numel()), sorted=False).indices
-    mask = torch.zeros(uniq.numel(), dtype=torch.bool, device=uniq.device)
-    mask[keep] = True  # the kept positions in index order: the output stays sorted
-    return summed[mask], uniq[mask]
+    keep = torch.topk(summed.abs(), min(k, uniq.numel()), sorted=False).indices.sort().values
+    return summed[keep], uniq[keep]  # the kept positions in index order: the output is sorted
+
+
+def _merge_fixed(val: Tensor, idx: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """:func:`merge_topk` of the concatenated pairs in buffers of known size (no host read),
+    for ``k`` at most the union's size. A stable sort by index puts a shared index's two
+    values side by side; the first of the two takes the sum ``(0.0 + a) + b`` (as
+    ``index_add_`` into zeros gives), the second is ruled out of the selection; the ``k``
+    largest magnitudes are taken by a stable sort (ties: the lower index first), then put
+    back in index order.
+    """
+    s_idx, order = torch.sort(idx, stable=True)
+    s_val = val.index_select(0, order) + 0.0  # -0.0 sums to +0.0
+    repeat = s_idx[1:] == s_idx[:-1]  # (2k - 1,): a repeat of the previous index
+    partner = torch.where(repeat, s_val[1:], torch.zeros_like(s_val[1:]))
+    summed = torch.cat([s_val[:-1] + partner, s_val[-1:]])
+    first = torch.cat([repeat.new_ones(1), ~repeat])
+    magnitude = torch.where(first, summed.abs(), torch.full_like(summed, -1.0))
+    top = torch.sort(magnitude, descending=True, stable=True).indices[:k]
+    keep = torch.sort(top).values
+    return summed.index_select(0, keep), s_idx.index_select(0, keep)
 
 
 def _merge_cpu(val: Tensor, idx: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -153,8 +190,9 @@ def _merge_cpu(val: Tensor, idx: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def _isin(elements: Tensor, test: Tensor) -> Tensor:
     """``torch.isin(elements, test)`` for unique ``test``; on CPU by binary search in the
-    sorted ``test`` (``torch.isin`` sorts both, several times slower at k = 25K)."""
-    if elements.device.type != "cpu" or test.numel() == 0:
+    sorted ``test`` (``torch.isin`` sorts both, several times slower at k = 25K). ``test``
+    may repeat -1, which no index equals (a placeholder for "not counted")."""
+    if not cpu_fast(elements) or test.numel() == 0:
         return torch.isin(elements, test)
     t = test.numpy()
     if t.size > 1 and not bool((t[1:] > t[:-1]).all()):
@@ -167,9 +205,11 @@ def _isin(elements: Tensor, test: Tensor) -> Tensor:
 def _sort_pairs(values: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """(values, indices) in increasing index order, and the permutation used (None: they
     were sorted): later merges of sorted pairs need no sort."""
-    # host read (kept: gTop-k's merge rounds already size their messages on the host): a
-    # sort skipped when the pairs are sorted, which merged pairs always are
-    if indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all()):
+    if indices.numel() < 2:
+        return values, indices, None
+    # on the CPU's fast path a sort is skipped when the pairs are sorted (merged pairs always
+    # are); elsewhere that test would be a host read: sorting sorted pairs costs less
+    if cpu_fast(indices) and bool((indices[1:] > indices[:-1]).all()):
         return values, indices, None
     indices, order = torch.sort(indices)
     return values[order], indices, order
@@ -225,7 +265,8 @@ def gtopk_allreduce(comm: Communicator, values: Tensor, indices: Tensor, numel: 
     return gtopk_allreduce_tracked(comm, values, indices, numel).then(lambda r: (r[0], r[1]))
 
 
-def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor, numel: int
+def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor, numel: int,
+                            checks: FlagSink | None = None
                             ) -> Handle[tuple[Tensor, Tensor, Tensor]]:
     """:func:`gtopk_allreduce`, also saying which of this rank's pairs the result includes.
 
@@ -237,6 +278,10 @@ def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor,
     indices gives the result. Same bytes as :func:`gtopk_allreduce`: on the tree, each
     child's flag travels in the sign bit of its copy of the int32 indices.
 
+    ``checks``: where the range check of ``indices`` goes, as a device flag read with the
+    step's other checks (no host read here); None: checked now, a host read, raising
+    ValueError.
+
     Returns:
         Handle of (values (k,), indices (k,) int64, included (k,) bool over ``indices``).
 
@@ -245,7 +290,7 @@ def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor,
         >>> residual[i[~mine]]  # still to send                              # doctest: +SKIP
     """
     k = values.numel()
-    _check(values, indices, numel)
+    _check(values, indices, numel, checks if comm.size > 1 else _unused)
     values, indices = values.detach().clone(), indices.detach().long().clone()
     if comm.size == 1:
         return Handle.completed((values, indices, torch.ones(k, dtype=torch.bool,
@@ -260,7 +305,8 @@ def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor,
             v, i, merges = _reduce_up_tracked(comm, v, i, k)
             comm.counter.add("gtopk.broadcast", down)
             gv, gi, mask = _broadcast_down_tracked(comm, v, i, k, merges)
-            mine = _included(indices if order is None else indices[order], merges, gi[mask])
+            counted = torch.where(mask, gi, torch.full_like(gi, -1))  # -1: not mine
+            mine = _included(indices if order is None else indices[order], merges, counted)
         if order is not None:  # ``included`` is over the caller's order of its pairs
             mine = torch.empty_like(mine).scatter_(0, order, mine)
         return gv, gi, mine
@@ -268,17 +314,38 @@ def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor,
     return comm.submit("gtopk.reduce", job, up)
 
 
-def _check(values: Tensor, indices: Tensor, numel: int) -> None:
+def out_of_range(indices: Tensor, numel: int) -> Tensor:
+    """0-d bool on ``indices``' device: some index lies outside ``[0, numel)`` (one pass,
+    no host read; False for no indices)."""
+    if indices.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=indices.device)
+    lo, hi = torch.aminmax(indices)
+    return (lo < 0) | (hi >= numel)
+
+
+def _unused(bad: Tensor, explain: Callable[[], str]) -> None:
+    """A :data:`FlagSink` that drops the flag: alone, a rank's indices reach no peer."""
+
+
+def _check(values: Tensor, indices: Tensor, numel: int, checks: FlagSink | None) -> None:
     if indices.numel() != values.numel() or values.dim() != 1:
         raise ValueError(f"values and indices must be 1-D of equal length, got "
                          f"{tuple(values.shape)} and {tuple(indices.shape)}")
-    # host reads (kept): an index out of range would corrupt a peer's merge, not fail here
-    if values.numel() > 0 and (int(indices.min()) < 0 or int(indices.max()) >= numel):
-        raise ValueError(f"indices must lie in [0, {numel}), got [{int(indices.min())}, "
-                         f"{int(indices.max())}]")
     if numel >= 2**31:
         raise ValueError(f"gtopk_allreduce sends int32 indices; numel={numel} is too large: "
                          "split the tensor (granularity='layer')")
+
+    def explain() -> str:
+        return (f"gtopk: indices must lie in [0, {numel}), got [{int(indices.min())}, "
+                f"{int(indices.max())}]")
+
+    if checks is _unused:
+        return
+    bad = out_of_range(indices, numel)
+    if checks is not None:  # read with the step's other checks: an index out of range
+        checks(bad, explain)  # would corrupt a peer's merge, not fail here
+    elif bool(bad):  # host read: a caller without a step to join
+        raise ValueError(explain())
 
 
 def _survived(indices: Tensor, merges: list[Merge]) -> Tensor:
@@ -329,13 +396,11 @@ def _recursive_doubling(comm: Communicator, values: Tensor, indices: Tensor, k: 
     and knows which of its own pairs survived every merge (those the result includes)."""
     own, alive, d = indices, torch.ones(k, dtype=torch.bool, device=indices.device), 1
     while d < comm.size:
-        peer = comm.global_rank(comm.rank ^ d)
+        peer = comm.rank ^ d
         send = _pack(values, indices)
         recv = torch.empty_like(send)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, comm.group),
-                                        dist.P2POp(dist.irecv, recv, peer, comm.group)])
-        for work in works:
-            comm.await_work(work)
+        # both directions at once; CUDA tensors on gloo go through host memory
+        comm.await_work(exchange_works(comm, send, [recv], [peer], [peer]))
         other_v, other_i = _unpack(recv, k, values.dtype)
         values, indices = merge_topk(values, indices, other_v, other_i, k)
         alive &= _isin(own, indices)
@@ -374,7 +439,8 @@ def _broadcast_down_tracked(comm: Communicator, values: Tensor, indices: Tensor,
         if child in by_child:
             t = by_child[child]
             theirs = merges[t][0]
-            counted = theirs[_survived(theirs, merges[t:])]
+            survived = _survived(theirs, merges[t:])
+            counted = torch.where(survived, theirs, torch.full_like(theirs, -1))  # -1: none
             flag = mask & _isin(indices, counted)
         _send(comm, _pack(values, torch.where(flag, ~indices, indices)), child)
     return values, indices, mask

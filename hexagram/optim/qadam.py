@@ -20,6 +20,9 @@ to ``variance_floor * mean(v_hat of the tensor)``: given a gradient of the tenso
 default 0.01) per step instead of ``1e5 x lr``. The floor is part of the frozen ``v_hat``
 (saved in the state dict), identical on every rank because the warm-up variances are.
 
+A step updates every parameter of a group at once (``_foreach_*`` ops: a handful of kernels
+per group whatever the number of tensors), with the arithmetic of a per-tensor Adam step.
+
 Example:
     >>> import torch
     >>> p = torch.nn.Parameter(torch.ones(2))
@@ -30,7 +33,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +86,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
         self.steps_done = 0
         # per parameter: (v_hat, its version, eps, sqrt(v_hat) + eps), see denominator()
         self._denominators: dict[Tensor, tuple[Tensor, int, float, Tensor]] = {}
+        self._groups: dict[int, dict[str, Any]] = {}  # id(param) -> its group, see _group_of
 
     @property
     def frozen(self) -> bool:
@@ -105,12 +109,14 @@ class QAdamOptimizer(torch.optim.Optimizer):
         tensor twice per step); it is recomputed if ``v_hat`` or ``eps`` change (a loaded
         state, the variance floor applied in place).
         """
+        return self._denominator(p, float(self._group_of(p)["eps"]))
+
+    def _denominator(self, p: Tensor, eps: float) -> Tensor:
         state = self.state[p]
         if "v_hat" not in state:
             raise RuntimeError("QAdamOptimizer.denominator: the parameter has not stepped yet; "
                                "every parameter needs a gradient during the warm-up")
         v_hat = state["v_hat"]
-        eps = next(g["eps"] for g in self.param_groups if any(q is p for q in g["params"]))
         hit = self._denominators.get(p)
         if hit is not None and hit[0] is v_hat and hit[1] == v_hat._version and hit[2] == eps:
             return hit[3]
@@ -119,13 +125,32 @@ class QAdamOptimizer(torch.optim.Optimizer):
             self._denominators[p] = (v_hat, v_hat._version, eps, denom)
         return denom
 
+    def frozen_terms(self, params: Sequence[Tensor]
+                     ) -> tuple[list[Tensor], list[Tensor], list[float]]:
+        """(momenta, denominators, beta1s) of ``params``, for the ``qadam`` algorithm's
+        bucket-wide arithmetic (host work only: the denominators are cached once frozen)."""
+        groups = [self._group_of(p) for p in params]
+        return ([self.momentum(p) for p in params],
+                [self._denominator(p, float(g["eps"])) for p, g in zip(params, groups)],
+                [float(g["betas"][0]) for g in groups])
+
+    def _group_of(self, p: Tensor) -> dict[str, Any]:
+        """The param group holding ``p`` (a dict by identity, rebuilt when groups change)."""
+        group = self._groups.get(id(p))
+        if group is None or not any(q is p for q in group["params"]):
+            self._groups = {id(q): g for g in self.param_groups for q in g["params"]}
+            group = self._groups.get(id(p))
+            if group is None:
+                raise KeyError("parameter is not managed by this optimizer")
+        return group
+
     def predicted_update(self, p: Tensor, grad: Tensor) -> Tensor | None:
         """What the next :meth:`step` would add to ``p`` if it received ``grad``; changes
         nothing (read by ``delay=1``'s weight prediction). None before ``p``'s first step."""
         state = self.state.get(p, {})
         if "exp_avg" not in state:
             return None
-        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        group = self._group_of(p)
         beta1, beta2 = group["betas"]
         k = self.steps_done + 1
         g = grad if group["weight_decay"] == 0 else grad.add(p, alpha=group["weight_decay"])
@@ -139,10 +164,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
 
     def beta1(self, p: Tensor) -> float:
         """beta1 of the group holding ``p``."""
-        for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                return float(group["betas"][0])
-        raise KeyError("parameter is not managed by this optimizer")
+        return float(self._group_of(p)["betas"][0])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -153,9 +175,9 @@ class QAdamOptimizer(torch.optim.Optimizer):
         frozen = self.frozen
         self.steps_done += 1
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group, frozen)
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._update(params, group, frozen)
         if self.steps_done == self.warmup_steps:  # the variance freezes now
             self._floor_variance()
         return loss
@@ -175,20 +197,33 @@ class QAdamOptimizer(torch.optim.Optimizer):
             for v_hat, mean in zip(hats, means):
                 v_hat.clamp_(min=floor * (mean if mean > 0 else fallback))
 
-    def _update(self, p: Tensor, group: dict[str, Any], frozen: bool) -> None:
+    def _update(self, params: list[Tensor], group: dict[str, Any], frozen: bool) -> None:
+        """One Adam step (variance frozen once ``frozen``) of ``params`` (one group, each
+        with a gradient), in ``_foreach`` ops: per tensor, ``m <- beta1 m + (1 - beta1) g``;
+        during the warm-up ``v <- beta2 v + (1 - beta2) g^2``, ``v_hat = v / (1 - beta2^t)``;
+        ``p <- p - lr / (1 - beta1^t) * m / (sqrt(v_hat) + eps)``."""
         beta1, beta2 = group["betas"]
-        assert p.grad is not None
-        grad = p.grad if group["weight_decay"] == 0 else p.grad.add(p, alpha=group["weight_decay"])
-        m = self.momentum(p)
-        state = self.state[p]
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        if not frozen or "v_hat" not in state:  # Adam's variance; frozen after warm-up
-            v = state["exp_avg_sq"]
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            state["v_hat"] = v / (1 - beta2 ** self.steps_done)
+        grads: list[Tensor] | tuple[Tensor, ...] = [p.grad for p in params
+                                                     if p.grad is not None]
+        if group["weight_decay"] != 0:
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        moms = [self.momentum(p) for p in params]
+        torch._foreach_mul_(moms, beta1)
+        torch._foreach_add_(moms, grads, alpha=1 - beta1)
+        fresh = [i for i, p in enumerate(params)  # Adam's variance; frozen after warm-up
+                 if not frozen or "v_hat" not in self.state[p]]
+        if fresh:
+            vs = [self.state[params[i]]["exp_avg_sq"] for i in fresh]
+            gs = [grads[i] for i in fresh]
+            torch._foreach_mul_(vs, beta2)
+            torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+            hats = torch._foreach_div(vs, 1 - beta2 ** self.steps_done)
+            for i, v_hat in zip(fresh, hats):
+                self.state[params[i]]["v_hat"] = v_hat
         correction1 = 1 - beta1 ** self.steps_done
-        denom = self.denominator(p)
-        p.addcdiv_(m, denom, value=-group["lr"] / correction1)
+        eps = float(group["eps"])
+        denoms = [self._denominator(p, eps) for p in params]
+        torch._foreach_addcdiv_(params, moms, denoms, value=-group["lr"] / correction1)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -7,7 +7,10 @@ a flag per row that holds NaN/Inf), one allreduce of ``P^2 + P`` numbers sums th
 every rank then derives the same coefficients and combines its own shard with them.
 
 Rows with NaN or Inf are Byzantine by definition: they are dropped and ``f`` is lowered by
-their number (a detected attacker no longer needs to be outvoted).
+their number (a detected attacker no longer needs to be outvoted). Coordinate-wise
+aggregators do so without a host read: dropped rows sort last (as +Inf) and the rows kept
+are chosen by counts held on the device (:func:`coordinate_wise`). Distance-based ones and
+pre-aggregation select the finite rows on the host (a read per bucket).
 
 Example:
     >>> import torch
@@ -29,7 +32,7 @@ from hexagram.errors import ConfigError
 from hexagram.robust import aggregators as agg
 
 __all__ = ["AGGREGATORS", "COORDINATE_WISE", "DISTANCE_BASED", "PRE_AGGREGATORS", "ReduceSpec",
-           "min_world_size", "reduce_rows"]
+           "coordinate_wise", "min_world_size", "reduce_rows"]
 
 COORDINATE_WISE = ("median", "trimmed_mean")
 DISTANCE_BASED = ("krum", "multikrum", "geomed", "centered_clip")
@@ -125,12 +128,7 @@ def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
     bucketing's permutation and must be in the same state on every rank."""
     n = rows.shape[0]
     if not _needs_gram(spec):
-        ok = agg.finite_rows(rows)
-        # host reads (kept, robust: per bucket): which ranks' rows are finite decides how
-        # many rows the aggregator sees and its lowered f; the robust rules sort and select
-        # on those counts anyway
-        kept = rows if bool(ok.all()) else rows[ok]  # no copy in the usual case
-        return _aggregate(kept, None, _lowered(spec.f, n, ok), spec, kept.shape[0])
+        return coordinate_wise(rows, spec.aggregator, spec.f)
     cc = spec.aggregator == "centered_clip"
     x = rows
     if cc:  # the center rides along as an extra last row
@@ -138,7 +136,9 @@ def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
         x = torch.cat([rows, c0[None]])
     g, ok = _global_gram(x, sync or (lambda t: t))
     ok[n:] = True  # the center is ours, not a rank's: never dropped
-    keep = ok.nonzero().squeeze(1)  # host read (kept): the rows finite on every shard
+    # host read (kept, distance-based aggregators and pre-aggregation: per bucket): the
+    # rows finite on every shard decide the coefficients' shapes and the lowered f
+    keep = ok.nonzero().squeeze(1)
     x, g = x[keep], g[keep][:, keep]
     f = _lowered(spec.f, n, ok[:n])
     if spec.pre is not None:
@@ -147,7 +147,55 @@ def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
 
 
 def _lowered(f: int, n: int, ok: Tensor) -> int:
-    return max(0, f - (n - int(ok.sum())))  # host read (kept): f is a host integer
+    return max(0, f - (n - int(ok.sum())))  # host read: see reduce_rows
+
+
+def coordinate_wise(rows: Tensor, aggregator: str, f: int) -> Tensor:
+    """``median`` or ``trimmed_mean`` of the finite rows of ``rows`` ``(n, m)``, ``f``
+    lowered by the number of dropped rows and capped at ``(kept - 1) // 2``; zeros when no
+    row is finite. No host read: the dropped rows sort last (as +Inf) and the rows
+    averaged are picked by counts on the device. With every row finite, the result is
+    :func:`~hexagram.robust.aggregators.median` / ``trimmed_mean`` of ``rows``, bit for bit
+    (with rows dropped the median still is; the trimmed mean is the same up to the order of
+    its float sum).
+
+    Example:
+        >>> coordinate_wise(torch.tensor([[1.0], [2.0], [float("nan")], [9.0]]), "median", 1)
+        tensor([2.])
+    """
+    n = rows.shape[0]
+    ok = agg.finite_rows(rows)
+    kept = ok.sum()  # 0-d, on the device
+    lowered = torch.clamp(f - (n - kept), min=0)
+    f_eff = torch.minimum(lowered, torch.clamp((kept - 1) // 2, min=0))
+    inf = torch.full_like(rows, float("inf"))
+    s = agg.sort_rows(torch.where(ok[:, None], rows, inf))  # dropped rows last
+    if aggregator == "median":
+        mid = torch.stack([(kept - 1) // 2, kept // 2]).clamp(min=0)
+        lo, hi = s.index_select(0, mid)
+        out = torch.where(kept % 2 == 1, lo, (lo + hi) / 2)
+    else:
+        out = _trimmed(rows, s, ok, kept, f_eff, f)
+    return torch.where(kept > 0, out, torch.zeros_like(out))
+
+
+def _trimmed(rows: Tensor, s: Tensor, ok: Tensor, kept: Tensor, f_eff: Tensor, f: int
+             ) -> Tensor:
+    """:func:`coordinate_wise`'s trimmed mean: ``s`` the rows sorted (dropped ones last),
+    ``kept`` and ``f_eff`` device counts. Every row finite: the host's own sum of the rows
+    kept (its order of summation depends on their number, known then); else the sum over
+    the window ``[f_eff, kept - f_eff)`` of ``s`` (``f_eff == 0``: the kept rows in their
+    order), zero elsewhere, divided by its size."""
+    n = rows.shape[0]
+    f_all = min(f, max(0, (n - 1) // 2))  # every row kept: no f lowered
+    whole = rows.mean(dim=0) if f_all == 0 else s[f_all:n - f_all].mean(dim=0)
+    pos = torch.arange(n, device=rows.device)
+    plain = torch.where(ok[:, None], rows, torch.zeros_like(rows)).sum(dim=0)
+    window = (pos >= f_eff) & (pos < kept - f_eff)
+    trimmed = torch.where(window[:, None], s, torch.zeros_like(s)).sum(dim=0)
+    count = (kept - 2 * f_eff).clamp(min=1).to(rows.dtype)
+    dropped = torch.where(f_eff == 0, plain, trimmed) / count
+    return torch.where(kept == n, whole, dropped)
 
 
 def _global_gram(x: Tensor, sync: Sync) -> tuple[Tensor, Tensor]:
@@ -155,9 +203,7 @@ def _global_gram(x: Tensor, sync: Sync) -> tuple[Tensor, Tensor]:
     n = x.shape[0]
     bad = ~agg.finite_rows(x)
     clean = x.to(torch.float64, copy=True)
-    # host read (kept, robust): skips the masked fill in the usual all-finite case
-    if bool(bad.any()):  # in place on the float64 copy: no second copy
-        clean.masked_fill_(bad[:, None], 0.0)
+    clean.masked_fill_(bad[:, None], 0.0)  # in place on the float64 copy: no second copy
     packed = torch.cat([(clean @ clean.T).reshape(-1), bad.double()])
     packed = sync(packed)
     return packed[: n * n].view(n, n), packed[n * n:] == 0
