@@ -297,6 +297,15 @@ class BucketLayout:
     names: tuple[str, ...]
     lengths: tuple[int, ...]
     segments: Segments | None
+    #: other entry lists with the same names and sizes (a wrapper's double-buffered copies
+    #: of one bucket, e.g. ``delay=1``'s stashes): the same layout, so nothing is rebuilt
+    #: and the error-feedback buffer stays bound when they alternate
+    aliases: list[list[BucketEntry]] = dataclasses.field(default_factory=list)
+
+    def describes(self, entries: list[BucketEntry]) -> bool:
+        """True if ``entries`` is this layout's list or an alias of it (identity: one
+        comparison per known list, nothing per tensor)."""
+        return entries is self.entries or any(entries is a for a in self.aliases)
 
     @functools.cached_property
     def described(self) -> str:
@@ -364,11 +373,14 @@ class CompressorAlgorithm(CompressedAlgorithm):
         """The bucket's :class:`BucketLayout` (cached per bucket index while its entries
         are the same list: nothing per tensor is built after the first step)."""
         known = self._layouts.get(bucket.index)
-        if known is not None and known.entries is bucket.entries:
+        if known is not None and known.describes(bucket.entries):
             return known
         lengths = tuple(e.numel for e in bucket.entries)
-        layout = BucketLayout(bucket.entries, tuple(e.name for e in bucket.entries), lengths,
-                              Segments.of(lengths)
+        names = tuple(e.name for e in bucket.entries)
+        if known is not None and (known.names, known.lengths) == (names, lengths):
+            known.aliases.append(bucket.entries)  # another buffer of the same tensors
+            return known
+        layout = BucketLayout(bucket.entries, names, lengths, Segments.of(lengths)
                               if self.config.granularity == "layer" else None)
         self._layouts[bucket.index] = layout
         return layout

@@ -29,7 +29,6 @@ Example:
 
 from __future__ import annotations
 
-from collections import namedtuple
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +41,6 @@ from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.control import count_flags
-from hexagram.comm.device import control_tensor
 from hexagram.comm.reduce import Encoder, reduce, reduce_many
 from hexagram.compress.base import Compressor
 from hexagram.errors import ConfigError
@@ -60,9 +58,6 @@ __all__ = [
     "sync_buffers",
     "write_weights",
 ]
-
-#: the counts of a round that also checks finiteness (see RoundAlgorithm._control)
-_Counts = namedtuple("_Counts", ["active", "contributing", "nonfinite"])
 
 
 def as_compressor(spec: str | Compressor | None) -> Compressor | None:
@@ -243,12 +238,8 @@ class RoundAlgorithm(Algorithm):
         """
         if nonfinite is None:
             return count_flags(self.ctx.comm, active=active, contributing=contributing)
-        host = nonfinite if isinstance(nonfinite, bool) else False
-        flags = control_tensor([active, contributing, host], self.ctx.comm)
-        if isinstance(nonfinite, Tensor):
-            flags[2:].copy_(nonfinite.reshape(1))
-        return primitives.allreduce(self.ctx.comm, flags, average=False).then(
-            lambda t: _Counts(*(int(v) for v in t.tolist())))
+        return count_flags(self.ctx.comm, active=active, contributing=contributing,
+                           nonfinite=nonfinite)
 
     def _sync_buffers(self) -> None:
         """End of a round: buffers (BatchNorm statistics) equal on every rank."""
