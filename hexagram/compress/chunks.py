@@ -41,6 +41,7 @@ __all__ = [
     "padded_rows",
     "pieces",
     "robust_norms",
+    "rounds_as_torch",
     "work_dtype",
 ]
 
@@ -219,6 +220,13 @@ def decode_table(packed: Tensor, bits: int, n: int, values: Tensor, out: Tensor,
     return out
 
 
+def rounds_as_torch(out: Tensor) -> bool:
+    """Whether the kernels round values into ``out``'s dtype as torch does: everywhere but
+    bfloat16 in Triton's interpreter (CPU tensors), which truncates float32 to bfloat16
+    where torch (and the compiled ``cvt.rn``) rounds to nearest."""
+    return out.dtype != torch.bfloat16 or out.device.type == "cuda"
+
+
 def _fused(packed: Tensor, bits: int, n: int, out: Tensor, values: Tensor,
            *per_chunk: Tensor | None) -> bool:
     """Whether a decoder takes its fused kernel: off the CPU's fast paths, dense 1-D
@@ -226,7 +234,7 @@ def _fused(packed: Tensor, bits: int, n: int, out: Tensor, values: Tensor,
     the value table or scale, ``values``) in one dtype (the kernels' contract; the eager
     code takes any other call)."""
     if cpu_fast(out) or out.dim() != 1 or packed.dim() != 1 \
-            or packed.numel() != packed_nbytes(n, bits):
+            or packed.numel() != packed_nbytes(n, bits) or not rounds_as_torch(out):
         return False
     if any(t is not None and t.dtype != values.dtype for t in per_chunk):
         return False

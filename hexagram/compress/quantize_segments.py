@@ -34,7 +34,7 @@ from torch import Tensor
 
 from hexagram.compress import kernels
 from hexagram.compress.base import Payload, check_compressible, ensure_finite
-from hexagram.compress.chunks import halves, robust_norms, work_dtype
+from hexagram.compress.chunks import halves, robust_norms, rounds_as_torch, work_dtype
 from hexagram.compress.codes import stochastic_codes, truncate_to
 from hexagram.compress.packing import cpu_fast, pack_codes, packed_nbytes, unpack_codes
 from hexagram.compress.seg_rows import RowLayout, compact, expand_rows, padded, row_layout
@@ -111,7 +111,7 @@ def decode_packed(packed: Tensor, bits: int, rows: Tensor, layout: RowLayout, ou
     n = out.numel()
     if cpu_fast(out) or out.dim() != 1 or packed.numel() != packed_nbytes(n, bits) or \
             (levels is not None and rows.dtype != out.dtype) or \
-            rows.dtype not in (torch.float32, torch.float64) or \
+            rows.dtype not in (torch.float32, torch.float64) or not rounds_as_torch(out) or \
             not kernels.dispatch(packed, out):
         return decode_rows(unpack_codes(packed, bits, n), rows, layout, out, add, levels)
     # identity: element i lies in row i // chunk; else one row value per element (chunk 1)
