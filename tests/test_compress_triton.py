@@ -54,15 +54,18 @@ SEED = 3
         not CUDA, reason="needs CUDA (torch.cuda.is_available() is False)")]),
 ])
 def device(request: pytest.FixtureRequest) -> Iterator[torch.device]:
-    """The device under test; the eager reference takes the path CUDA takes."""
+    """The device under test; the eager reference takes the path CUDA takes, without the
+    compressors' own dispatch to the kernels (these tests call the kernels themselves)."""
     if not IN_PROCESS:
         pytest.skip("triton was imported compiled before this module: see "
                     "test_in_a_fresh_process")
     packing.CPU_FAST_PATHS = False
+    kernels.DISPATCH = False
     try:
         yield torch.device(request.param)
     finally:
         packing.CPU_FAST_PATHS = True
+        kernels.DISPATCH = True
 
 
 def _x(n: int, device: torch.device, dtype: torch.dtype = torch.float32,

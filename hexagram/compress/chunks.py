@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from hexagram.compress import kernels
 from hexagram.compress.base import Compressor, Payload, decompress_via_into, ensure_finite
 from hexagram.compress.packing import (
     block_size,
@@ -40,6 +41,7 @@ __all__ = [
     "padded_rows",
     "pieces",
     "robust_norms",
+    "rounds_as_torch",
     "work_dtype",
 ]
 
@@ -142,9 +144,14 @@ def decode_affine(packed: Tensor, bits: int, n: int, chunk: int, scale: Tensor,
     to it with ``add``; returns ``out``. ``post`` lets the device decode chunks whose
     values would overflow ``scale.dtype`` as ``2 * (code * scale / 2 + offset / 2)`` (a
     power of two: exact) without reading which chunks those are (:func:`halves`).
+    Off the CPU's fast paths, one fused kernel where :func:`kernels.dispatch` allows.
     """
     if out is None:
         out = torch.empty(n, dtype=dtype, device=packed.device)
+    if scale.dtype in (torch.float32, torch.float64) and _fused(packed, bits, n, out, scale,
+                                                                 offset, post):
+        return kernels.decode_affine(packed, bits, n, chunk, scale, offset, dtype, out, add,
+                                     post)
     direct = out.dtype == scale.dtype and not add  # decode in the output, no temporary
     block = block_size(packed.device)
     tmp = torch.empty(0 if direct else min(block, n), dtype=scale.dtype, device=packed.device)
@@ -188,8 +195,11 @@ def decode_table(packed: Tensor, bits: int, n: int, values: Tensor, out: Tensor,
     code; a (256, 8 // bits) table maps every packed *byte*, so a block decodes with one
     ``index_select`` of ``n * bits / 8`` rows, straight from the wire bytes (4-10x fewer
     passes than unpack + convert + scale). Per-chunk ``scale`` (QSGD's ``norm / s``, in
-    ``out``'s dtype) costs one multiplication more. Returns ``out``.
+    ``out``'s dtype) costs one multiplication more. Returns ``out``. Off the CPU's fast
+    paths, one fused kernel where :func:`kernels.dispatch` allows.
     """
+    if _fused(packed, bits, n, out, values, scale, out):
+        return kernels.decode_table(packed, bits, n, values, out, add, chunk, scale)
     per = 8 // bits
     # (256, per): the values of each byte's codes
     table = values[byte_codes(bits, values.device).long()]
@@ -208,6 +218,27 @@ def decode_table(packed: Tensor, bits: int, n: int, values: Tensor, out: Tensor,
         elif not direct:
             out[start:stop].copy_(dst[:length])
     return out
+
+
+def rounds_as_torch(out: Tensor) -> bool:
+    """Whether the kernels round values into ``out``'s dtype as torch does: everywhere but
+    bfloat16 in Triton's interpreter (CPU tensors), which truncates float32 to bfloat16
+    where torch (and the compiled ``cvt.rn``) rounds to nearest."""
+    return out.dtype != torch.bfloat16 or out.device.type == "cuda"
+
+
+def _fused(packed: Tensor, bits: int, n: int, out: Tensor, values: Tensor,
+           *per_chunk: Tensor | None) -> bool:
+    """Whether a decoder takes its fused kernel: off the CPU's fast paths, dense 1-D
+    ``packed`` (exactly the ``n`` codes' bytes) and ``out``, and the per-chunk tensors (and
+    the value table or scale, ``values``) in one dtype (the kernels' contract; the eager
+    code takes any other call)."""
+    if cpu_fast(out) or out.dim() != 1 or packed.dim() != 1 \
+            or packed.numel() != packed_nbytes(n, bits) or not rounds_as_torch(out):
+        return False
+    if any(t is not None and t.dtype != values.dtype for t in per_chunk):
+        return False
+    return kernels.dispatch(packed, out)
 
 
 #: a dtype as wide as a table row of 8 or 16 bytes: index_select of single elements is up

@@ -4,7 +4,8 @@ Shared by the quantizers (:mod:`hexagram.compress.quantize`): codes are uint8, c
 block by block into :func:`~hexagram.compress.packing.encode_blocks`' buffers. The CPU
 takes numpy where torch's kernels are slow (float -> uint8 casts, random bits); other
 devices (and the CPU with :data:`~hexagram.compress.packing.CPU_FAST_PATHS` off) stay in
-torch, reading nothing back.
+torch, reading nothing back, or take the fused kernel of :mod:`hexagram.compress.kernels`
+where it is available (CUDA): the same draws, the same codes.
 
 Example:
     >>> import torch
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hexagram.compress import kernels
 from hexagram.compress.chunks import fma_rows
 from hexagram.compress.packing import block_size, cpu_fast, encode_blocks
 
@@ -66,9 +68,15 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
     ``pre`` (per chunk, a power of two) multiplies ``x`` first, for scales beyond
     ``scale.dtype``'s range split in two without reading which chunks need it.
     ``packed=False``: one code per byte, unpacked (``chunk=1`` with per-element ``scale``
-    rounds every element with its own scale)."""
+    rounds every element with its own scale).
+
+    Off the CPU's fast paths, one fused kernel where :func:`kernels.dispatch` allows
+    (it draws the dither in one piece, as the eager code does in its one block there).
+    """
     s, n = levels, flat.numel()
     block = block_size(flat.device)
+    if not cpu_fast(flat) and n <= block and kernels.dispatch(flat):
+        return kernels.stochastic_codes(flat, chunk, scale, levels, gen, pre, packed)
     tmp = torch.empty(min(block, n), dtype=scale.dtype, device=flat.device)
     shift = torch.full((1,), s + 0.5 + 2.0**-17, dtype=scale.dtype,
                        device=flat.device).expand(scale.numel())

@@ -32,18 +32,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from hexagram.compress import kernels
 from hexagram.compress.base import Payload, check_compressible, ensure_finite
-from hexagram.compress.chunks import halves, robust_norms, work_dtype
+from hexagram.compress.chunks import halves, robust_norms, rounds_as_torch, work_dtype
 from hexagram.compress.codes import stochastic_codes, truncate_to
-from hexagram.compress.packing import cpu_fast, pack_codes, unpack_codes
+from hexagram.compress.packing import cpu_fast, pack_codes, packed_nbytes, unpack_codes
 from hexagram.compress.seg_rows import RowLayout, compact, expand_rows, padded, row_layout
 from hexagram.compress.segments import Segments
 
 if TYPE_CHECKING:
     from hexagram.compress.quantize import MinMax8Compressor, QSGDCompressor
 
-__all__ = ["check_segments", "chunk_norms", "decode_rows", "merge_parts", "minmax_decode",
-           "minmax_encode", "qsgd_decode", "qsgd_encode", "split_parts"]
+__all__ = ["check_segments", "chunk_norms", "decode_packed", "decode_rows", "merge_parts",
+           "minmax_decode", "minmax_encode", "qsgd_decode", "qsgd_encode", "split_parts"]
 
 
 def check_segments(flat: Tensor, segments: Segments, who: str) -> Tensor:
@@ -101,11 +102,42 @@ def decode_rows(codes: Tensor, rows: Tensor, layout: RowLayout, out: Tensor, add
     return out.copy_(buf)
 
 
+def decode_packed(packed: Tensor, bits: int, rows: Tensor, layout: RowLayout, out: Tensor,
+                  add: bool, levels: int | None = None) -> Tensor:
+    """:func:`decode_rows` of the ``bits``-bit codes packed in ``packed``: off the CPU's
+    fast paths one fused kernel where :func:`kernels.dispatch` allows (each chunk's row
+    values as the kernel's per-chunk ones; gathered per element where the layout pads),
+    else unpacked and decoded eagerly."""
+    n = out.numel()
+    if cpu_fast(out) or out.dim() != 1 or packed.numel() != packed_nbytes(n, bits) or \
+            (levels is not None and rows.dtype != out.dtype) or \
+            rows.dtype not in (torch.float32, torch.float64) or not rounds_as_torch(out) or \
+            not kernels.dispatch(packed, out):
+        return decode_rows(unpack_codes(packed, bits, n), rows, layout, out, add, levels)
+    # identity: element i lies in row i // chunk; else one row value per element (chunk 1)
+    chunk = layout.chunk if layout.identity else 1
+    cols = [rows[:, j] if layout.identity else rows[:, j].index_select(0, layout.row_of)
+            for j in range(rows.shape[1])]
+    if levels is not None:  # (code - levels) * k: the levels by table, exact
+        values = torch.arange(-levels, (1 << bits) - levels, dtype=out.dtype,
+                              device=out.device)
+        return kernels.decode_table(packed, bits, n, values, out, add, chunk, cols[0])
+    return kernels.decode_affine(packed, bits, n, chunk, cols[0], cols[1], out.dtype, out,
+                                 add, post=cols[2] if len(cols) > 2 else None)
+
+
 def minmax_encode(comp: MinMax8Compressor, flat: Tensor, segments: Segments) -> Payload:
     """:meth:`MinMax8Compressor.compress` of every segment, as one payload."""
     c, bits, wd = comp.config.chunk_size, comp.bits, work_dtype(flat.dtype)
     layout = row_layout(segments, c, flat.device)
     rows = padded(flat, layout, zero=False)  # padding repeats a real element: same min/max
+    if not cpu_fast(flat) and kernels.dispatch(rows):  # every padded row is a chunk
+        header, codes = kernels.minmax_encode(rows.view(-1), c, bits, packed=layout.identity)
+        if comp.checks_finite:  # NaN/Inf make their chunk's header row non-finite
+            ensure_finite(flat, header, comp.name)
+        if not layout.identity:
+            codes = pack_codes(compact(codes, layout), bits)
+        return _payload(header, codes, flat, segments)
     ext = torch.stack([rows.amin(1), rows.amax(1)], 1).to(wd)
     if comp.checks_finite:
         ensure_finite(flat, ext, comp.name)
@@ -167,12 +199,12 @@ def minmax_decode(comp: MinMax8Compressor, payload: Payload, out: Tensor, add: b
                               segments.views(out)):
             comp.decompress_into(part, view, add)
         return out
-    codes = unpack_codes(packed, comp.bits, segments.numel)
     if cpu_fast(packed):
+        codes = unpack_codes(packed, comp.bits, segments.numel)
         return decode_rows(codes, torch.stack([step, lo], 1), layout, out, add)
     factor, post = halves(wide, step.dtype)
     rows = torch.stack([step * factor, lo * factor, post], 1)
-    return decode_rows(codes, rows, layout, out, add)
+    return decode_packed(packed, comp.bits, rows, layout, out, add)
 
 
 def _check_rows(header: Tensor, layout: RowLayout, who: str) -> None:
@@ -229,7 +261,8 @@ def qsgd_decode(comp: QSGDCompressor, payload: Payload, out: Tensor, add: bool) 
     norms, packed = payload.tensors
     _check_rows(norms, layout, comp.name)
     s = comp.config.levels
-    codes = unpack_codes(packed, comp.bits, segments.numel)
     if comp.bits in (2, 4) and out.dtype == norms.dtype:  # the table path's (code - s) * k
-        return decode_rows(codes, (norms / s)[:, None], layout, out, add, levels=s)
-    return decode_rows(codes, torch.stack([norms / s, -norms], 1), layout, out, add)
+        return decode_packed(packed, comp.bits, (norms / s)[:, None], layout, out, add,
+                             levels=s)
+    return decode_packed(packed, comp.bits, torch.stack([norms / s, -norms], 1), layout, out,
+                         add)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hexagram.compress import kernels
 from hexagram.compress.base import ensure_finite
 from hexagram.compress.packing import (
     block_size,
@@ -83,24 +84,36 @@ def encode_signs(flat: Tensor, who: str, stats: bool = True, check: bool = True
 def _encode_on_device(flat: Tensor, who: str, stats: bool, check: bool
                       ) -> tuple[Tensor, Tensor]:
     """:func:`encode_signs` without host reads: sums taken in float64 (no overflow, so no
-    fallback to decide), the count from the 0/1 sign bytes."""
-    count = torch.zeros((), dtype=torch.int64, device=flat.device)
-
-    def fill(start: int, stop: int, codes: Tensor) -> None:
-        torch.ge(flat[start:stop], 0, out=codes.view(torch.bool))  # 0/1 bytes in place
-        if stats:
-            count.add_(codes.sum(dtype=torch.int64))
-
-    packed = encode_blocks(flat.numel(), 1, fill, flat.device, block_size(flat.device))
+    fallback to decide), the count from the 0/1 sign bytes; the bits from one fused kernel
+    where :func:`kernels.dispatch` allows (the count, with ``stats``, from one more read)."""
+    if kernels.dispatch(flat):
+        packed = kernels.sign_bits(flat)
+        count = torch.ge(flat, 0).sum(dtype=torch.int64) if stats else None
+    else:
+        packed, count = _eager_signs(flat, stats)
     total = flat.new_zeros(3, dtype=torch.float64)
     if stats or check:  # unchecked and without stats nobody reads it: spare the pass
         total[1] = flat.sum(dtype=torch.float64)
-    if stats:
+    if count is not None:  # with stats
         total[0] = torch.linalg.vector_norm(flat, 1, dtype=torch.float64)
         total[2] = count
     if check:
         ensure_finite(flat, total, who)
     return packed, total
+
+
+def _eager_signs(flat: Tensor, stats: bool) -> tuple[Tensor, Tensor | None]:
+    """The packed sign bits of ``flat`` and (0-d int64) its count of ``x >= 0`` (None
+    without ``stats``), in torch: the bytes 0/1 first, then packed."""
+    count = torch.zeros((), dtype=torch.int64, device=flat.device) if stats else None
+
+    def fill(start: int, stop: int, codes: Tensor) -> None:
+        torch.ge(flat[start:stop], 0, out=codes.view(torch.bool))  # 0/1 bytes in place
+        if count is not None:
+            count.add_(codes.sum(dtype=torch.int64))
+
+    packed = encode_blocks(flat.numel(), 1, fill, flat.device, block_size(flat.device))
+    return packed, count
 
 
 def _signs_numpy(flat: Tensor, block: int, block_sums: Callable[[int, int], None],

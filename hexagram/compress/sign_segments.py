@@ -30,7 +30,7 @@ from torch import Tensor
 
 from hexagram.compress.base import Payload, ensure_finite
 from hexagram.compress.packing import cpu_fast, unpack_codes
-from hexagram.compress.quantize_segments import decode_rows
+from hexagram.compress.quantize_segments import decode_packed
 from hexagram.compress.seg_rows import padded, row_layout
 from hexagram.compress.segments import Segments
 from hexagram.compress.sign_bits import encode_signs
@@ -80,7 +80,6 @@ def scaled_sign_decode(comp: _ScaledSignCompressor, payload: Payload, out: Tenso
     """Decode a segmented ``efsign`` / ``onebit`` payload into ``out`` (``add``: +=)."""
     segments: Segments = payload.meta["segments"]
     header, packed = payload.tensors
-    bits = unpack_codes(packed, 1, segments.numel)
     if comp.config.block:
         layout = row_layout(segments, comp.config.block, out.device)
         if header.shape[0] != layout.rows:
@@ -88,7 +87,8 @@ def scaled_sign_decode(comp: _ScaledSignCompressor, payload: Payload, out: Tenso
                              f"expected {layout.rows} for these segments; was it compressed "
                              "with another block size or bucket layout?")
         rows = blocked_rows(header, comp.name, not cpu_fast(out))
-        return decode_rows(bits, rows, layout, out, add)
+        return decode_packed(packed, 1, rows, layout, out, add)
+    bits = unpack_codes(packed, 1, segments.numel)
     h = header.reshape(len(segments), -1)
     # the per-tensor code tables: efsign [-s, s] (exact), onebit [neg, pos]
     tables = torch.cat([-h, h], 1) if comp.name == "efsign" else h
@@ -99,7 +99,10 @@ def decode_tables(tables: Tensor, codes: Tensor, bits: int, segments: Segments, 
                   add: bool) -> Tensor:
     """``out`` := (``add``: +=) ``tables[i, code]`` for each element of segment ``i``
     (``tables``: (S, 2**bits) in ``out``'s dtype, ``codes``: (N,) uint8 unpacked): one
-    index computation and one gather, whatever the number of segments."""
+    index computation and one gather, whatever the number of segments. Eager on every
+    device: the fused decoders take one table for the whole buffer (times a per-chunk
+    scale, which would round differently from a table of products, e.g. 16-bit
+    subnormals)."""
     if tables.shape != (len(segments), 1 << bits):
         raise ValueError(f"expected ({len(segments)}, {1 << bits}) code tables, got "
                          f"{tuple(tables.shape)}; was the payload compressed for another "

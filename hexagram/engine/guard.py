@@ -22,6 +22,7 @@ from hexagram.buckets import Bucket
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.device import CONTROL_DTYPE
+from hexagram.compress import kernels
 from hexagram.errors import NonFiniteGradientError
 
 __all__ = ["FiniteGuard", "agree_finite_grads", "any_nonfinite", "read_step_checks"]
@@ -141,8 +142,19 @@ class FiniteGuard:
         return views, bad
 
     def observe(self, bucket: Bucket) -> None:
-        """Step 1 for one bucket (call before the algorithm reads it)."""
+        """Step 1 for one bucket (call before the algorithm reads it).
+
+        Where the fused kernels take the bucket (CUDA, :func:`kernels.dispatch`), one
+        kernel reads it once, flags the tensors that hold a NaN/Inf (only those: no
+        overflow caveat) and writes zeros over them alone
+        (:func:`kernels.finite_clean`); elsewhere the norms and ``nan_to_num_`` below."""
         views, bad = self._bucket_views(bucket)
+        starts = self._offsets[bucket.index]
+        if 0 < starts.numel() <= bucket.flat.numel() and kernels.dispatch(bucket.flat, bad,
+                                                                           starts):
+            with torch.no_grad():
+                kernels.finite_clean(bucket.flat, starts, out=bad)
+            return
         with torch.no_grad():
             # a norm is >= 0, Inf or NaN: "not below Inf" flags both (isfinite: 4 kernels)
             torch.lt(torch.stack(_norms(views)), float("inf"), out=bad).logical_not_()

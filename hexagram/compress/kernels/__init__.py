@@ -9,8 +9,10 @@ the CPU path and the reference.
 
 Dispatch: :func:`available` says whether the kernels can take given tensors (Triton
 importable, and the tensors on CUDA, or on the CPU after :func:`use_interpreter`); every
-other function raises :class:`KernelUnavailable` where it is False. Importing this package
-never imports Triton: the kernel modules are imported on first use.
+other function raises :class:`KernelUnavailable` where it is False. The compressors' device
+paths call :func:`dispatch` (:func:`available`, :data:`DISPATCH` on, dense tensors) and
+keep the eager code below it. Importing this package never imports Triton: the kernel
+modules are imported on first use.
 
 Functions (``n`` elements, codes packed as :func:`~hexagram.compress.packing.pack_codes`
 does: code ``i`` of ``b`` bits at bits ``[i b, (i + 1) b)`` of a little-endian stream):
@@ -53,10 +55,12 @@ from hexagram.compress.kernels.checks import (
 )
 
 __all__ = [
+    "DISPATCH",
     "KernelUnavailable",
     "available",
     "decode_affine",
     "decode_table",
+    "dispatch",
     "draw_dither",
     "finite_clean",
     "minmax_encode",
@@ -66,6 +70,10 @@ __all__ = [
 ]
 
 _BITS = "hexagram.compress.kernels.triton_bits"
+
+#: False keeps the compressors and the engine's guard on the eager code even where the
+#: kernels are available (:func:`dispatch`): the reference the tests compare them with
+DISPATCH = True
 
 
 class KernelUnavailable(RuntimeError):
@@ -83,17 +91,17 @@ def _triton_importable() -> bool:
 
 
 def _interpreted() -> bool:
-    """Whether the kernels run (or, not yet imported, will run) in Triton's interpreter."""
+    """Whether :func:`use_interpreter` chose Triton's interpreter in this process (the
+    kernels imported interpreted). ``TRITON_INTERPRET=1`` inherited from a parent process
+    alone does not count: the ranks a test spawns keep the eager code on their CPUs."""
     bits = sys.modules.get(_BITS)
-    if bits is not None:
-        return bool(bits.INTERPRETED)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+    return bits is not None and bool(bits.INTERPRETED)
 
 
 def available(*tensors: Tensor) -> bool:
     """True when the kernels can take ``tensors``: Triton importable, every tensor on one
     device, a CUDA one, or the CPU with the kernels in Triton's interpreter
-    (:func:`use_interpreter`, or ``TRITON_INTERPRET=1`` before their first use).
+    (:func:`use_interpreter` called in this process).
 
     Example:
         >>> import torch
@@ -108,6 +116,21 @@ def available(*tensors: Tensor) -> bool:
     if device.type not in ("cpu", "cuda"):
         return False
     return _triton_importable()
+
+
+def dispatch(*tensors: Tensor) -> bool:
+    """True where the compressors take the kernels for ``tensors`` (the inputs and outputs
+    a kernel indexes as flat memory): :data:`DISPATCH` on, :func:`available`, and every
+    tensor non-empty and contiguous (a strided view or an empty tensor takes the eager
+    code). Host facts only; on a CPU-only run it never imports Triton (unless
+    :func:`use_interpreter` chose the interpreter).
+
+    Example:
+        >>> dispatch(torch.ones(3))  # a CPU tensor outside the interpreter
+        False
+    """
+    return DISPATCH and all(t.numel() > 0 and t.is_contiguous() for t in tensors) \
+        and available(*tensors)
 
 
 def use_interpreter() -> None:
@@ -144,8 +167,8 @@ def _module(name: str, *tensors: Tensor) -> ModuleType:
     return importlib.import_module(f"{__name__}.{name}")
 
 
-def minmax_encode(flat: Tensor, chunk: int, bits: int, recip: bool | None = None
-                  ) -> tuple[Tensor, Tensor]:
+def minmax_encode(flat: Tensor, chunk: int, bits: int, recip: bool | None = None,
+                  packed: bool = True) -> tuple[Tensor, Tensor]:
     """The payload tensors of ``minmax8`` (``bits=8``) or ``minmax4`` (``bits=4``).
 
     ``flat``: 1-D contiguous float16/bfloat16/float32/float64. Returns ``header`` (G, 2)
@@ -169,7 +192,8 @@ def minmax_encode(flat: Tensor, chunk: int, bits: int, recip: bool | None = None
     if bits not in (4, 8):
         raise ValueError(f"minmax_encode: bits must be 4 or 8, got {bits}")
     mod = _module("triton_quant", flat)
-    return mod.launch_minmax(flat, chunk, bits, flat.is_cuda if recip is None else recip)
+    return mod.launch_minmax(flat, chunk, bits, flat.is_cuda if recip is None else recip,
+                             bits if packed else 8)
 
 
 def draw_dither(gen: torch.Generator, n: int, device: torch.device) -> Tensor:
@@ -183,7 +207,8 @@ def draw_dither(gen: torch.Generator, n: int, device: torch.device) -> Tensor:
 
 
 def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
-                     gen: torch.Generator, pre: Tensor | None = None) -> Tensor:
+                     gen: torch.Generator, pre: Tensor | None = None,
+                     packed: bool = True) -> Tensor:
     """:func:`hexagram.compress.codes.stochastic_codes` in one kernel: packed codes
     ``trunc(clamp(x [* pre[c]] * scale[c] + s + 0.5 + 2**-17 + r / 2**16, 0, 2 s))`` of
     ``b = (2 s).bit_length()`` bits, ``c`` each element's chunk, ``r`` its int16 dither
@@ -192,6 +217,7 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
     ``scale`` (and ``pre``): one value per chunk, float32 or float64 (the arithmetic's
     dtype). Used by ``qsgd`` (chunks of ``bucket_size``, ``scale = s / norm``) and
     ``terngrad`` (one chunk of ``n``, ``s = 1``, ``scale = 1 / max|x|``).
+    ``packed=False``: one code per byte, unpacked (as the eager function's).
 
     Example:
         >>> g = torch.Generator(device="cuda").manual_seed(0)  # doctest: +SKIP
@@ -209,7 +235,8 @@ def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,
     pre = None if pre is None else _per_chunk(pre, groups, "pre", scale.dtype)
     mod = _module("triton_quant", flat, scale)
     dither = draw_dither(gen, flat.numel(), flat.device)
-    return mod.launch_stochastic(flat, chunk, scale, levels, dither, pre)
+    return mod.launch_stochastic(flat, chunk, scale, levels, dither, pre,
+                                 None if packed else 8)
 
 
 def _per_chunk(t: Tensor, groups: int, what: str, dtype: torch.dtype | None = None

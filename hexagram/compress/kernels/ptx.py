@@ -38,7 +38,7 @@ def _specs() -> dict[str, tuple[Any, dict[str, str], dict[str, Any]]]:
                           {"HALF_TOP": 127.5, "RECIP": False, "ROWS": 2, "COLS": 1024}),
         "minmax_codes": (triton_quant._minmax_codes_kernel,
                          {"x_ptr": f32, "aux_ptr": f32, "out_ptr": u8, **ints},
-                         {"BITS": 4, "GROUPS": 256}),
+                         {"BITS": 4, "STORE": 4, "GROUPS": 256}),
         "stochastic": (triton_quant._stochastic_kernel,
                        {"x_ptr": f32, "scale_ptr": f32, "pre_ptr": f32, "dither_ptr": "*i16",
                         "out_ptr": u8, **ints},

@@ -85,8 +85,9 @@ def _minmax_header_kernel(x_ptr, header_ptr, aux_ptr, n, chunk, groups,
 
 @triton.jit
 def _minmax_codes_kernel(x_ptr, aux_ptr, out_ptr, n, nbytes, chunk, BITS: tl.constexpr,
-                         GROUPS: tl.constexpr):
-    """Packed codes ``trunc((x * factor - sub) * mul + 0.5)`` of each chunk's aux."""
+                         STORE: tl.constexpr, GROUPS: tl.constexpr):
+    """Codes ``trunc((x * factor - sub) * mul + 0.5)`` of each chunk's aux, ``BITS`` wide,
+    stored packed ``STORE`` bits each (8: one per byte)."""
     wd = aux_ptr.dtype.element_ty
     idx, g, m = tile(tl.program_id(0), n, GROUPS)
     c = idx // chunk
@@ -97,11 +98,13 @@ def _minmax_codes_kernel(x_ptr, aux_ptr, out_ptr, n, nbytes, chunk, BITS: tl.con
     t = (t - sub) * mul
     t = t + 0.5
     codes = t.to(tl.int32) & 255  # int32, then its low byte (torch's uint8 copy)
-    store_packed(out_ptr, codes & ((1 << BITS) - 1), g, m, nbytes, BITS)
+    store_packed(out_ptr, codes & ((1 << BITS) - 1), g, m, nbytes, STORE)
 
 
-def launch_minmax(flat: Tensor, chunk: int, bits: int, recip: bool) -> tuple[Tensor, Tensor]:
-    """(header (G, 2) [lo, step] in the work dtype, packed codes) of ``flat``."""
+def launch_minmax(flat: Tensor, chunk: int, bits: int, recip: bool, store: int | None = None
+                  ) -> tuple[Tensor, Tensor]:
+    """(header (G, 2) [lo, step] in the work dtype, codes packed ``store`` (default
+    ``bits``) bits each) of ``flat``."""
     n = flat.numel()
     groups = -(-n // chunk)
     wd = torch.float64 if flat.dtype == torch.float64 else torch.float32
@@ -112,10 +115,12 @@ def launch_minmax(flat: Tensor, chunk: int, bits: int, recip: bool) -> tuple[Ten
     _minmax_header_kernel[(triton.cdiv(groups, rows),)](
         flat, header, aux, n, chunk, groups, HALF_TOP=((1 << bits) - 1) / 2, RECIP=recip,
         ROWS=rows, COLS=cols, **FP_OPTIONS)
-    nbytes = (n * bits + 7) // 8
+    store = bits if store is None else store
+    nbytes = (n * store + 7) // 8
     codes = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
     _minmax_codes_kernel[(triton.cdiv(n, 8 * GROUPS),)](
-        flat, aux, codes, n, nbytes, chunk, BITS=bits, GROUPS=GROUPS, **FP_OPTIONS)
+        flat, aux, codes, n, nbytes, chunk, BITS=bits, STORE=store, GROUPS=GROUPS,
+        **FP_OPTIONS)
     return header, codes
 
 
@@ -141,10 +146,11 @@ def _stochastic_kernel(x_ptr, scale_ptr, pre_ptr, dither_ptr, out_ptr, n, nbytes
 
 
 def launch_stochastic(flat: Tensor, chunk: int, scale: Tensor, levels: int, dither: Tensor,
-                      pre: Tensor | None) -> Tensor:
-    """Packed ``(2 levels).bit_length()``-bit stochastic codes of ``flat``."""
+                      pre: Tensor | None, store: int | None = None) -> Tensor:
+    """Stochastic codes of ``flat`` packed ``store`` bits each (default
+    ``(2 levels).bit_length()``; 8: one per byte; every code is below ``2 levels + 1``)."""
     n = flat.numel()
-    bits = (2 * levels).bit_length()
+    bits = (2 * levels).bit_length() if store is None else store
     nbytes = (n * bits + 7) // 8
     codes = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
     _stochastic_kernel[(triton.cdiv(n, 8 * GROUPS),)](
