@@ -156,9 +156,13 @@ def _fp16_errors() -> dict[str, float]:
 def test_qadam_warmup_then_compressed_momentum() -> None:
     for rank, r in enumerate(run_local(_worker, 3, timeout=120)):
         assert r["warmup_vs_adam"] <= 1e-5, (rank, r)
-        for name, momentum_tol in (("minmax8", 1e-5), ("fp16", 2e-3)):  # fp16 sums in half
+        # fp16 sums in half precision; and where this reference's float32 x differs from the
+        # algorithm's by one ulp (fused multiply-adds on some CPUs), an element can round to
+        # the neighbouring fp16 value: its residual then differs by one fp16 step (~5e-5 here)
+        for name, momentum_tol, residual_tol in (("minmax8", 1e-5, 1e-6),
+                                                 ("fp16", 2e-3, 1e-4)):
             assert r[f"{name}/momentum"] <= momentum_tol, (rank, name, r)
-            assert r[f"{name}/residual"] <= 1e-6, (rank, name, r)
+            assert r[f"{name}/residual"] <= residual_tol, (rank, name, r)
             assert r[f"{name}/frozen_v"] == 0.0, (rank, name, r)
             assert r[f"{name}/update"] <= 1e-6, (rank, name, r)
             assert r[f"{name}/spread"] == 0.0, (rank, name, r)

@@ -199,7 +199,11 @@ def test_decompress_into_writes_or_adds_the_decompressed_tensor(
     big = hc.get(name).compress(x, torch.Generator())
     two = _compress_with_two_threads(hc.get(name), x)
     for a, b in zip(big.tensors, two.tensors):  # codes equal; float headers may round apart
-        assert torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b)
+        # a float header is a sum or a product of several threads' partial results: it may
+        # differ by rounding relative to the largest entry (matmul blocking changes with the
+        # thread count and the CPU's kernels)
+        assert torch.equal(a, b) if not a.is_floating_point() else torch.allclose(
+            a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
     for shape in [(7,), (9,), (3, 5), (5000,)] + ([BIG] if dtype == torch.float32 else []):
         x = _x(shape, dtype, seed=1)
         p = c.compress(x)
