@@ -90,6 +90,8 @@ class MomentumCorrection:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: per tensor name: its velocity u (1-D); views of one buffer per bucket layout
+        #: once bound (bind_velocities): replace them through load_state_dict only
         self.momenta: dict[str, Tensor] = {}
         #: per tensor name: (momentum, weight decay) of the correction (set at setup)
         self.factors: dict[str, tuple[float, float]] = {}
@@ -198,7 +200,20 @@ class MomentumCorrection:
         (``residual``: the bucket's error-feedback residuals end to end, or None where
         they are all zero). The arithmetic of :meth:`velocities` and a copy and an add per
         tensor, bit for bit, in a few whole-buffer ops (one ``_foreach`` per distinct
-        weight decay); returns the bucket's velocities."""
+        weight decay); returns the bucket's velocities.
+
+        Example:
+            >>> import hexagram as hx
+            >>> from hexagram.buckets import build_buckets
+            >>> algo = hx.algorithms.get("dgc", momentum=0.5)
+            >>> (b,) = build_buckets([("w", torch.nn.Parameter(torch.ones(2))),
+            ...                       ("b", torch.nn.Parameter(torch.ones(1)))], 1 << 20)
+            >>> for _ in range(2):
+            ...     _ = b.flat.fill_(2.0)
+            ...     u = algo.accumulate("layout", b.entries, b.flat, None)
+            >>> b.flat.tolist(), algo.momenta["b"].tolist()  # u = 0.5 * 2 + 2
+            ([3.0, 3.0, 3.0], [3.0])
+        """
         u = self.bind_velocities(key, entries, flat)
         if u.momentum is not None:
             u.buffer.mul_(u.momentum)
