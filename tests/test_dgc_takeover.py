@@ -11,6 +11,7 @@ decay), and with the paper's momentum factor masking it is SGD without momentum.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -170,34 +171,57 @@ class _OldDGC:
         return payload
 
 
-def _bitwise_worker(granularity: str, masking: bool) -> float:
+def _nets(wide: bool) -> tuple[nn.Module, nn.Module]:
+    """Two copies of the test model; ``wide``: two hidden layers of one shape (segments of
+    equal length are selected as the rows of one matrix)."""
+    torch.manual_seed(0)
+    mids = [nn.Linear(30, 30), nn.Tanh(), nn.Linear(30, 30), nn.Tanh()] if wide else []
+    net = nn.Sequential(nn.Linear(20, 30), nn.Tanh(), *mids, nn.Linear(30, 5))
+    ref = copy.deepcopy(net)
+    return net, ref
+
+
+def _optimizer(net: nn.Module, wide: bool) -> torch.optim.SGD:
+    """SGD momentum 0.9, weight decay 1e-3; ``wide``: the first layer in a group of its own
+    (momentum 0.5, no weight decay): the taken-over momenta differ per tensor."""
+    if not wide:
+        return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    first = list(net[0].parameters())
+    rest = [p for p in net.parameters() if all(p is not q for q in first)]
+    return torch.optim.SGD([{"params": first, "momentum": 0.5},
+                            {"params": rest, "weight_decay": 1e-3}], lr=0.05, momentum=0.9)
+
+
+def _bitwise_worker(granularity: str, masking: bool, wide: bool) -> float:
     """2 ranks: DGC (clipping, masking, SGD momentum and weight decay taken over) against
     :class:`_OldDGC` on the same local gradients; the largest difference of the reduced
-    gradients over 4 steps (0.0: the same bits)."""
+    gradients over 4 steps (0.0: the same bits). ``wide``: one bucket of 8 tensors, two
+    optimizer groups, and a sparsity warm-up whose density changes every step."""
     import torch.distributed as dist
 
     import hexagram.compress as hc
     from hexagram.algorithms.compressed import segments
+    from hexagram.algorithms.dgc import density_at
     from hexagram.compress.base import Payload
     from hexagram.compress.combine import decode_sum
 
     hx.init()
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(20, 30), nn.Tanh(), nn.Linear(30, 5))
-    ref = nn.Sequential(nn.Linear(20, 30), nn.Tanh(), nn.Linear(30, 5))
-    ref.load_state_dict(net.state_dict())
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    limit = 0.5
+    net, ref = _nets(wide)
+    opt = _optimizer(net, wide)
+    limit, size_mb = 0.5, (1.0, 1.0) if wide else (0.002, 0.001)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = hx.DistributedDataParallel(
-            net, optimizers=[opt], bucket_size_mb=0.002, first_bucket_mb=0.001,
+            net, optimizers=[opt], bucket_size_mb=size_mb[0], first_bucket_mb=size_mb[1],
             algorithm=hx.algorithms.get("dgc", density=0.1, clip_norm=limit,
-                                        masking=masking, granularity=granularity))
+                                        masking=masking, granularity=granularity,
+                                        warmup_steps=2 if wide else 0, warmup_density=0.5))
+    assert not wide or len(model.buckets) == 1
     old = _OldDGC(hc.get("topk", density=0.1), limit / 2 ** 0.5, masking,
                   dict(model.algorithm.factors), dict(ref.named_parameters()))
     worst, gen = 0.0, torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(4):
+    for step in range(4):
+        old.comp = hc.get("topk", density=density_at(model.algorithm.config, step))
         x = torch.randn(8, 20, generator=gen)
         ref.zero_grad()
         ref(x).square().mean().backward()
@@ -227,9 +251,10 @@ def _bitwise_worker(granularity: str, masking: bool) -> float:
     return worst
 
 
-@pytest.mark.parametrize("granularity, masking", [("layer", True), ("layer", False),
-                                                  ("bucket", True)])
-def test_bucket_wide_dgc_is_the_per_segment_arithmetic(granularity: str,
-                                                        masking: bool) -> None:
-    assert run_local(_bitwise_worker, 2, args=(granularity, masking), timeout=120) \
+@pytest.mark.parametrize("granularity, masking, wide", [
+    ("layer", True, False), ("layer", False, False), ("bucket", True, False),
+    ("layer", True, True), ("bucket", False, True)])
+def test_bucket_wide_dgc_is_the_per_segment_arithmetic(granularity: str, masking: bool,
+                                                        wide: bool) -> None:
+    assert run_local(_bitwise_worker, 2, args=(granularity, masking, wide), timeout=120) \
         == [0.0, 0.0]

@@ -36,8 +36,12 @@ Sparsity warm-up: for the first ``warmup_steps`` steps the density falls from
 
 Per bucket, not per tensor, and no host reads: clipping (one norm per segment by
 ``_foreach_norm``, one scale per element), the momentum update and ``v = u + residual`` are
-a few ``_foreach_*`` ops for the whole bucket before its segments are encoded; masking
-zeroes the sent entries of ``u`` by a scatter of the ``k`` pairs (no boolean indexing).
+a few whole-buffer ops (the velocities and the residuals of a bucket each live in one
+buffer per bucket layout); the segments' top-k is one
+:meth:`~hexagram.compress.base.Compressor.compress_segments` call (each tensor its own k),
+exchanged as one payload; masking zeroes the sent entries of ``u`` by a gather and a
+scatter of the ``k`` pairs (no boolean indexing) and the residual ``v - sent`` is a copy and
+a scatter. Bit for bit the per-tensor arithmetic (``tests/test_dgc_takeover.py``).
 
 Example:
     >>> import hexagram as hx
@@ -51,22 +55,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from hexagram import compress
-from hexagram.algorithms.compressed import (
-    CompressedConfig,
-    CompressorAlgorithm,
-    Segment,
-    segments,
-)
-from hexagram.algorithms.momentum_correction import MomentumCorrection, entry_part
+from hexagram.algorithms.compressed import BucketLayout, CompressedConfig, CompressorAlgorithm
+from hexagram.algorithms.momentum_correction import MomentumCorrection
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Compressor, Payload
-from hexagram.compress.segments import Segments
+from hexagram.compress.feedback import subtract_pairs
+
+if TYPE_CHECKING:
+    from hexagram.compress.feedback import _FlatResidual
 from hexagram.config import check_choice, check_float, check_int
 
 __all__ = ["DGCAlgorithm", "DGCConfig", "density_at"]
@@ -133,16 +136,16 @@ def density_at(config: DGCConfig, step: int) -> float:
 
 class DGCAlgorithm(MomentumCorrection, CompressorAlgorithm):
     """DGC's top-k with momentum correction (:class:`MomentumCorrection`), clipping,
-    masking, warm-up; see :class:`DGCConfig`."""
+    masking, warm-up; see :class:`DGCConfig`. A bucket is encoded whole
+    (:meth:`encode_bucket`): its ops do not grow with its number of tensors."""
 
     name = "dgc"
-    custom_encoding = True
+    encodes_buckets = True
 
     def __init__(self, config: DGCConfig | None = None) -> None:
         super().__init__(config or DGCConfig())
         self.config: DGCConfig
         self._by_density: dict[float, Compressor] = {}
-        self._layouts: dict[tuple[int, ...], Segments] = {}  # clipping's, per bucket layout
         # the accumulated velocity v is DGC's error-feedback residual
         self.use_compressor(self._compressor(self.config.density), feedback=True)
 
@@ -159,69 +162,72 @@ class DGCAlgorithm(MomentumCorrection, CompressorAlgorithm):
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
         """Clip, update every ``u`` and build ``v = u + residual`` in the bucket's buffer
-        (bucket-wide ``_foreach`` ops), then encode and exchange it segment by segment."""
-        self._clip(bucket)
-        self.accumulate(bucket.entries, bucket.flat,
-                        [self._residual_of(e.name, e.numel, bucket.flat.dtype)
-                         for e in bucket.entries])
+        (whole-buffer ops), then exchange it as one payload (:meth:`encode_bucket`)."""
+        layout = self.layout(bucket)
+        self._clip(layout, bucket.flat)
+        residual = self._residuals(layout, bucket.flat)
+        self.accumulate(layout, layout.entries, bucket.flat,
+                        None if residual.zero else residual.buffer)
         return super().reduce_bucket(bucket)
 
-    def _residual_of(self, name: str, numel: int, dtype: torch.dtype) -> Tensor | None:
-        """The residual of ``name`` (1-D), None before its first step."""
-        residual = self._feedback().residual(name)
-        if residual is not None and (residual.shape != (numel,) or residual.dtype != dtype):
-            raise ValueError(f"dgc: the residual of {name!r} is {tuple(residual.shape)} "
-                             f"{residual.dtype} but the tensor has {numel} {dtype} values; "
-                             "load a checkpoint of the same model")
-        return residual
+    def _residuals(self, layout: BucketLayout, flat: Tensor) -> _FlatResidual:
+        """The bucket's residuals as one buffer (bound once per layout)."""
+        return self._feedback().bind_flat(layout, layout.names, layout.lengths, flat)
 
-    def encode_segment(self, segment: Segment, tensor: Tensor, divisor: int) -> Payload:
-        """Encode top-k(v) of ``tensor`` (the bucket's own view, holding v since
-        :meth:`reduce_bucket`), mask u where sent, keep v - sent as the residual; in place,
-        no gradient-sized copies. (Top-k is gathered, never summed: ``divisor`` is 1.) Every
-        rank's payload is decoded by any of our top-k compressors: decoding does not depend
-        on the density."""
+    def encode_bucket(self, layout: BucketLayout, flat: Tensor, divisor: int) -> Payload:
+        """Encode top-k(v) of each segment of ``flat`` (the bucket's buffer, holding v since
+        :meth:`reduce_bucket`) in one call, mask u where sent, keep v - sent as the
+        residual; in place, no gradient-sized copies. Every rank's payload is decoded by
+        any of our top-k compressors: decoding does not depend on the density.
+
+        Raises ValueError for ``divisor != 1``: top-k is gathered, never summed.
+        """
+        if divisor != 1:
+            raise ValueError(f"dgc: top-k payloads are gathered, never summed; got divisor "
+                             f"{divisor} (route the bucket through an allgather)")
         comp = self._compressor(self.density_at(self.step))
-        payload = comp.compress(tensor, self.generator)
+        payload = comp.compress(flat, self.generator) if layout.segments is None \
+            else comp.compress_segments(flat, layout.segments, self.generator)
+        pairs = _pairs(payload)
         if self.config.masking:
-            self._mask(segment, payload)
-        ef = self._feedback()
-        if len(segment.entries) == 1:  # v - sent: zero where sent
-            ef.update_from(segment.entries[0].name, tensor, payload)
-        else:
-            self.update(segment, tensor, comp.decompress(payload).reshape(-1))
+            u = self.bind_velocities(layout, layout.entries, flat).buffer
+            _mask(u, *pairs)
+        residual = self._residuals(layout, flat)
+        subtract_pairs(Payload(tensors=pairs, shape=flat.shape, dtype=flat.dtype),
+                       flat, residual.buffer)  # v - sent: zero where sent
+        residual.zero = False
         return payload
 
-    def _mask(self, segment: Segment, payload: Payload) -> None:
-        """Momentum factor masking: ``u := 0`` where the payload sends a non-zero value
-        (where ``decompress(payload) != 0``), by scatters of the ``k`` pairs."""
-        values, indices = payload.tensors
-        idx, sent = indices.long(), values != 0
-        if len(segment.entries) == 1:
-            u = self.momenta[segment.entries[0].name]
-            mine = u.index_select(0, idx)
-            u.scatter_(0, idx, torch.where(sent, torch.zeros_like(mine), mine))
-            return
-        mask = torch.zeros(segment.numel, dtype=torch.bool, device=values.device)
-        mask.scatter_(0, idx, sent)  # the segment's sent entries
-        for e in segment.entries:
-            self.momenta[e.name].masked_fill_(entry_part(segment, mask, e), 0.0)
-
-    def _clip(self, bucket: Bucket) -> None:
+    def _clip(self, layout: BucketLayout, flat: Tensor) -> None:
         """Local gradient clipping of each segment, in place, to ``clip_norm / sqrt(P)``:
         ``g *= min(1, limit / ||g||)`` (the factor in float64, as a host float would be)."""
         if self.config.clip_norm <= 0:
             return
         limit = self.config.clip_norm / math.sqrt(self.ctx.comm.size)
-        segs = segments(bucket, self.config.granularity)
-        views = [bucket.flat[s.start:s.stop] for s in segs]
+        segs = layout.segments
+        views = [flat] if segs is None else flat.split(segs.lengths)  # one op: views
         norms = torch.stack(torch._foreach_norm(views)).double()
-        scale = (limit / norms).clamp_(max=1.0).to(bucket.flat.dtype)
-        if len(segs) == 1:
-            bucket.flat.mul_(scale)
-            return
-        lengths = tuple(s.numel for s in segs)
-        layout = self._layouts.get(lengths)
-        if layout is None:  # once per bucket layout: its lengths cached on the device
-            layout = self._layouts[lengths] = Segments.of(lengths)
-        bucket.flat.mul_(layout.expand(scale, bucket.flat.device))
+        scale = (limit / norms).clamp_(max=1.0).to(flat.dtype)
+        if segs is None or len(segs) == 1:
+            flat.mul_(scale)
+        else:
+            flat.mul_(segs.expand(scale, flat.device))
+
+
+def _pairs(payload: Payload) -> tuple[Tensor, Tensor]:
+    """(values, bucket positions) of a top-k payload of a bucket, whole or segmented (a
+    bucket of 2**31 elements or more comes in per-segment parts: shifted to the bucket)."""
+    if "parts" not in payload.meta:
+        values, positions = payload.tensors
+        return values, positions
+    segs = payload.meta["segments"]
+    return (torch.cat(payload.tensors[0::2]),
+            torch.cat([i.long() + o for i, o in zip(payload.tensors[1::2], segs.offsets)]))
+
+
+def _mask(u: Tensor, values: Tensor, positions: Tensor) -> None:
+    """Momentum factor masking: ``u := 0`` where a pair sends a non-zero value (where
+    ``decompress(payload) != 0``), by a gather and a scatter of the ``k`` pairs (no
+    boolean indexing: no host read)."""
+    idx = positions.long()
+    u.index_copy_(0, idx, u.index_select(0, idx).masked_fill_(values != 0, 0.0))
