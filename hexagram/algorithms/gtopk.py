@@ -16,6 +16,13 @@ good (at density 0.01 on 4 ranks, digits MLP: 78.2% against 91.5% for allreduce)
 :func:`~hexagram.comm.gtopk.gtopk_allreduce_tracked` says which of a rank's values the
 result includes, at no extra bytes, and only those leave the residual.
 
+A bucket's tensors go together (:mod:`hexagram.comm.gtopk_segments`): each keeps its own
+global top-k, but their pairs ride in one message per tree edge (the same bytes), are
+selected by one ``compress_segments`` call and merged by a fixed number of ops, and the
+residuals are one buffer per bucket layout: a step's ops do not grow with the number of
+tensors. (A bucket holding an empty tensor, or 2**31 elements or more, goes tensor by
+tensor, :meth:`GTopKAlgorithm.reduce_segment`.)
+
 No host reads per segment: the selections are fixed-size (``k`` pairs in and out, masks
 applied by ``torch.where`` and scatters), and the range checks of this rank's indices and
 of the result's (a peer's bytes) join the step's one read (``ctx.checks``).
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -41,6 +48,7 @@ from hexagram.algorithms.compressed import (
     CompressedConfig,
     Segment,
 )
+from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm.communicator import Handle
 from hexagram.comm.gtopk import (
     butterfly,
@@ -49,7 +57,9 @@ from hexagram.comm.gtopk import (
     out_of_range,
     sparse_pairs,
 )
+from hexagram.comm.gtopk_segments import SegmentPlan, gtopk_allreduce_segments
 from hexagram.compress.feedback import ErrorFeedback
+from hexagram.compress.segments import Segments
 from hexagram.config import check_float
 from hexagram.cost.facts import Shapes
 from hexagram.cost.own_work import gtopk_tree_cost
@@ -87,6 +97,22 @@ class GTopKConfig(CompressedConfig):
         check_float(self, "density", low=0.0, high=1.0, low_open=True)
 
 
+@dataclass(eq=False)  # one per bucket layout, a key of the error feedback's flat residual
+class _Layout:
+    """A bucket layout's host facts, built once: its tensors' segments (whole bucket for
+    ``granularity="bucket"``), their pairs, and the entry lists it describes."""
+
+    entries: list[BucketEntry]
+    names: tuple[str, ...]
+    lengths: tuple[int, ...]
+    segments: Segments
+    plan: SegmentPlan
+    aliases: list[list[BucketEntry]] = field(default_factory=list)
+
+    def describes(self, entries: list[BucketEntry]) -> bool:
+        return entries is self.entries or any(entries is a for a in self.aliases)
+
+
 class GTopKAlgorithm(CompressedAlgorithm):
     """Global top-k by gTopKAllReduce with error feedback; see :class:`GTopKConfig`."""
 
@@ -101,6 +127,60 @@ class GTopKAlgorithm(CompressedAlgorithm):
         self.compressor.checks_finite = False  # buckets are checked once per step instead
         if self.config.error_feedback:
             self.error_feedback = ErrorFeedback(self.compressor)
+        self._layouts: dict[int, _Layout | None] = {}  # bucket index -> its layout
+
+    def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
+        """The bucket's tensors in one exchange (see the module doc), into ``bucket.flat``;
+        tensor by tensor where a layout cannot go whole."""
+        layout = self._layout(bucket)
+        if layout is None:
+            return super().reduce_bucket(bucket)
+        flat, plan, ef = bucket.flat, layout.plan, self.error_feedback
+        bound = None if ef is None else ef.bind_flat(layout, layout.names, layout.lengths, flat)
+        if bound is not None and not bound.zero:  # a zero residual is not added, as alone
+            flat.add_(bound.buffer)
+        payload = self.compressor.compress_segments(flat, layout.segments, self.generator)
+        values, indices = sparse_pairs(payload)
+        checks, size = self.ctx.checks, self.ctx.comm.size
+        handle = gtopk_allreduce_segments(self.ctx.comm, values, indices, plan,
+                                          checks=checks.add)
+
+        def finish(result: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+            gvalues, gindices, included = result
+            if bound is not None:  # my values the global sum includes leave the residual
+                mine = flat.index_select(0, indices)
+                kept = torch.where(included, torch.zeros_like(mine), mine)
+                bound.buffer.copy_(flat).scatter_(0, indices, kept)
+                bound.zero = False
+            if size > 1:  # a peer's positions: checked with the step's checks, clamped
+                checks.add(plan.misplaced(gindices), lambda: (
+                    f"gtopk: a peer sent indices outside their tensors for "
+                    f"{', '.join(layout.names)}; are all ranks running the same model?"))
+                gindices = gindices.clamp(0, plan.numel - 1)
+            return flat.zero_().index_put_((gindices,), gvalues / size)
+
+        return handle.then(finish)
+
+    def _layout(self, bucket: Bucket) -> _Layout | None:
+        """The bucket's layout (cached per index while its entries are the same list or an
+        alias of it); None where it goes tensor by tensor (an empty tensor, 2**31 elements
+        or more)."""
+        known = self._layouts.get(bucket.index)
+        if known is not None and known.describes(bucket.entries):
+            return known
+        names = tuple(e.name for e in bucket.entries)
+        lengths = tuple(e.numel for e in bucket.entries)
+        if known is not None and (known.names, known.lengths) == (names, lengths):
+            known.aliases.append(bucket.entries)  # another buffer of the same tensors
+            return known
+        if min(lengths) == 0 or sum(lengths) >= 2**31:
+            self._layouts.pop(bucket.index, None)
+            return None
+        sizes = lengths if self.config.granularity == "layer" else (sum(lengths),)
+        plan = SegmentPlan.of(sizes, [self.compressor.config.count(n) for n in sizes])
+        layout = _Layout(bucket.entries, names, lengths, Segments.of(sizes), plan)
+        self._layouts[bucket.index] = layout
+        return layout
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
         """Top-k of ``tensor`` + residual (built in ``tensor``, the bucket's own view), the
@@ -145,17 +225,19 @@ class GTopKAlgorithm(CompressedAlgorithm):
     # -- facts the cost model prices ---------------------------------------------------
     def wire_messages(self, bucket: Sequence[TensorSpec], world: int, rank: int
                       ) -> list[Message]:
-        """Per segment, the pairs up and down the tree: recursive doubling (P a power of
-        two) takes ``log2 P`` exchanges; otherwise a binomial tree up and the result
-        broadcast down it, ``2 ceil(log2 P)`` sequential rounds."""
+        """The bucket's pairs (every segment's together, one message per edge) up and down
+        the tree: recursive doubling (P a power of two) takes ``log2 P`` exchanges;
+        otherwise a binomial tree up and the result broadcast down it, ``2 ceil(log2 P)``
+        sequential rounds."""
         depth = max(1, math.ceil(math.log2(world)))
         rounds = depth if butterfly(world) else 2 * depth
-        out = []
-        for s in segment_shapes(self, bucket):
-            values = payload_of(self.compressor, s).tensors[0]
-            up, down = gtopk_bytes(rank, world, values.numel(), values.element_size())
-            out.append(Message("pair", up + down, rounds=rounds))
-        return out
+        values = [payload_of(self.compressor, s).tensors[0]
+                  for s in segment_shapes(self, bucket)]
+        if not values:
+            return []
+        up, down = gtopk_bytes(rank, world, sum(v.numel() for v in values),
+                               values[0].element_size())
+        return [Message("pair", up + down, rounds=rounds)]
 
     def own_work_cost(self, sizes: Shapes, device: torch.device | str = "cpu") -> TreeCost:
         """The tree's own CPU (:func:`hexagram.cost.own_work.gtopk_tree_cost`)."""

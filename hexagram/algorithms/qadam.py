@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.algorithms.finite import non_finite
@@ -130,6 +131,9 @@ class QAdamAlgorithm(Algorithm):
         compressor.checks_finite = False
         self.feedback = ErrorFeedback(compressor)  # residuals keyed by parameter name
         self._scratch: dict[int, Tensor] = {}  # per bucket: this rank's own Q(x), reused
+        # per flat buffer (a bucket's, or its scratch): (entries, the tensors' views of it),
+        # built once per layout: slicing every tensor every step cost two ops per tensor
+        self._views: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -143,7 +147,7 @@ class QAdamAlgorithm(Algorithm):
         if not self.optimizer.frozen:
             return primitives.allreduce(self.ctx.comm, bucket.flat, average=True)
         flat = bucket.flat
-        grads = [bucket.view(e) for e in bucket.entries]
+        grads = self._views_of(bucket, flat)
         moms, denoms, betas = self.optimizer.frozen_terms([e.param for e in bucket.entries])
         groups = _by_beta(betas)
         # in place, the bucket is ours until the handle completes: x = (beta m + (1 - beta)
@@ -167,6 +171,16 @@ class QAdamAlgorithm(Algorithm):
             return flat
 
         return self._exchange(bucket).then(effective_grad)
+
+    def _views_of(self, bucket: Bucket, flat: Tensor) -> list[Tensor]:
+        """Each tensor's view of ``flat`` (a buffer laid out as ``bucket``), built once per
+        buffer and layout (the entries list's identity) and reused every step: no ops."""
+        known = self._views.get(flat)
+        if known is not None and known[0] is bucket.entries:
+            return known[1]  # type: ignore[no-any-return]
+        views = [bucket.view(e, flat) for e in bucket.entries]
+        self._views[flat] = (bucket.entries, views)
+        return views
 
     def _correct(self, bucket: Bucket, grads: list[Tensor]) -> None:
         """``g += residual`` for every tensor of the bucket that has one (one op)."""
@@ -216,8 +230,7 @@ class QAdamAlgorithm(Algorithm):
 
     def _update_residuals(self, bucket: Bucket, mine: Tensor) -> None:
         """e <- x - Q(x) for every tensor of the bucket, in the old residuals' memory."""
-        xs = [bucket.view(e) for e in bucket.entries]
-        sent = [bucket.view(e, mine) for e in bucket.entries]
+        xs, sent = self._views_of(bucket, bucket.flat), self._views_of(bucket, mine)
         have = [self.feedback.residual(e.name) for e in bucket.entries]
         fits = [r is not None and r.shape == x.shape and r.dtype == x.dtype
                 for r, x in zip(have, xs)]

@@ -246,6 +246,9 @@ def _unpack(buf: Tensor, k: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 #: one merge a rank performed: (the peer's pairs' indices it merged in, the kept indices)
 Merge = tuple[Tensor, Tensor]
+#: merges two sets of pairs, each sorted by index, into the kept set (sorted by index):
+#: (values_a, indices_a, values_b, indices_b) -> (values, indices)
+Merger = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def gtopk_allreduce(comm: Communicator, values: Tensor, indices: Tensor, numel: int
@@ -291,6 +294,16 @@ def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor,
     """
     k = values.numel()
     _check(values, indices, numel, checks if comm.size > 1 else _unused)
+    return start_tracked(comm, values, indices,
+                         lambda va, ia, vb, ib: merge_topk(va, ia, vb, ib, k))
+
+
+def start_tracked(comm: Communicator, values: Tensor, indices: Tensor, merge: Merger
+                  ) -> Handle[tuple[Tensor, Tensor, Tensor]]:
+    """The exchange of :func:`gtopk_allreduce_tracked` (inputs checked), every merge by
+    ``merge``: the ``k`` pairs of one tensor, or of several tensors at once (bucket
+    positions, :mod:`hexagram.comm.gtopk_segments`), travel as one message per edge."""
+    k = values.numel()
     values, indices = values.detach().clone(), indices.detach().long().clone()
     if comm.size == 1:
         return Handle.completed((values, indices, torch.ones(k, dtype=torch.bool,
@@ -300,9 +313,9 @@ def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor,
     def job() -> tuple[Tensor, Tensor, Tensor]:
         v, i, order = _sort_pairs(values, indices)  # every merge then takes sorted runs
         if butterfly(comm.size):
-            gv, gi, mine = _recursive_doubling(comm, v, i, k)
+            gv, gi, mine = _recursive_doubling(comm, v, i, merge)
         else:
-            v, i, merges = _reduce_up_tracked(comm, v, i, k)
+            v, i, merges = _reduce_up_tracked(comm, v, i, merge)
             comm.counter.add("gtopk.broadcast", down)
             gv, gi, mask = _broadcast_down_tracked(comm, v, i, k, merges)
             counted = torch.where(mask, gi, torch.full_like(gi, -1))  # -1: not mine
@@ -365,14 +378,15 @@ def _included(own: Tensor, merges: list[Merge], counted: Tensor) -> Tensor:
 def _reduce_up(comm: Communicator, values: Tensor, indices: Tensor, k: int
                ) -> tuple[Tensor, Tensor]:
     """Tree reduction; on return rank 0 holds the global top-k (others: their last state)."""
-    v, i, _ = _reduce_up_tracked(comm, values, indices, k)
+    v, i, _ = _reduce_up_tracked(comm, values, indices,
+                                 lambda va, ia, vb, ib: merge_topk(va, ia, vb, ib, k))
     return v, i
 
 
-def _reduce_up_tracked(comm: Communicator, values: Tensor, indices: Tensor, k: int
+def _reduce_up_tracked(comm: Communicator, values: Tensor, indices: Tensor, merge: Merger
                        ) -> tuple[Tensor, Tensor, list[Merge]]:
     """:func:`_reduce_up`, also returning the merges this rank performed, in order."""
-    rank, size, d = comm.rank, comm.size, 1
+    rank, size, d, k = comm.rank, comm.size, 1, values.numel()
     merges: list[Merge] = []
     while d < size:
         if rank % (2 * d) == d:  # my turn to hand my k pairs to my parent, then I'm done
@@ -383,17 +397,18 @@ def _reduce_up_tracked(comm: Communicator, values: Tensor, indices: Tensor, k: i
                               device=values.device)
             _recv(comm, buf, rank + d)
             other_v, other_i = _unpack(buf, k, values.dtype)
-            values, indices = merge_topk(values, indices, other_v, other_i, k)
+            values, indices = merge(values, indices, other_v, other_i)
             merges.append((other_i, indices))
         d *= 2
     return values, indices, merges
 
 
-def _recursive_doubling(comm: Communicator, values: Tensor, indices: Tensor, k: int
+def _recursive_doubling(comm: Communicator, values: Tensor, indices: Tensor, merge: Merger
                         ) -> tuple[Tensor, Tensor, Tensor]:
     """Round d = 1, 2, 4, ...: exchange k pairs with ``rank ^ d`` (both directions at once)
     and keep the merge; every rank ends with the global top-k (see the module docstring)
     and knows which of its own pairs survived every merge (those the result includes)."""
+    k = values.numel()
     own, alive, d = indices, torch.ones(k, dtype=torch.bool, device=indices.device), 1
     while d < comm.size:
         peer = comm.rank ^ d
@@ -402,7 +417,7 @@ def _recursive_doubling(comm: Communicator, values: Tensor, indices: Tensor, k: 
         # both directions at once; CUDA tensors on gloo go through host memory
         comm.await_work(exchange_works(comm, send, [recv], [peer], [peer]))
         other_v, other_i = _unpack(recv, k, values.dtype)
-        values, indices = merge_topk(values, indices, other_v, other_i, k)
+        values, indices = merge(values, indices, other_v, other_i)
         alive &= _isin(own, indices)
         d *= 2
     return values, indices, alive
