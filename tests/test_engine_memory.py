@@ -88,15 +88,9 @@ def lifetimes() -> dict[str, dict[str, bool]]:
     return out
 
 
-#: algorithms that keep the buckets in their own state after close() (their fragments)
-KEEP_BUCKETS = ("diloco", "sparseloco", "local_sgd")
-
 
 def _cases() -> list[Any]:
-    why = "the algorithm keeps its fragments (the buckets) until it is freed itself"
-    return [pytest.param(name, mode, marks=pytest.mark.xfail(strict=True, reason=why))
-            if mode == "close" and name in KEEP_BUCKETS else (name, mode)
-            for name in ALGORITHMS for mode in MODES]
+    return [(name, mode) for name in ALGORITHMS for mode in MODES]
 
 
 @pytest.mark.parametrize(("name", "mode"), _cases())

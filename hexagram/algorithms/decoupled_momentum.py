@@ -140,6 +140,13 @@ class DeMoAlgorithm(MomentumCorrection, CompressorAlgorithm):
         super().reset(ctx)
         self._plans = {}  # buckets re-formed: new layouts (the momenta move by name)
 
+    def close(self) -> None:
+        """Let go of the engine's buckets (the plans' views of the gradients); the momenta
+        stay, for a checkpoint after ``close()``."""
+        for plan in getattr(self, "_plans", {}).values():
+            plan.source, plan.grads = None, []
+        super().close()
+
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
         """m <- beta m + g; send the top DCT components of m (ONE payload for the bucket);
         remove them from m; the handle's result is ``sign(Q) rms(Q) gain`` per tensor in

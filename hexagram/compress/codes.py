@@ -16,15 +16,13 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 from torch import Tensor
 
 from hexagram.compress import kernels
 from hexagram.compress.chunks import fma_rows
-from hexagram.compress.packing import block_size, cpu_fast, encode_blocks
+from hexagram.compress.packing import block_size, cpu_fast, encode_blocks, random_words
 
 __all__ = ["random_words", "stochastic_codes", "truncate_to"]
 
@@ -41,22 +39,6 @@ def truncate_to(codes: Tensor, values: Tensor, ints: Tensor) -> Tensor:
         np.copyto(codes.numpy(), values.numpy(), casting="unsafe")
         return codes
     return codes.copy_(ints[: values.numel()].copy_(values))
-
-
-def random_words(gen: torch.Generator, device: torch.device) -> Callable[[int], Tensor]:
-    """``draw(k)``: ``k`` int64 words of random bits, all determined by ``gen``'s state.
-
-    On the CPU the bits come from numpy's SFC64 seeded with one draw from ``gen``: twice as
-    fast as ``gen``'s own mt19937 (13 vs 27 us per 31,744 16-bit dithers) and as good for
-    dithering; each call advances ``gen`` by that one draw, so checkpoints of ``gen`` still
-    resume exactly. Elsewhere (CUDA) ``gen`` draws the words itself.
-    """
-    if not cpu_fast(device):
-        return lambda k: torch.empty(k, dtype=torch.int64, device=device).random_(
-            -(2**63), None, generator=gen)
-    seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=device))
-    bits = np.random.SFC64(seed)
-    return lambda k: torch.from_numpy(bits.random_raw(k).view(np.int64))
 
 
 def stochastic_codes(flat: Tensor, chunk: int, scale: Tensor, levels: int,

@@ -30,6 +30,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -45,6 +46,7 @@ __all__ = [
     "encode_blocks",
     "pack_codes",
     "packed_nbytes",
+    "random_words",
     "unpack_codes",
     "unpack_table",
 ]
@@ -281,3 +283,19 @@ def decode_blocks(packed: Tensor, bits: int, n: int, use: Callable[[int, int, Te
         first = start * bits // 8
         part = packed[first : first + packed_nbytes(stop - start, bits)]
         use(start, stop, part if bits == 8 else unpack_codes(part, bits, stop - start))
+
+
+def random_words(gen: torch.Generator, device: torch.device) -> Callable[[int], Tensor]:
+    """``draw(k)``: ``k`` int64 words of random bits, all determined by ``gen``'s state.
+
+    On the CPU the bits come from numpy's SFC64 seeded with one draw from ``gen``: twice as
+    fast as ``gen``'s own mt19937 (13 vs 27 us per 31,744 16-bit dithers) and as good for
+    dithering; each call advances ``gen`` by that one draw, so checkpoints of ``gen`` still
+    resume exactly. Elsewhere (CUDA) ``gen`` draws the words itself.
+    """
+    if not cpu_fast(device):
+        return lambda k: torch.empty(k, dtype=torch.int64, device=device).random_(
+            -(2**63), None, generator=gen)
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=device))
+    bits = np.random.SFC64(seed)
+    return lambda k: torch.from_numpy(bits.random_raw(k).view(np.int64))

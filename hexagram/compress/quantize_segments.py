@@ -27,7 +27,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -40,11 +40,28 @@ from hexagram.compress.packing import cpu_fast, pack_codes, packed_nbytes, unpac
 from hexagram.compress.seg_rows import RowLayout, compact, expand_rows, padded, row_layout
 from hexagram.compress.segments import Segments
 
-if TYPE_CHECKING:
-    from hexagram.compress.quantize import MinMax8Compressor, QSGDCompressor
+__all__ = ["QuantizerLike", "check_segments", "chunk_norms", "decode_packed", "decode_rows",
+           "merge_parts", "minmax_decode", "minmax_encode", "qsgd_decode", "qsgd_encode",
+           "split_parts"]
 
-__all__ = ["check_segments", "chunk_norms", "decode_packed", "decode_rows", "merge_parts",
-           "minmax_decode", "minmax_encode", "qsgd_decode", "qsgd_encode", "split_parts"]
+
+class QuantizerLike(Protocol):
+    """What these functions read of their compressor (minmax8/4, qsgd): a protocol rather
+    than the classes, which import this module (no import circle)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def bits(self) -> int: ...
+    @property
+    def config(self) -> Any: ...
+    @property
+    def checks_finite(self) -> bool: ...
+
+    def compress(self, tensor: Tensor, generator: torch.Generator | None = None
+                 ) -> Payload: ...
+
+    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor: ...
 
 
 def check_segments(flat: Tensor, segments: Segments, who: str) -> Tensor:
@@ -126,8 +143,8 @@ def decode_packed(packed: Tensor, bits: int, rows: Tensor, layout: RowLayout, ou
                                  add, post=cols[2] if len(cols) > 2 else None)
 
 
-def minmax_encode(comp: MinMax8Compressor, flat: Tensor, segments: Segments) -> Payload:
-    """:meth:`MinMax8Compressor.compress` of every segment, as one payload."""
+def minmax_encode(comp: QuantizerLike, flat: Tensor, segments: Segments) -> Payload:
+    """:meth:`QuantizerLike.compress` of every segment, as one payload."""
     c, bits, wd = comp.config.chunk_size, comp.bits, work_dtype(flat.dtype)
     layout = row_layout(segments, c, flat.device)
     rows = padded(flat, layout, zero=False)  # padding repeats a real element: same min/max
@@ -185,9 +202,9 @@ def _minmax_cpu(rows: Tensor, lo: Tensor, hi: Tensor, inv: Tensor, layout: RowLa
     return fused if exact is None else torch.where(fused_row[:, None], fused, exact)
 
 
-def minmax_decode(comp: MinMax8Compressor, payload: Payload, out: Tensor, add: bool
+def minmax_decode(comp: QuantizerLike, payload: Payload, out: Tensor, add: bool
                   ) -> Tensor:
-    """:meth:`MinMax8Compressor.decompress_into` of every segment of ``payload``."""
+    """:meth:`QuantizerLike.decompress_into` of every segment of ``payload``."""
     segments: Segments = payload.meta["segments"]
     layout = row_layout(segments, comp.config.chunk_size, out.device)
     header, packed = payload.tensors
@@ -230,9 +247,9 @@ def chunk_norms(flat: Tensor, chunk: int, dtype: torch.dtype, who: str, check: b
         else norms
 
 
-def qsgd_encode(comp: QSGDCompressor, flat: Tensor, segments: Segments,
+def qsgd_encode(comp: QuantizerLike, flat: Tensor, segments: Segments,
                 gen: torch.Generator) -> Payload:
-    """:meth:`QSGDCompressor.compress` of every segment, as one payload: the same norms
+    """:meth:`QuantizerLike.compress` of every segment, as one payload: the same norms
     (per-tensor buckets), codes drawn for the whole buffer at once."""
     d, s, wd = comp.config.bucket_size, comp.config.levels, work_dtype(flat.dtype)
     layout = row_layout(segments, d, flat.device)
@@ -254,8 +271,8 @@ def qsgd_encode(comp: QSGDCompressor, flat: Tensor, segments: Segments,
     return _payload(norms, pack_codes(compact(codes, layout), comp.bits), flat, segments)
 
 
-def qsgd_decode(comp: QSGDCompressor, payload: Payload, out: Tensor, add: bool) -> Tensor:
-    """:meth:`QSGDCompressor.decompress_into` of every segment of ``payload``."""
+def qsgd_decode(comp: QuantizerLike, payload: Payload, out: Tensor, add: bool) -> Tensor:
+    """:meth:`QuantizerLike.decompress_into` of every segment of ``payload``."""
     segments: Segments = payload.meta["segments"]
     layout = row_layout(segments, comp.config.bucket_size, out.device)
     norms, packed = payload.tensors

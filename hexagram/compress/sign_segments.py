@@ -23,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -37,13 +37,22 @@ from hexagram.compress.sign_bits import encode_signs
 from hexagram.compress.sign_blocks import blocked_rows, check_header, row_header
 from hexagram.compress.sign_stats import abs_means, header_of, onebit_means, rms
 
-if TYPE_CHECKING:
-    from hexagram.compress.signs import SignCompressor, _ScaledSignCompressor
-
-__all__ = ["decode_tables", "scaled_sign_decode", "scaled_sign_encode", "sign_encode"]
+__all__ = ["SignLike", "decode_tables", "scaled_sign_decode", "scaled_sign_encode", "sign_encode"]
 
 
-def sign_encode(comp: SignCompressor, flat: Tensor, segments: Segments) -> tuple[Tensor, ...]:
+class SignLike(Protocol):
+    """What these functions read of their compressor (sign, efsign, onebit): a protocol
+    rather than the classes, which import this module (no import circle)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def config(self) -> Any: ...
+    @property
+    def checks_finite(self) -> bool: ...
+
+
+def sign_encode(comp: SignLike, flat: Tensor, segments: Segments) -> tuple[Tensor, ...]:
     """The payload tensors of ``sign`` for the segments of ``flat``: ``(bits,)``, or
     ``(rms per segment, bits)`` when ``scaled``."""
     check = comp.checks_finite
@@ -56,7 +65,7 @@ def sign_encode(comp: SignCompressor, flat: Tensor, segments: Segments) -> tuple
     return header_of(values, flat.dtype, comp.name, check), bits
 
 
-def scaled_sign_encode(comp: _ScaledSignCompressor, flat: Tensor, segments: Segments
+def scaled_sign_encode(comp: SignLike, flat: Tensor, segments: Segments
                        ) -> tuple[Tensor, Tensor]:
     """``(header, bits)`` of ``efsign`` / ``onebit`` for the segments of ``flat``: headers
     (S,) / (S, 2), or every segment's blocks' with ``config.block``."""
@@ -75,7 +84,7 @@ def scaled_sign_encode(comp: _ScaledSignCompressor, flat: Tensor, segments: Segm
     return header_of(values, flat.dtype, comp.name, check), bits
 
 
-def scaled_sign_decode(comp: _ScaledSignCompressor, payload: Payload, out: Tensor,
+def scaled_sign_decode(comp: SignLike, payload: Payload, out: Tensor,
                        add: bool) -> Tensor:
     """Decode a segmented ``efsign`` / ``onebit`` payload into ``out`` (``add``: +=)."""
     segments: Segments = payload.meta["segments"]

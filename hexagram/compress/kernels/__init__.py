@@ -199,8 +199,8 @@ def minmax_encode(flat: Tensor, chunk: int, bits: int, recip: bool | None = None
 def draw_dither(gen: torch.Generator, n: int, device: torch.device) -> Tensor:
     """The ``n`` int16 dithers :func:`hexagram.compress.codes.stochastic_codes` draws for
     ``n`` elements in one block (the device's block): the low 16-bit quarters of
-    ``ceil(n / 4)`` words from :func:`~hexagram.compress.codes.random_words`."""
-    from hexagram.compress.codes import random_words
+    ``ceil(n / 4)`` words from :func:`~hexagram.compress.packing.random_words`."""
+    from hexagram.compress.packing import random_words
 
     words = random_words(gen, torch.device(device))(-(-n // 4))
     return words.to(device).view(torch.int16)[:n]
