@@ -329,9 +329,10 @@ class CompressorAlgorithm(CompressedAlgorithm):
     Subclasses set ``compressor`` (and ``error_feedback``) with :meth:`use_compressor`; they
     may set ``reduction = "majority"`` (signSGD's vote; layer-wise it goes segment by
     segment, each tensor's vote scaled on its own), override :meth:`encode_bucket` with
-    ``encodes_buckets = True`` (fp16's range check), or override :meth:`encode_segment`
-    with ``custom_encoding = True`` (DGC's momentum correction): such algorithms reduce
-    segment by segment (:meth:`reduce_segments`).
+    ``encodes_buckets = True`` (fp16's range check, DGC's momentum correction and
+    masking), or override :meth:`encode_segment` with ``custom_encoding = True``: such
+    algorithms reduce segment by segment (:meth:`reduce_segments`); DeMo sets it and
+    replaces :meth:`reduce_bucket` with its own flat path.
     """
 
     compressor: Compressor
