@@ -106,6 +106,13 @@ class Algorithm:
                                "with hexagram.DistributedDataParallel first")
         return self._ctx
 
+    @property
+    def is_set_up(self) -> bool:
+        """True once :meth:`setup` bound it to a wrapped model (a weight algorithm wrapped
+        without optimizers waits for ``attach_optimizers``: its ``close()`` has nothing to
+        release until then)."""
+        return self._ctx is not None
+
     # -- set-up ---------------------------------------------------------------------
     def setup(self, ctx: AlgorithmContext) -> None:
         """Bind to a wrapped model. Collective: called on every rank at wrap time."""

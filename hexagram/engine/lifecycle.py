@@ -62,7 +62,7 @@ class Resources:
             return
         self.released = True
         try:
-            if self.algorithm is not None:
+            if self.algorithm is not None and self.algorithm.is_set_up:  # else nothing to stop
                 self.algorithm.close()
         finally:
             if self.reducer is not None:  # hooks, buckets, handles, guard
