@@ -21,12 +21,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Iterable
 from typing import Any
 
 from hexagram.errors import ConfigError
 
-__all__ = ["build_config", "check_choice", "check_float", "check_int"]
+__all__ = ["build_config", "check_choice", "check_float", "check_int", "did_you_mean",
+           "unknown_name"]
 
 
 def _label(obj: Any, field: str) -> str:
@@ -80,10 +82,45 @@ def check_choice(obj: Any, field: str, choices: Iterable[Any]) -> None:
         raise ConfigError(f"{_label(obj, field)} must be one of {allowed}, got {value!r}")
 
 
-def build_config(cls: type, kwargs: dict[str, Any]) -> Any:
-    """``cls(**kwargs)`` with a clear error for unknown field names."""
+def build_config(cls: type, kwargs: dict[str, Any], owner: str | None = None) -> Any:
+    """``cls(**kwargs)`` with a clear error for unknown field names (``owner``: who the
+    message names, e.g. ``"algorithm 'diloco'"``; default: the config's algorithm, or its
+    class).
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass
+    ... class C:
+    ...     period: int = 1
+    >>> try:
+    ...     build_config(C, {"perod": 3}, owner="algorithm 'x'")
+    ... except ConfigError as e:
+    ...     print(e)
+    algorithm 'x' has no field(s) ['perod']: valid are period; did you mean 'period'?
+    """
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(kwargs) - set(names))
     if unknown:
-        raise ConfigError(f"{_owner(cls)} has no field(s) {unknown}; valid fields: {names}")
+        raise ConfigError(f"{owner or _owner(cls)} has no field(s) {unknown}: valid are "
+                          f"{', '.join(names)}{did_you_mean(unknown[0], names)}")
     return cls(**kwargs)
+
+
+def did_you_mean(name: str, valid: Iterable[str]) -> str:
+    """``"; did you mean 'X'?"`` for the closest of ``valid`` to ``name``, or ``""``.
+
+    >>> did_you_mean("powersdg", ["allreduce", "powersgd"])
+    "; did you mean 'powersgd'?"
+    """
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_name(kind: str, name: str, valid: Iterable[str]) -> ConfigError:
+    """The one error for a name that is not registered, in the library's one format.
+
+    >>> str(unknown_name("compressor", "topkk", ["fp16", "topk"]))
+    "compressor 'topkk' is not registered: valid are fp16, topk; did you mean 'topk'?"
+    """
+    names = list(valid)
+    return ConfigError(f"{kind} {name!r} is not registered: valid are {', '.join(names)}"
+                       f"{did_you_mean(str(name), names)}")

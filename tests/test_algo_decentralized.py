@@ -204,7 +204,7 @@ def test_configs_reject_bad_values_with_the_field_name() -> None:
         registry.get("low_precision_decentralized", compressor="fp16", gamma=0.0)
     with pytest.raises(ConfigError, match="compressor"):
         registry.get("low_precision_decentralized", compressor=8)
-    with pytest.raises(ValueError, match="unknown compressor"):
+    with pytest.raises(ValueError, match=r"compressor .* is not registered"):
         registry.get("low_precision_decentralized", compressor="nope")
 
 

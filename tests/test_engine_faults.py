@@ -114,7 +114,8 @@ def _single_process_worker() -> dict[str, object]:
 def test_world_size_one_state_dict_and_bad_config() -> None:
     (out,) = run_local(_single_process_worker, 1, timeout=60)
     unknown, field, bucket = out["errors"]
-    assert "allreducee" in unknown and "allreduce" in unknown.split("valid names:")[1]
+    assert "'allreducee' is not registered" in unknown and "allreduce" in \
+        unknown.split("valid are")[1] and "did you mean 'allreduce'?" in unknown
     assert "hierarchicl" in field and "hierarchical" in field
     assert "bucket_size_mb" in bucket
     assert out["keys"] == sorted(["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",

@@ -115,7 +115,7 @@ def test_plan_json_round_trip_keeps_dp_algorithm_and_reads_old_plans() -> None:
 
 
 def test_unknown_algorithm_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match=r"valid names: .*powersgd"):
+    with pytest.raises(ConfigError, match=r"not registered: valid are .*did you mean 'powersgd'"):
         _stage(dp_algorithm="powersdg")
 
 

@@ -177,7 +177,7 @@ def test_bad_input_names_the_field() -> None:
         link("-5mbit")
     with pytest.raises(ConfigError, match="unknown device profile"):
         device("tpu")
-    with pytest.raises(ConfigError, match="unknown algorithm"):
+    with pytest.raises(ConfigError, match="is not registered"):
         simulate(["nope"], [8], COMPUTE, Cluster())
     with pytest.raises(ConfigError, match="oversubscription"):
         Cluster(oversubscription=0.5)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm
+from hexagram.config import unknown_name
 from hexagram.cost.labels import applicable, parse_label
-from hexagram.errors import ConfigError
 
 __all__ = ["applicable", "make", "parse_label", "simulable"]
 
@@ -37,6 +37,5 @@ def simulable(label: str) -> Algorithm | str:
     if name == "auto":
         return "auto delegates to the algorithm it measures best; simulate the candidates"
     if name not in registry.names():
-        raise ConfigError(f"unknown algorithm {name!r}; registered: "
-                          f"{', '.join(registry.names())}")
+        raise unknown_name("algorithm", name, registry.names())
     return make(label)

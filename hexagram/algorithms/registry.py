@@ -34,7 +34,7 @@ from typing import Any
 from hexagram.algorithms.base import Algorithm
 from hexagram.algorithms.recipe import LrNote, Option, Recipe, classes
 from hexagram.algorithms.wrappers import WRAPPER_OPTIONS, wrap
-from hexagram.config import build_config, check_choice, check_float, check_int
+from hexagram.config import build_config, check_choice, check_float, check_int, unknown_name
 
 __all__ = ["Candidacy", "Entry", "Planned", "auto_candidates", "entries", "get", "names",
            "planner_options", "planner_priced"]
@@ -268,8 +268,8 @@ def get(name: str | Algorithm, **config: Any) -> Algorithm:
     hierarchical=True, delay=1, rank=4)``.
 
     Raises:
-        ValueError: unknown name (lists the valid names).
-        ConfigError: unknown config field or a value out of range (names the field).
+        ConfigError: unknown name (lists the valid names and the closest), unknown config
+            field or a value out of range (names the field).
     """
     options = {k: config.pop(k) for k in WRAPPER_OPTIONS if k in config}
     if isinstance(name, Algorithm):
@@ -279,9 +279,9 @@ def get(name: str | Algorithm, **config: Any) -> Algorithm:
         return wrap(name, **options)
     table = entries()
     if name not in table:
-        raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(table)}")
+        raise unknown_name("algorithm", name, table)
     config_cls, algorithm_cls = table[name].load()
     own = {f.name for f in dataclasses.fields(config_cls)}
     config.update({k: v for k, v in options.items() if k in own})  # e.g. allreduce's
-    algorithm = algorithm_cls(build_config(config_cls, config))
+    algorithm = algorithm_cls(build_config(config_cls, config, owner=f"algorithm {name!r}"))
     return wrap(algorithm, **{k: v for k, v in options.items() if k not in own})

@@ -213,18 +213,14 @@ def _unknown_algorithm(text: str) -> str | None:
     """One line naming the first label of ``--algorithms`` that is neither a PyTorch peer nor
     a registered algorithm (with the closest name), or None when all are known; checked
     before the lab starts, so a typo costs a line, not a run."""
-    from difflib import get_close_matches
-
     from hexagram.algorithms import names
+    from hexagram.config import unknown_name
 
-    known = [*PEERS, *names()]
+    known = [*PEERS, *names(), "all"]
     for label in algorithm_list(text):
         name = split_label(label)[0]
         if name not in known:
-            close = get_close_matches(name, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            return (f"algorithm {name!r} is not registered: valid are {', '.join(known)} "
-                    f"(or 'all'){hint}")
+            return str(unknown_name("algorithm", name, known))
     return None
 
 

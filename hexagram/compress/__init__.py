@@ -24,7 +24,7 @@ from typing import Any
 
 from hexagram.compress.base import Aggregation, Compressor, Payload, check_compressible
 from hexagram.compress.feedback import ErrorFeedback
-from hexagram.config import build_config
+from hexagram.config import build_config, unknown_name
 
 __all__ = [
     "Aggregation",
@@ -91,11 +91,11 @@ def get(name: str, **config: Any) -> Compressor:
     """A new compressor: ``get("qsgd", levels=16, seed=0)``.
 
     Raises:
-        ValueError: unknown name (lists the valid names).
-        ConfigError: unknown field or out-of-range value (names the field).
+        ConfigError: unknown name (lists the valid names and the closest), unknown field
+            or out-of-range value (names the field).
     """
     if name not in _ENTRIES:
-        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(_ENTRIES)}")
+        raise unknown_name("compressor", name, _ENTRIES)
     e = _ENTRIES[name]
     mod = importlib.import_module(e.module)
     cfg = build_config(getattr(mod, e.config), config)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hexagram.algorithms import registry
+from hexagram.config import unknown_name
 from hexagram.errors import ConfigError
 
 __all__ = ["DP_BUCKET_BYTES", "PRICED", "check_dp_algorithm", "check_priced"]
@@ -58,8 +59,7 @@ def check_dp_algorithm(name: str, options: Mapping[str, Any] | None = None) -> N
                           f"whole job; drop them (the stage's dp group is the sync group)")
     entry = registry.entries().get(name)
     if entry is None:
-        raise ValueError(f"unknown dp_algorithm {name!r}; valid names: "
-                         f"{', '.join(registry.names())}")
+        raise unknown_name("dp_algorithm", name, registry.names())
     if entry.kind == "weight":
         raise ConfigError(f"dp_algorithm {name!r} cannot synchronise a stage's gradients: it "
                           f"averages weights after optimizer steps (a weight algorithm); use "
