@@ -11,10 +11,6 @@ before this module, one test reruns the file in a fresh process.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -22,10 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install -e '.[dev]'): the fused dispatch is "
-                "not tested", allow_module_level=True)
+from _triton_mode import rerun_in_fresh_process, select
 
 import hexagram.compress as hc  # none of these imports triton
 from hexagram.compress import kernels, packing
@@ -33,19 +26,12 @@ from hexagram.compress.base import SeededCompressor
 from hexagram.compress.segments import Segments
 
 CUDA = torch.cuda.is_available()
-IN_PROCESS = CUDA
-if not CUDA:
-    try:
-        kernels.use_interpreter()
-        IN_PROCESS = True
-    except RuntimeError:  # triton imported compiled before: see test_in_a_fresh_process
-        pass
+IN_PROCESS = select("the fused dispatch is")  # the interpreter, chosen before triton is imported
 
 #: the interpreter computes with numpy, which warns where the eager code overflows too
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 5
 KERNELS = ("minmax_encode", "stochastic_codes", "sign_bits", "decode_table", "decode_affine",
            "finite_clean")
@@ -255,7 +241,4 @@ def test_guard_dispatch_equals_the_eager_check(dtype: torch.dtype, sizes: list[i
 def test_in_a_fresh_process() -> None:
     """Triton was imported compiled before this module (another test module): run this
     file in a process of its own, where the interpreter can be chosen first."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:]
+    rerun_in_fresh_process(__file__)

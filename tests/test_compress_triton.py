@@ -10,7 +10,6 @@ before this module, one test reruns the file in a fresh process.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,30 +19,19 @@ from typing import Any
 
 import pytest
 import torch
-
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install -e '.[dev]'): the fused kernels are "
-                "not tested", allow_module_level=True)
+from _triton_mode import ROOT, rerun_in_fresh_process, select
 
 import hexagram.compress as hc
 from hexagram.compress import chunks, kernels, packing, quantize, sign_blocks, ternary
 from hexagram.compress.sign_bits import encode_signs
 
 CUDA = torch.cuda.is_available()
-IN_PROCESS = CUDA
-if not CUDA:
-    try:
-        kernels.use_interpreter()
-        IN_PROCESS = True
-    except RuntimeError:  # triton imported compiled before: see test_in_a_fresh_process
-        pass
+IN_PROCESS = select("the fused kernels are")  # the interpreter, chosen before triton is imported
 
 #: the interpreter computes with numpy, which warns where the eager code overflows too
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 SIZES = [1, 7, 8, 1023, 4097]
-#: the repository (first on the path of the processes the tests start)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 3
 
 
@@ -445,7 +433,4 @@ def test_compiled_kernels_round_as_torch() -> None:
 def test_in_a_fresh_process() -> None:
     """Triton was imported compiled before this module (another test module): run this
     file in a process of its own, where the interpreter can be chosen first."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:]
+    rerun_in_fresh_process(__file__)
