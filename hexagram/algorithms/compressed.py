@@ -25,7 +25,6 @@ An algorithm that only applies a compressor needs no class: it is a registry lin
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -34,6 +33,7 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.algorithms.layouts import BucketLayout, LayoutCache
 from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm.communicator import Handle
 from hexagram.comm.reduce import reduce_many
@@ -279,40 +279,6 @@ class CompressedAlgorithm(Algorithm):
         self._generator_loaded = True
 
 
-@dataclass(frozen=True, eq=False)  # one per bucket layout, compared by identity
-class BucketLayout:
-    """What a compressor algorithm keeps per bucket layout, built once (first step, and
-    again when the engine re-forms its buckets) and reused every step.
-
-    Attributes:
-        entries: the bucket's entries (the list object itself: its identity is the layout).
-        names: their parameter names, in buffer order (the error-feedback keys).
-        lengths: their sizes.
-        segments: ``granularity="layer"``: each tensor a segment of one
-            :meth:`~hexagram.compress.base.Compressor.compress_segments` call; ``None``:
-            the bucket compressed as one tensor.
-    """
-
-    entries: list[BucketEntry]
-    names: tuple[str, ...]
-    lengths: tuple[int, ...]
-    segments: Segments | None
-    #: other entry lists with the same names and sizes (a wrapper's double-buffered copies
-    #: of one bucket, e.g. ``delay=1``'s stashes): the same layout, so nothing is rebuilt
-    #: and the error-feedback buffer stays bound when they alternate
-    aliases: list[list[BucketEntry]] = dataclasses.field(default_factory=list)
-
-    def describes(self, entries: list[BucketEntry]) -> bool:
-        """True if ``entries`` is this layout's list or an alias of it (identity: one
-        comparison per known list, nothing per tensor)."""
-        return entries is self.entries or any(entries is a for a in self.aliases)
-
-    @functools.cached_property
-    def described(self) -> str:
-        """The parameter names, for messages (built once)."""
-        return ", ".join(self.names)
-
-
 class CompressorAlgorithm(CompressedAlgorithm):
     """A compressor applied per segment, exchanged by :func:`hexagram.comm.reduce.reduce_many`.
 
@@ -346,7 +312,7 @@ class CompressorAlgorithm(CompressedAlgorithm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._layouts: dict[int, BucketLayout] = {}  # bucket index -> its layout
+        self._layouts = LayoutCache(self._build_layout)
 
     def use_compressor(self, compressor: Compressor, feedback: bool) -> None:
         """Set the compressor, wrapped in error feedback if ``feedback``."""
@@ -371,20 +337,16 @@ class CompressorAlgorithm(CompressedAlgorithm):
         ).then(lambda _: bucket.flat)
 
     def layout(self, bucket: Bucket) -> BucketLayout:
-        """The bucket's :class:`BucketLayout` (cached per bucket index while its entries
-        are the same list: nothing per tensor is built after the first step)."""
-        known = self._layouts.get(bucket.index)
-        if known is not None and known.describes(bucket.entries):
-            return known
-        lengths = tuple(e.numel for e in bucket.entries)
-        names = tuple(e.name for e in bucket.entries)
-        if known is not None and (known.names, known.lengths) == (names, lengths):
-            known.aliases.append(bucket.entries)  # another buffer of the same tensors
-            return known
-        layout = BucketLayout(bucket.entries, names, lengths, Segments.of(lengths)
-                              if self.config.granularity == "layer" else None)
-        self._layouts[bucket.index] = layout
+        """The bucket's :class:`BucketLayout` (built once per set of tensors: nothing per
+        tensor is built after the first step)."""
+        layout = self._layouts.of(bucket)
+        assert layout is not None  # the builder always gives one
         return layout
+
+    def _build_layout(self, bucket: Bucket, names: tuple[str, ...],
+                      lengths: tuple[int, ...]) -> BucketLayout:
+        return BucketLayout(bucket.entries, names, lengths, Segments.of(lengths)
+                            if self.config.granularity == "layer" else None)
 
     def encode_bucket(self, layout: BucketLayout, flat: Tensor, divisor: int) -> Payload:
         """The payload of ``flat / divisor`` (``flat``: the bucket's buffer, ours to

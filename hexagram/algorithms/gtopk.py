@@ -48,7 +48,8 @@ from hexagram.algorithms.compressed import (
     CompressedConfig,
     Segment,
 )
-from hexagram.buckets import Bucket, BucketEntry
+from hexagram.algorithms.layouts import BucketLayout, LayoutCache
+from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
 from hexagram.comm.gtopk import (
     butterfly,
@@ -97,20 +98,13 @@ class GTopKConfig(CompressedConfig):
         check_float(self, "density", low=0.0, high=1.0, low_open=True)
 
 
-@dataclass(eq=False)  # one per bucket layout, a key of the error feedback's flat residual
-class _Layout:
+@dataclass(frozen=True, eq=False)  # one per bucket layout, a key of the flat residual
+class _Layout(BucketLayout):
     """A bucket layout's host facts, built once: its tensors' segments (whole bucket for
-    ``granularity="bucket"``), their pairs, and the entry lists it describes."""
+    ``granularity="bucket"``: always segments) and their pairs (``plan``)."""
 
-    entries: list[BucketEntry]
-    names: tuple[str, ...]
-    lengths: tuple[int, ...]
     segments: Segments
-    plan: SegmentPlan
-    aliases: list[list[BucketEntry]] = field(default_factory=list)
-
-    def describes(self, entries: list[BucketEntry]) -> bool:
-        return entries is self.entries or any(entries is a for a in self.aliases)
+    plan: SegmentPlan = field(kw_only=True)
 
 
 class GTopKAlgorithm(CompressedAlgorithm):
@@ -127,12 +121,12 @@ class GTopKAlgorithm(CompressedAlgorithm):
         self.compressor.checks_finite = False  # buckets are checked once per step instead
         if self.config.error_feedback:
             self.error_feedback = ErrorFeedback(self.compressor)
-        self._layouts: dict[int, _Layout | None] = {}  # bucket index -> its layout
+        self._layouts = LayoutCache(self._build_layout)
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
         """The bucket's tensors in one exchange (see the module doc), into ``bucket.flat``;
         tensor by tensor where a layout cannot go whole."""
-        layout = self._layout(bucket)
+        layout = self._layouts.of(bucket)
         if layout is None:
             return super().reduce_bucket(bucket)
         flat, plan, ef = bucket.flat, layout.plan, self.error_feedback
@@ -161,26 +155,15 @@ class GTopKAlgorithm(CompressedAlgorithm):
 
         return handle.then(finish)
 
-    def _layout(self, bucket: Bucket) -> _Layout | None:
-        """The bucket's layout (cached per index while its entries are the same list or an
-        alias of it); None where it goes tensor by tensor (an empty tensor, 2**31 elements
-        or more)."""
-        known = self._layouts.get(bucket.index)
-        if known is not None and known.describes(bucket.entries):
-            return known
-        names = tuple(e.name for e in bucket.entries)
-        lengths = tuple(e.numel for e in bucket.entries)
-        if known is not None and (known.names, known.lengths) == (names, lengths):
-            known.aliases.append(bucket.entries)  # another buffer of the same tensors
-            return known
+    def _build_layout(self, bucket: Bucket, names: tuple[str, ...],
+                      lengths: tuple[int, ...]) -> _Layout | None:
+        """The bucket's layout; None where it goes tensor by tensor (an empty tensor,
+        2**31 elements or more)."""
         if min(lengths) == 0 or sum(lengths) >= 2**31:
-            self._layouts.pop(bucket.index, None)
             return None
         sizes = lengths if self.config.granularity == "layer" else (sum(lengths),)
         plan = SegmentPlan.of(sizes, [self.compressor.config.count(n) for n in sizes])
-        layout = _Layout(bucket.entries, names, lengths, Segments.of(sizes), plan)
-        self._layouts[bucket.index] = layout
-        return layout
+        return _Layout(bucket.entries, names, lengths, Segments.of(sizes), plan=plan)
 
     def reduce_segment(self, segment: Segment, tensor: Tensor) -> Handle[Tensor]:
         """Top-k of ``tensor`` + residual (built in ``tensor``, the bucket's own view), the
