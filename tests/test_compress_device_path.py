@@ -9,8 +9,6 @@ a device once, and blocks span the whole tensor off the CPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -21,15 +19,6 @@ from hexagram.compress import packing
 #: algorithms' default; per tensor their sums are float64 on the device, see below)
 EXACT = ["fp16", "bf16", "sign", "efsign", "onebit", "topk", "randomk", "threshold",
          "powersgd"]
-
-
-@pytest.fixture
-def device_path() -> Iterator[None]:
-    packing.CPU_FAST_PATHS = False
-    try:
-        yield
-    finally:
-        packing.CPU_FAST_PATHS = True
 
 
 def _x(n: int = 70_001) -> torch.Tensor:

@@ -174,15 +174,6 @@ def test_op_count_does_not_grow_with_segments(name: str, config: dict[str, Any],
     assert count_ops(name, 128, config) == count_ops(name, 8, config)
 
 
-@pytest.fixture
-def device_path() -> Iterator[None]:
-    packing.CPU_FAST_PATHS = False
-    try:
-        yield
-    finally:
-        packing.CPU_FAST_PATHS = True
-
-
 def test_terngrad_clipped_scales_per_segment_match_each_tensor_alone() -> None:
     from hexagram.compress.segments import Segments
 
