@@ -312,7 +312,7 @@ class CompressorAlgorithm(CompressedAlgorithm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._layouts = LayoutCache(self._build_layout)
+        self._layouts: LayoutCache[BucketLayout] = LayoutCache()
 
     def use_compressor(self, compressor: Compressor, feedback: bool) -> None:
         """Set the compressor, wrapped in error feedback if ``feedback``."""
@@ -339,7 +339,7 @@ class CompressorAlgorithm(CompressedAlgorithm):
     def layout(self, bucket: Bucket) -> BucketLayout:
         """The bucket's :class:`BucketLayout` (built once per set of tensors: nothing per
         tensor is built after the first step)."""
-        layout = self._layouts.of(bucket)
+        layout = self._layouts.of(bucket, self._build_layout)
         assert layout is not None  # the builder always gives one
         return layout
 

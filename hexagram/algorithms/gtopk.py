@@ -121,12 +121,12 @@ class GTopKAlgorithm(CompressedAlgorithm):
         self.compressor.checks_finite = False  # buckets are checked once per step instead
         if self.config.error_feedback:
             self.error_feedback = ErrorFeedback(self.compressor)
-        self._layouts = LayoutCache(self._build_layout)
+        self._layouts: LayoutCache[_Layout] = LayoutCache()
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
         """The bucket's tensors in one exchange (see the module doc), into ``bucket.flat``;
         tensor by tensor where a layout cannot go whole."""
-        layout = self._layouts.of(bucket)
+        layout = self._layouts.of(bucket, self._build_layout)
         if layout is None:
             return super().reduce_bucket(bucket)
         flat, plan, ef = bucket.flat, layout.plan, self.error_feedback

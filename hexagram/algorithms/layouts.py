@@ -12,9 +12,9 @@ Example:
     >>> from hexagram.buckets import Bucket
     >>> import torch
     >>> bucket = Bucket(0, [("w", torch.nn.Parameter(torch.zeros(3)))])
-    >>> cache = LayoutCache(lambda b, names, lengths: BucketLayout(b.entries, names, lengths,
-    ...                                                             None))
-    >>> cache.of(bucket) is cache.of(bucket), cache.of(bucket).names
+    >>> cache = LayoutCache()
+    >>> build = lambda b, names, lengths: BucketLayout(b.entries, names, lengths, None)
+    >>> cache.of(bucket, build) is cache.of(bucket, build), cache.of(bucket, build).names
     (True, ('w',))
 """
 
@@ -69,16 +69,16 @@ LayoutT = TypeVar("LayoutT", bound=BucketLayout)
 
 
 class LayoutCache(Generic[LayoutT]):
-    """One layout per bucket index, built by ``build(bucket, names, lengths)`` when the
+    """One layout per bucket index, built by ``build(bucket, names, lengths)`` (given at
+    each call, so the cache holds no reference back to its algorithm: no cycle) when the
     bucket's tensors change; ``build`` may return None where the algorithm takes that
     bucket another way (it is then asked again at the next step)."""
 
-    def __init__(self, build: Callable[[Bucket, tuple[str, ...], tuple[int, ...]],
-                                       LayoutT | None]) -> None:
-        self._build = build
+    def __init__(self) -> None:
         self._known: dict[int, LayoutT] = {}
 
-    def of(self, bucket: Bucket) -> LayoutT | None:
+    def of(self, bucket: Bucket, build: Callable[[Bucket, tuple[str, ...], tuple[int, ...]],
+                                                LayoutT | None]) -> LayoutT | None:
         """``bucket``'s layout: the known one if it describes the bucket's entries (or the
         same names and sizes: it becomes an alias), else a new one from ``build``."""
         known = self._known.get(bucket.index)
@@ -89,7 +89,7 @@ class LayoutCache(Generic[LayoutT]):
         if known is not None and (known.names, known.lengths) == (names, lengths):
             known.aliases.append(bucket.entries)  # another buffer of the same tensors
             return known
-        layout = self._build(bucket, names, lengths)
+        layout = build(bucket, names, lengths)
         if layout is None:
             self._known.pop(bucket.index, None)
         else:
