@@ -11,8 +11,12 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 from hexagram.errors import require
 
@@ -24,13 +28,34 @@ Row = tuple[dict[int, float], float, float]
 _FEATURE = "the planner's ILP (hexagram plan, hexagram.parallel)"
 
 
+def _quiet_highs(highspy: Any) -> Any:
+    """A ``Highs`` instance without its banner: HiGHS prints "Running HiGHS ..." to the C
+    stdout when it is constructed, before any option can turn logging off, so the process's
+    file descriptor 1 points at /dev/null for that call (C buffers flushed before it is
+    restored, so nothing leaks out later)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        try:
+            return highspy.Highs()
+        finally:
+            ctypes.CDLL(None).fflush(None)
+            os.dup2(saved, 1)
+    finally:
+        os.close(null)
+        os.close(saved)
+
+
 def _solve_highs(c: Sequence[float], rows: Sequence[Row], n_binary: int) -> list[float] | None:
     import numpy as np
 
     highspy = require("highspy", extra="planner", feature=_FEATURE)
 
-    h = highspy.Highs()
+    h = _quiet_highs(highspy)
     h.setOptionValue("output_flag", False)
+    h.setOptionValue("log_to_console", False)
     h.setOptionValue("mip_rel_gap", 1e-6)
     n = len(c)
     lp = highspy.HighsLp()
