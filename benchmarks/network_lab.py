@@ -71,7 +71,7 @@ def time_to_accuracy(out: Path, target: float, epochs: int, algorithms: str) -> 
 
 
 #: GPT of 3.2M parameters in 4 blocks: 52 tensors, most of them small.
-GPT = ["--layers", "4", "--width", "256", "--block", "64"]
+GPT = ["--layers", "4", "--width", "256", "--seq", "64"]
 GPT_ALGORITHMS = "ddp,ddp-fp16,allreduce,fp16,powersgd,qsgd,bytegrad,topk,dgc,local_sgd"
 
 

@@ -21,20 +21,30 @@ from typing import Any
 import torch
 from torch import nn
 
+from hexagram.cli_options import add, positive_int
+
 __all__ = ["add_arguments", "run", "train_worker"]
+
+
+def _registered() -> list[str]:
+    from hexagram.algorithms import registry
+
+    return [n for n in registry.names() if n != "auto"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hexagram demo``."""
-    parser.add_argument("--ranks", type=int, default=4, help="local processes (default 4)")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=64, help="batch per rank")
-    parser.add_argument("--dataset", default="auto", choices=["auto", "fashion-mnist", "digits"])
-    parser.add_argument("--algorithms", default="allreduce",
-                        help="comma-separated algorithm names (see README's table)")
+    parser.add_argument("--ranks", type=positive_int, default=4, help="local processes")
+    add(parser, "epochs", default=2)
+    add(parser, "batch", default=64)
+    add(parser, "dataset", default="auto", choices=["auto", "fashion-mnist", "digits"],
+        note="auto: Fashion-MNIST when installed, else digits")
+    add(parser, "algorithms", default="allreduce", known=_registered, allow_all=False,
+        note="see the README's table")
     parser.add_argument("--no-lab", action="store_true",
                         help="skip the slow-link comparison on emulated hosts")
-    parser.add_argument("--out", default="hexagram-demo.png", help="PNG of the lab comparison")
+    parser.add_argument("--out", default="hexagram-demo.png", metavar="FILE",
+                        help="PNG of the lab comparison")
 
 
 def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -124,8 +134,6 @@ def _lab_part(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit code."""
-    if args.ranks < 1 or args.epochs < 1 or args.batch < 1:
-        raise SystemExit("--ranks, --epochs and --batch must be >= 1")
     _local_part(args)
     if not args.no_lab:
         _lab_part(args)

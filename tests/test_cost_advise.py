@@ -42,7 +42,7 @@ def test_probe_file_round_trip(probe_file: Path) -> None:
 def test_advise_predicts_for_a_reference_model(probe_file: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["advise", "--probe", str(probe_file), "--model", "mlp", "--params",
-                 "2000000", "--candidates", "allreduce,topk,fp16"])
+                 "2000000", "--algorithms", "allreduce,topk,fp16"])
     out = capsys.readouterr().out
     assert code == 0
     for label in ("allreduce", "topk", "fp16"):

@@ -69,7 +69,7 @@ def test_license_is_apache_2() -> None:
 def test_plan_without_solvers_says_which_extra(monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     _hide(monkeypatch, "highspy", "pulp")
-    code = main(["plan", "--model", "mlp", "--layers", "2", "--hidden", "64",
+    code = main(["plan", "--model", "mlp", "--layers", "2", "--width", "64",
                  "--cluster", "1x2"])
     err = capsys.readouterr().err
     assert code == 2

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hexagram.auto",),
     ("hexagram.algorithms", "hexagram.testing"),
     ("hexagram.robust", "hexagram.optim"),
-    ("hexagram.cost",),
+    ("hexagram.cost", "hexagram.cli_options"),  # the commands' shared options
     ("hexagram.comm",),
     ("hexagram.compress",),
     ("hexagram.runtime", "hexagram.rendezvous", "hexagram.launch", "hexagram.config",

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from hexagram.cli_options import Parser
 from hexagram.errors import ConfigError
 from hexagram.parallel import (
     Cluster,
@@ -202,12 +203,10 @@ def test_plan_prints_and_round_trips_through_json() -> None:
 
 
 def test_cli_writes_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser()
+    parser = Parser(prog="hexagram plan")
     plan_cli.add_arguments(parser)
     out = tmp_path / "plan.json"
-    args = parser.parse_args(["--model", "gpt", "--layers", "2", "--hidden", "128", "--seq",
+    args = parser.parse_args(["--model", "gpt", "--layers", "2", "--width", "128", "--seq",
                               "64", "--vocab", "500", "--cluster", "1x2", "--json", str(out)])
     assert plan_cli.run(args) == 0
     assert Plan.from_json(out.read_text()).devices == 2
@@ -219,9 +218,7 @@ def test_cli_writes_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_cli_takes_simulates_presets(capsys: pytest.CaptureFixture[str]) -> None:
     """``hexagram plan --intra/--inter/--device`` plans for the hardware ``hexagram simulate``
     describes with the same names: the cluster equals Cluster.from_presets."""
-    import argparse
-
-    parser = argparse.ArgumentParser()
+    parser = Parser(prog="hexagram plan")
     plan_cli.add_arguments(parser)
     args = parser.parse_args(["--cluster", "2x4", "--intra", "nvlink", "--inter", "25gbe",
                               "--device", "h100"])
@@ -231,6 +228,8 @@ def test_cli_takes_simulates_presets(capsys: pytest.CaptureFixture[str]) -> None
     half = parser.parse_args(["--cluster", "1x2", "--intra", "nvlink"])
     assert plan_cli.run(half) == 2
     assert "--intra and --inter go together" in capsys.readouterr().err
-    unknown = parser.parse_args(["--cluster", "1x2", "--intra", "nvlink", "--inter", "fibre"])
-    assert plan_cli.run(unknown) == 2
-    assert "unknown link preset 'fibre'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as unknown:  # a preset is checked as it is parsed
+        parser.parse_args(["--cluster", "1x2", "--intra", "nvlink", "--inter", "fibre"])
+    err = capsys.readouterr().err
+    assert unknown.value.code == 2 and err.count("\n") == 1
+    assert "unknown link preset 'fibre'" in err

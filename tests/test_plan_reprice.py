@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from hexagram.cli_options import Parser
 from hexagram.errors import HexagramError
 from hexagram.launch import run_local
 from hexagram.parallel import Cluster, Constraints
@@ -120,20 +121,21 @@ def test_scale_compute_slows_compute_only() -> None:
 def _cli_args(**changes: Any) -> argparse.Namespace:
     from hexagram.parallel.cli import add_arguments
 
-    parser = argparse.ArgumentParser()
+    parser = Parser(prog="hexagram plan")
     add_arguments(parser)
-    argv = ["--model", "gpt", "--layers", "2", "--hidden", "1024", "--heads", "16",
-            "--seq", "256", "--batch", "64", "--cluster", "4x8", "--inter-gbps", "10"]
+    argv = ["--model", "gpt", "--layers", "2", "--width", "1024", "--heads", "16",
+            "--seq", "256", "--global-batch", "64", "--cluster", "4x8", "--inter-gbps", "10"]
     for k, v in changes.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return parser.parse_args(argv)
 
 
 def test_cli_dp_algorithms_refuses_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
-    from hexagram.parallel.cli import run
 
-    assert run(_cli_args(dp_algorithms="fp16,bogus")) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        _cli_args(dp_algorithms="fp16,bogus")
     err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
     assert "'bogus' not priced" in err and "powersgd" in err and "topk" in err
 
 
@@ -187,10 +189,10 @@ def test_cli_execute_calibrates_with_the_models_step(capsys: pytest.CaptureFixtu
                                                      ) -> None:
     from hexagram.parallel.cli import add_arguments, run
 
-    parser = argparse.ArgumentParser()
+    parser = Parser(prog="hexagram plan")
     add_arguments(parser)
-    args = parser.parse_args(["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads",
-                              "4", "--vocab", "64", "--seq", "16", "--batch", "8",
+    args = parser.parse_args(["--model", "gpt", "--layers", "2", "--width", "32", "--heads",
+                              "4", "--vocab", "64", "--seq", "16", "--global-batch", "8",
                               "--cluster", "1x2", "--execute", "--steps", "2"])
     assert run(args) == 0
     out = capsys.readouterr().out

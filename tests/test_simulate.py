@@ -186,7 +186,8 @@ def test_bad_input_names_the_field() -> None:
 
 def test_cli_json_and_plot(tmp_path, capsys) -> None:
     png = tmp_path / "steps.png"
-    rc = main(["simulate", "--params", "1000000", "--layers", "4", "--world", "8,16",
+    rc = main(["simulate", "--model", "uniform", "--params", "1000000", "--layers", "4",
+               "--world", "8,16",
                "--algorithms", "allreduce,topk", "--json", "--plot", str(png)])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
@@ -194,15 +195,16 @@ def test_cli_json_and_plot(tmp_path, capsys) -> None:
         ("allreduce", 8), ("topk", 8), ("allreduce", 16), ("topk", 16)]
     assert rows[0]["speedup"] == 1.0 and rows[3]["bytes"] > rows[1]["bytes"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rc = main(["simulate", "--params", "1000000", "--world", "8", "--algorithms", "allreduce"])
+    rc = main(["simulate", "--model", "uniform", "--params", "1000000", "--world", "8",
+               "--algorithms", "allreduce"])
     assert rc == 0 and "| allreduce | 8 |" in capsys.readouterr().out
-    rc = main(["simulate", "--model", "mlp", "--model-params", "5000", "--layers", "1",
+    rc = main(["simulate", "--model", "mlp", "--params", "5000", "--layers", "1",
                "--device", "local", "--batch", "4", "--world", "1,4", "--algorithms", "topk",
                "--json"])
     local = json.loads(capsys.readouterr().out)  # compute and top-k cost measured here
     assert rc == 0 and local[0]["compute_s"] > 0 and local[0]["compress_s"] == 0.0
     assert local[1]["compress_s"] > 0 and local[1]["bytes"] > 0
-    assert main(["simulate", "--world", "12", "--params", "1000"]) == 2
+    assert main(["simulate", "--world", "12", "--model", "uniform", "--params", "1000"]) == 2
     assert "multiple of devices_per_host" in capsys.readouterr().err
 
 
@@ -298,10 +300,12 @@ def test_gpu_compressors_are_priced_from_measurements() -> None:
 
 def test_powersgd_on_one_nvlink_host_is_slower_than_allreduce_as_measured(capsys) -> None:
     # one host of 8 H100s: the measured compressors cost more than NVLink saves
-    rc = main(["simulate", "--params", "100000000", "--layers", "4", "--world", "8",
+    rc = main(["simulate", "--model", "uniform", "--params", "100000000", "--layers", "4",
+               "--world", "8",
                "--algorithms", "allreduce,powersgd", "--json"])
     rows = {r["label"]: r for r in json.loads(capsys.readouterr().out)}
     assert rc == 0 and rows["powersgd"]["speedup"] < 1.0
-    assert main(["simulate", "--params", "1000000", "--world", "8", "--algorithms",
+    assert main(["simulate", "--model", "uniform", "--params", "1000000", "--world", "8",
+                 "--algorithms",
                  "allreduce,fp16"]) == 0
     assert "measured on one NVIDIA H200" in capsys.readouterr().out

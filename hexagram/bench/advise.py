@@ -30,24 +30,37 @@ from typing import Any
 
 import torch
 
-from hexagram.bench.cli import add_arguments as add_bench_arguments
+from hexagram.bench.cli import add_lab_arguments, add_model_arguments
 from hexagram.bench.lab import LabUnavailableError, parse_rate
+from hexagram.cli_options import add, checked, existing_file, fail
 
 __all__ = ["add_arguments", "assumed_network", "load_factory", "recommend", "run"]
 
 
+def _registered() -> list[str]:
+    from hexagram.algorithms import registry
+
+    return [n for n in registry.names() if n != "auto"]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--from``/``--probe``/``--module`` and friends, plus ``hexagram bench``'s options."""
+    """``--from``/``--probe``/``--module``, the candidates, the lab and the model."""
     a = parser.add_argument
-    a("--from", dest="source", help="a `hexagram bench --json` report")
-    a("--probe", help="a probe file (python -m hexagram.bench.task, or --save-probe)")
-    a("--save-probe", help="write the probe made now to this file")
-    a("--module", help="profile the model of pkg.mod:factory (returns a Workload-like object "
+    a("--from", dest="source", type=existing_file, metavar="FILE",
+      help="a `hexagram bench --json` report")
+    a("--probe", type=existing_file, metavar="FILE",
+      help="a probe file (python -m hexagram.bench.task, or --save-probe)")
+    a("--save-probe", metavar="FILE", help="write the probe made now to this file")
+    a("--module", type=checked(_factory_spec), metavar="PKG.MOD:FACTORY",
+      help="profile the model of pkg.mod:factory (returns a Workload-like object "
       "with model, batch(n, generator), loss(out, y); or a (model, batch_fn, loss_fn) tuple)")
-    a("--candidates", help="comma-separated labels (default: auto's candidates)")
+    add(parser, "algorithms", known=_registered, allow_all=False, aliases=("candidates",),
+        note="the candidates (default: auto's)")
     a("--allow-delay", action="store_true", help="also local SGD, DiLoCo, decentralized")
     a("--lossless", action="store_true", help="only exact-sum algorithms")
-    add_bench_arguments(parser)
+    add_lab_arguments(parser, note="the first of a comma list is probed")
+    add_model_arguments(parser, params=6_300_000, layers=3, width=256)
+    add(parser, "batch", default=32, note="of the profiled step")
 
 
 def recommend(rows: list[dict[str, Any]], min_efficiency: float = 0.0) -> dict[str, Any]:
@@ -78,16 +91,37 @@ def assumed_network(bandwidth: str, world: int, hosts: int) -> Any:
     return NetworkProfile(world, hosts, fits, notes=[f"assumed from '{bandwidth}', not probed"])
 
 
+def _factory_spec(spec: str) -> tuple[str, str]:
+    """``pkg.mod:factory`` -> ``("pkg.mod", "factory")`` (SystemExit naming the form)."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise SystemExit(f"--module {spec!r}: expected pkg.mod:factory")
+    return mod_name, attr
+
+
 def load_factory(spec: str) -> tuple[torch.nn.Module, Any, Any]:
     """``pkg.mod:factory`` -> (model, batch() -> (x, y), loss(out, y))."""
-    mod_name, sep, attr = spec.partition(":")
-    if not sep:
-        raise SystemExit(f"--module {spec!r}: expected pkg.mod:factory")
-    made = getattr(importlib.import_module(mod_name), attr)()
+    mod_name, attr = _factory_spec(spec)
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"--module {spec!r}: {exc}") from None
+    made = factory()
     if isinstance(made, tuple):
         return made[0], made[1], made[2]
     gen = torch.Generator().manual_seed(0)
     return made.model, lambda: made.batch(32, gen), made.loss
+
+
+def _load_probe(path: str) -> tuple[Any, dict[str, Any]]:
+    """:func:`hexagram.bench.task.load_probe`, a malformed file as one line (SystemExit)."""
+    from hexagram.bench.task import load_probe
+
+    try:
+        return load_probe(path)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise SystemExit(f"--probe {path}: not a probe file ({type(exc).__name__}: {exc}); "
+                         "write one with --save-probe") from None
 
 
 def _workload(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
@@ -96,7 +130,7 @@ def _workload(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
     from hexagram.models.workload import ModelSpec, build_workload
 
     work = build_workload(ModelSpec(name=args.model, params=args.params, layers=args.layers,
-                                    width=args.width, block=args.block))
+                                    width=args.width, block=args.seq))
     gen = torch.Generator().manual_seed(0)
     return work.model, lambda: work.batch(args.batch, gen), work.loss
 
@@ -124,7 +158,7 @@ def _predict(args: argparse.Namespace, network: Any, costs: dict[str, Any]) -> i
 
     model, batch, loss = _workload(args)
     compute = profile_module(model, batch, loss)
-    labels = args.candidates.split(",") if args.candidates else None
+    labels = args.algorithms.split(",") if args.algorithms else None
     candidates = choose.resolve(labels, args.allow_delay, not args.lossless)
     missing = [lb for lb, _ in candidates if lb not in costs]
     costs = {**measure_costs(missing), **costs}
@@ -147,12 +181,14 @@ def _predict(args: argparse.Namespace, network: Any, costs: dict[str, Any]) -> i
 def _from_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """Fastest measured per bandwidth, and predicted against measured."""
     from hexagram.algorithms import registry
-    from hexagram.bench.task import load_probe, measure_costs
+    from hexagram.bench.task import measure_costs
     from hexagram.cost.model import predict_any
     from hexagram.cost.profile import profile_module
 
     settings = report.get("settings", {})
-    for key in ("model", "params", "layers", "width", "block", "batch"):
+    if "block" in settings:  # a report from before --block was spelled --seq
+        settings = {"seq": settings["block"], **settings}
+    for key in ("model", "params", "layers", "width", "seq", "batch"):
         if key in settings:
             setattr(args, key, settings[key])
     model, batch, loss = _workload(args)
@@ -160,7 +196,7 @@ def _from_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
     hosts = settings.get("hosts", args.hosts)
     world = hosts * settings.get("ranks_per_host", 1)
     for bandwidth, rows in report["results"].items():
-        network, costs = load_probe(args.probe) if args.probe else \
+        network, costs = _load_probe(args.probe) if args.probe else \
             (assumed_network(bandwidth, world, hosts), {})
         print(f"\n{bandwidth}: predicted against measured ({network.notes or 'probed'})")
         print("| algorithm | predicted s | measured s | error |\n|---|---|---|---|")
@@ -178,15 +214,18 @@ def run(args: argparse.Namespace) -> int:
     """Print the prediction (or a report's recommendation); 2 when the lab is unavailable."""
     if not args.source:
         try:
-            from hexagram.bench.task import load_probe
-
-            network, costs = load_probe(args.probe) if args.probe else _probe_now(args)
+            network, costs = _load_probe(args.probe) if args.probe else _probe_now(args)
         except LabUnavailableError as exc:
             print(f"hexagram advise: {exc}", file=sys.stderr)
             return 2
         return _predict(args, network, costs)
-    with open(args.source) as f:
-        report = json.load(f)
+    try:
+        with open(args.source) as f:
+            report = json.load(f)
+        report["results"].items()
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return fail("hexagram advise", f"--from {args.source}: not a `hexagram bench --json` "
+                    "report (JSON with a 'results' mapping)")
     for bandwidth, rows in report["results"].items():
         advice = recommend(rows)
         speed = (f", {advice['speedup_vs_ddp']:.1f}x the step rate of PyTorch DDP"

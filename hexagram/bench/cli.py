@@ -27,10 +27,12 @@ from hexagram.bench.report import (
     summarize_outcome,
     write_outputs,
 )
+from hexagram.cli_options import add, nonnegative_int, positive_float, positive_int
 from hexagram.errors import require
 from hexagram.models.workload import MODELS
 
-__all__ = ["add_arguments", "algorithm_list", "parse_settings", "run", "run_bench",
+__all__ = ["add_arguments", "add_lab_arguments", "add_model_arguments", "algorithm_list",
+           "known_algorithms", "parse_settings", "run", "run_bench",
            "split_label"]
 
 
@@ -75,43 +77,61 @@ def parse_settings(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def known_algorithms() -> list[str]:
+    """The names ``--algorithms`` takes in ``bench`` and ``train``: PyTorch's peers and
+    every registered algorithm."""
+    from hexagram.algorithms import names
+
+    return [*PEERS, *names()]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, params: int, layers: int,
+                        width: int) -> None:
+    """``--model --params --layers --width --seq`` of the lab commands (bench, train,
+    advise); ``--block`` is the old spelling of ``--seq``."""
+    add(parser, "model", choices=MODELS, default="mlp")
+    add(parser, "params", default=params)
+    add(parser, "layers", default=layers)
+    add(parser, "width", default=width)
+    add(parser, "seq", default=64, aliases=("block",))
+
+
+def add_lab_arguments(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--hosts --ranks-per-host --bandwidth --loopback``: the emulated network."""
+    add(parser, "hosts", default=4)
+    add(parser, "ranks-per-host", default=1)
+    add(parser, "bandwidth", default="100mbit", parse=parse_rate, note=note)
+    add(parser, "loopback")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hexagram bench``."""
+    add_lab_arguments(parser, note="comma-separated: one lab per rate")
+    add_model_arguments(parser, params=6_300_000, layers=3, width=256)
+    add(parser, "algorithms", default="ddp,ddp-fp16,allreduce", known=known_algorithms,
+        note="or 'all' (PyTorch peers + every registered algorithm); NAME:FIELD=VALUE sets a "
+        "config field, e.g. allreduce:hierarchical=true")
+    add(parser, "set", default=[])
+    add(parser, "batch", default=32)
+    add(parser, "steps", default=20, note="timed steps per algorithm (at most)")
     a = parser.add_argument
-    a("--hosts", type=int, default=4, help="emulated hosts (network namespaces)")
-    a("--ranks-per-host", type=int, default=1, help="processes per host (loopback inside)")
-    a("--bandwidth", default="100mbit",
-      help="link rate(s), comma-separated: 100mbit,1gbit,unshaped")
-    a("--model", choices=MODELS, default="mlp")
-    a("--params", type=int, default=6_300_000, help="MLP parameters (about)")
-    a("--layers", type=int, default=3, help="MLP hidden layers / GPT blocks")
-    a("--width", type=int, default=256, help="CNN hidden width / GPT embedding width")
-    a("--block", type=int, default=64, help="GPT context length")
-    a("--algorithms", default="ddp,ddp-fp16,allreduce",
-      help="comma-separated names, or 'all' (PyTorch peers + every registered algorithm); "
-      "NAME:FIELD=VALUE sets a config field, e.g. allreduce:hierarchical=true")
-    a("--set", action="append", default=[], metavar="ALGO.FIELD=VALUE",
-      help="algorithm config, e.g. --set qsgd.levels=16 (repeatable)")
-    a("--steps", type=int, default=20, help="timed steps per algorithm (at most)")
-    a("--min-steps", type=int, default=3, help="timed steps at least, whatever --time-limit")
-    a("--warmup", type=int, default=3, help="untimed steps first")
-    a("--time-limit", type=float, default=120.0,
-      help="seconds of timed steps per algorithm: fewer steps when they are slow")
-    a("--rounds", type=int, default=1,
+    a("--min-steps", type=positive_int, default=3,
+      help="timed steps at least, whatever --time-limit")
+    a("--warmup", type=nonnegative_int, default=3, help="untimed steps first")
+    add(parser, "time-limit", default=120.0,
+        note="of timed steps: fewer steps when they are slow")
+    a("--rounds", type=positive_int, default=1,
       help="run the algorithm list this many times, alternating; report the median round")
-    a("--batch", type=int, default=32, help="samples per rank per step")
-    a("--lr", type=float, default=0.01)
-    a("--bucket-mb", type=float, default=None,
-      help="bucket capacity (MB) for every library in the run, PyTorch DDP's included "
-      "(default: each one's own, 25; 0: one tensor per bucket)")
-    a("--threads", type=int, default=1, help="torch threads per rank")
-    a("--timeout", type=float, default=900.0, help="deadline per algorithm (s)")
-    a("--stall-timeout", type=float, default=90.0,
+    add(parser, "lr", default=0.01)
+    add(parser, "bucket-mb", note="for every library in the run, PyTorch DDP's included "
+        "(default: each one's own, 25; 0: one tensor per bucket)")
+    add(parser, "threads", default=1)
+    add(parser, "timeout", default=900.0)
+    a("--stall-timeout", type=positive_float, default=90.0,
       help="a rank that makes no progress this long ends with a 'hung' error")
-    a("--loopback", action="store_true", help="no lab: ranks on 127.0.0.1, unshaped")
-    a("--json", help="write every figure here")
-    a("--plot", help="write a throughput-against-bandwidth PNG here")
-    a("--markdown", help="append the tables (Markdown) to this file")
+    add(parser, "json")
+    add(parser, "plot", note="throughput against bandwidth")
+    add(parser, "markdown")
     a("--quiet", action="store_true", help="no progress bar")
 
 
@@ -121,7 +141,7 @@ def _spec(args: argparse.Namespace, label: str,
     return {"task": "step", "algorithm": name, "label": label,
             "config": {**settings.get(name, {}), **config},
             "model": {"name": args.model, "params": args.params, "layers": args.layers,
-                      "width": args.width, "block": args.block},
+                      "width": args.width, "block": args.seq},
             "steps": args.steps, "min_steps": args.min_steps, "warmup": args.warmup,
             "time_limit": args.time_limit, "batch": args.batch, "lr": args.lr, "seed": 0,
             "bucket_mb": args.bucket_mb,
@@ -209,28 +229,9 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> str:
     return text
 
 
-def _unknown_algorithm(text: str) -> str | None:
-    """One line naming the first label of ``--algorithms`` that is neither a PyTorch peer nor
-    a registered algorithm (with the closest name), or None when all are known; checked
-    before the lab starts, so a typo costs a line, not a run."""
-    from hexagram.algorithms import names
-    from hexagram.config import unknown_name
-
-    known = [*PEERS, *names(), "all"]
-    for label in algorithm_list(text):
-        name = split_label(label)[0]
-        if name not in known:
-            return str(unknown_name("algorithm", name, known))
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``hexagram bench``; 0 when every algorithm ran, 1 when some failed, 2 when the
-    lab is unavailable."""
-    unknown = _unknown_algorithm(args.algorithms)
-    if unknown:
-        print(f"hexagram bench: {unknown}", file=sys.stderr)
-        return 2
+    lab is unavailable (a bad argument stops at the parser: one line, exit code 2)."""
     try:
         report = run_bench(args)
     except LabUnavailableError as exc:

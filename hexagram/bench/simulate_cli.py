@@ -3,9 +3,9 @@
 Example:
     $ hexagram simulate --model mlp --world 8,64,512,4096 --devices-per-host 8 \\
         --inter 25gbe --device h100 --algorithms allreduce,powersgd,topk,gtopk
-    $ hexagram simulate --model gpt --layers 24 --width 2048 --block 1024 --batch 8 \\
+    $ hexagram simulate --model gpt --layers 24 --width 2048 --seq 1024 --batch 8 \\
         --world 8,64,512,4096 --inter 25gbe --json - --plot gpt.png
-    $ hexagram simulate --params 10500000 --world 4 --devices-per-host 1 \\
+    $ hexagram simulate --model uniform --params 10500000 --world 4 --devices-per-host 1 \\
         --inter 100mbit --backend gloo     # the network lab's cluster
 """
 
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from hexagram.cli_options import add, fail, int_list, positive_float, positive_int
 
 # Only torch-free modules here, so that `hexagram simulate --help` starts in a fraction of
 # a second: the simulator (torch, every algorithm) is imported by the functions that run it.
@@ -36,62 +37,74 @@ EXAMPLE = ("example (6.3 M-parameter MLP on 8-H100 hosts, 25 Gbit/s between host
            "  hexagram simulate " + EXAMPLE_ARGS.replace(" --inter", " \\\n    --inter"))
 
 
+def _efficiency(text: str) -> float:
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in (0, 1]")
+    return float(value)
+
+
+def _registered() -> list[str]:
+    from hexagram.algorithms import registry
+
+    return list(registry.names())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hexagram simulate``."""
     parser.epilog = EXAMPLE
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the example's lines
-    parser.add_argument("--model", choices=("mlp", "cnn", "gpt"), default="mlp",
-                        help="registered reference model, built on the meta device")
-    parser.add_argument("--params", type=int, default=None,
-                        help="instead of --model: N parameters in --layers equal layers")
-    parser.add_argument("--model-params", type=int, default=6_300_000, help="MLP size")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="MLP hidden layers / GPT blocks / --params layers")
-    parser.add_argument("--width", type=int, default=256, help="GPT embedding / CNN width")
-    parser.add_argument("--block", type=int, default=64, help="GPT context (tokens/sample)")
-    parser.add_argument("--batch", type=int, default=32, help="samples per device per step")
-    parser.add_argument("--world", default="8,64,512,4096", help="world sizes, comma list")
-    parser.add_argument("--devices-per-host", type=int, default=8)
-    parser.add_argument("--intra", default="nvlink", help=f"one of {', '.join(LINKS)}")
-    parser.add_argument("--inter", default="25gbe", help="link preset or e.g. '40gbit'")
-    parser.add_argument("--inter-links", type=int, default=1, help="uplinks per host")
-    parser.add_argument("--oversubscription", type=float, default=1.0)
-    parser.add_argument("--backend", choices=BACKENDS, default="nccl",
-                        help="whose collective schedules: nccl (ring or tree by size), gloo "
-                        "(ring), mpi (MPICH: recursive doubling / halving-doubling)")
-    parser.add_argument("--device", default="h100",
-                        help="a100, h100, h200 (datasheet figures; compressors priced from "
-                        "the H200 measurements on h100/h200) or local (measure here)")
-    parser.add_argument("--efficiency", type=float, default=EFFICIENCY,
-                        help="fraction of peak FLOP/s reached (device profiles)")
-    parser.add_argument("--algorithms", default="all",
-                        help="comma list of NAME[:FIELD=VALUE...] labels, or 'all'")
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                        help="write the rows as JSON (to stdout without FILE)")
-    parser.add_argument("--plot", default=None, metavar="FILE", help="PNG of step time")
+    add(parser, "model", choices=("mlp", "cnn", "gpt", "uniform"), default="mlp",
+        note="built on the meta device; uniform: --params in --layers equal square layers "
+        "(a transformer-like profile)")
+    add(parser, "params", default=6_300_000, aliases=("model-params",),
+        note="uniform: its total")
+    add(parser, "layers", note="default 3; uniform: 24")
+    add(parser, "width", default=256)
+    add(parser, "seq", default=64, aliases=("block",))
+    add(parser, "batch", default=32, note="one rank per device")
+    a = parser.add_argument
+    a("--world", type=int_list, default="8,64,512,4096", metavar="N,N,...",
+      help="world sizes (devices), comma list")
+    a("--devices-per-host", type=positive_int, default=8, help="devices in a host")
+    add(parser, "intra", default="nvlink", note=f"one of {', '.join(LINKS)}")
+    add(parser, "inter", default="25gbe")
+    a("--inter-links", type=positive_int, default=1, help="uplinks per host")
+    a("--oversubscription", type=positive_float, default=1.0,
+      help="the fabric's oversubscription above the hosts (1: full bisection)")
+    a("--backend", choices=BACKENDS, default="nccl",
+      help="whose collective schedules: nccl (ring or tree by size), gloo "
+      "(ring), mpi (MPICH: recursive doubling / halving-doubling)")
+    add(parser, "device", default="h100", allow_local=True,
+        note="a100, h100, h200 (compressors priced from the H200 measurements on h100/h200) "
+        "or local (measure here)")
+    a("--efficiency", type=_efficiency, default=EFFICIENCY,
+      help="fraction of peak FLOP/s reached (device profiles)")
+    add(parser, "algorithms", default="all", known=_registered, note="or 'all'")
+    add(parser, "bucket-mb", default=25.0)
+    add(parser, "json", nargs="?", const="-", note="without FILE: to stdout")
+    add(parser, "plot", note="step time against world size")
 
 
 def _compute(args: argparse.Namespace) -> ComputeProfile:
     from hexagram.cost.simulate import device_compute, params_tensors, reference_tensors
 
-    if args.params is not None:
+    if args.model == "uniform":
         tensors, tokens = params_tensors(args.params, args.layers or 24), 1
     else:
-        tensors, tokens = reference_tensors(args.model, args.model_params, args.layers or 3,
-                                            args.width, args.block)
+        tensors, tokens = reference_tensors(args.model, args.params, args.layers or 3,
+                                            args.width, args.seq)
     if args.device.lower() != "local":
         return device_compute(tensors, device(args.device), args.batch, tokens,
                               args.efficiency)
-    if args.params is not None:
-        raise ConfigError("--device local measures a registered --model; --params has no "
-                          "runnable model: use --device a100 or h100")
+    if args.model == "uniform":
+        raise ConfigError("--device local measures a registered --model; --model uniform "
+                          "has no runnable model: use --device a100, h100 or h200")
     from hexagram.cost.profile import profile_module
     from hexagram.models.workload import ModelSpec, build_workload
 
-    work = build_workload(ModelSpec(name=args.model, params=args.model_params,
+    work = build_workload(ModelSpec(name=args.model, params=args.params,
                                     layers=args.layers or 3, width=args.width,
-                                    block=args.block))
+                                    block=args.seq))
     return profile_module(work.model, lambda: work.batch(args.batch, None), work.loss)
 
 
@@ -119,14 +132,6 @@ def _pricing(device_name: str) -> str:
         return f"the {SOURCE}; compressors not measured there are taken as memory-bound"
     return (f"an assumption: memory-bound kernels at the {device_name} datasheet's HBM rate "
             "(no measurement of this device)")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(w) for w in text.split(",") if w.strip()]
-    except ValueError:
-        raise ConfigError(f"--world {text!r}: expected a comma list of integers, e.g. "
-                          "8,64,512") from None
 
 
 def format_rows(rows: Sequence[Row]) -> str:
@@ -180,11 +185,10 @@ def run(args: argparse.Namespace) -> int:
                           inter=args.inter, inter_links=args.inter_links,
                           oversubscription=args.oversubscription, backend=args.backend)
         dev = None if args.device.lower() == "local" else device(args.device)
-        rows = simulate(labels, _ints(args.world), _compute(args), cluster, dev,
+        rows = simulate(labels, args.world, _compute(args), cluster, dev,
                         args.bucket_mb, None if dev is not None else _local_costs(labels))
     except (ConfigError, ValueError) as exc:
-        print(f"hexagram simulate: {exc}", file=sys.stderr)
-        return 2
+        return fail("hexagram simulate", exc)
     if args.json is not None:
         text = json.dumps([r.to_json() for r in rows], indent=1)
         if args.json == "-":
@@ -196,6 +200,6 @@ def run(args: argparse.Namespace) -> int:
         if dev is not None:
             print(f"\ncompressors priced from {_pricing(dev.name)}")
     if args.plot:
-        plot_rows(rows, args.plot, f"{args.model if args.params is None else 'params'} on "
+        plot_rows(rows, args.plot, f"{args.model} on "
                   f"{args.device}, {args.devices_per_host}/host, {args.inter} between hosts")
     return 0

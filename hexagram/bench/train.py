@@ -18,10 +18,18 @@ import sys
 from typing import Any
 
 from hexagram.bench import robust as robust_harness
-from hexagram.bench.cli import algorithm_list, parse_settings, split_label
+from hexagram.bench.cli import (
+    add_lab_arguments,
+    add_model_arguments,
+    algorithm_list,
+    known_algorithms,
+    parse_settings,
+    split_label,
+)
 from hexagram.bench.harness import LoopbackLab, check_algorithms, machine_info, run_task
 from hexagram.bench.lab import LabConfig, LabUnavailableError, NetworkLab
 from hexagram.bench.report import write_outputs
+from hexagram.cli_options import add, checked, fail, positive_int
 from hexagram.errors import require
 from hexagram.testing.faults import parse_faults
 
@@ -30,35 +38,29 @@ __all__ = ["add_arguments", "markdown_table", "plot_curves", "run", "run_train"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``hexagram train``."""
+    add_lab_arguments(parser)
+    add(parser, "dataset", choices=("fashion-mnist", "digits", "auto", "text"),
+        default="auto", note="auto: Fashion-MNIST when installed, else digits; text: a "
+        "small GPT on Python's documentation")
+    add_model_arguments(parser, params=1_000_000, layers=2, width=128)
+    add(parser, "algorithms", default="ddp,allreduce", known=known_algorithms,
+        note="NAME:FIELD=VALUE sets a config field")
+    add(parser, "set", default=[])
+    add(parser, "epochs", default=3)
     a = parser.add_argument
-    a("--hosts", type=int, default=4)
-    a("--ranks-per-host", type=int, default=1)
-    a("--bandwidth", default="100mbit", help="link rate, e.g. 100mbit, 1gbit, unshaped")
-    a("--dataset", choices=("fashion-mnist", "digits", "auto", "text"), default="auto")
-    a("--model", choices=("mlp", "cnn", "gpt"), default="mlp",
-      help="mlp/cnn for images; text always uses the GPT")
-    a("--params", type=int, default=1_000_000, help="MLP parameters (about)")
-    a("--layers", type=int, default=2, help="MLP hidden layers / GPT blocks")
-    a("--width", type=int, default=128, help="CNN hidden width / GPT width")
-    a("--block", type=int, default=64, help="GPT context")
-    a("--algorithms", default="ddp,allreduce")
-    a("--set", action="append", default=[], metavar="ALGO.FIELD=VALUE")
-    a("--epochs", type=int, default=3)
     a("--target", type=float, default=None,
       help="stop at this test accuracy (images) or validation loss (text)")
-    a("--evals-per-epoch", type=int, default=4)
-    a("--batch", type=int, default=64, help="samples per rank per step")
-    a("--lr", type=float, default=None, help="default 0.05 (SGD, images) / 3e-3 (AdamW, text)")
-    a("--time-limit", type=float, default=600.0, help="training seconds per algorithm")
-    a("--bucket-mb", type=float, default=None,
-      help="bucket capacity (MB) for every library in the run, PyTorch DDP's included "
-      "(default: each one's own, 25; 0: one tensor per bucket)")
-    a("--threads", type=int, default=1)
+    a("--evals-per-epoch", type=positive_int, default=4, help="evaluations per epoch")
+    add(parser, "batch", default=64)
+    add(parser, "lr", note="default 0.05 (SGD, images) / 3e-3 (AdamW, text)")
+    add(parser, "time-limit", default=600.0, note="of training")
+    add(parser, "bucket-mb", note="for every library in the run, PyTorch DDP's included "
+        "(default: each one's own, 25; 0: one tensor per bucket)")
+    add(parser, "threads", default=1)
     a("--seed", type=int, default=0,
       help="model initialization, data order and the non-IID split (--partition dirichlet)")
-    a("--timeout", type=float, default=1800.0, help="deadline per algorithm (s)")
-    a("--loopback", action="store_true", help="no lab: ranks on 127.0.0.1, unshaped")
-    a("--kill", default="", metavar="RANK@STEP[:ACTION][,...]",
+    add(parser, "timeout", default=1800.0)
+    a("--kill", type=checked(parse_faults), default="", metavar="RANK@STEP[:ACTION][,...]",
       help="fault injection: RANK fails at training STEP (action sigkill by default; exit, "
       "sigstop, raise); without --live the report shows how the run ended (restart with "
       "torchrun --max-restarts and hexagram.load_checkpoint)")
@@ -66,10 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="live mode (hexagram.elastic.live) on loopback: the survivors keep training "
       "when --kill fails a replica, which restarts and heals; reports steps lost, stall, "
       "healing and final accuracy (hexagram.bench.soak)")
-    a("--steps", type=int, default=300, help="training steps with --live")
-    a("--json")
-    a("--plot")
-    a("--markdown")
+    add(parser, "steps", default=300, note="training steps with --live")
+    add(parser, "json")
+    add(parser, "plot", note="accuracy (or loss) against time")
+    add(parser, "markdown")
     robust_harness.add_arguments(parser)  # --byzantine, --attack, --partition, --alpha
 
 
@@ -80,7 +82,7 @@ def _spec(args: argparse.Namespace, label: str, settings: dict[str, Any]) -> dic
             "config": {**settings.get(name, {}), **config},
             "dataset": args.dataset, "epochs": args.epochs, "target": args.target,
             "model": {"name": "gpt" if text else args.model, "params": args.params,
-                      "layers": args.layers, "width": args.width, "block": args.block},
+                      "layers": args.layers, "width": args.width, "block": args.seq},
             "evals_per_epoch": args.evals_per_epoch, "batch": args.batch,
             "lr": args.lr if args.lr is not None else (3e-3 if text else 0.05),
             "time_limit": args.time_limit, "seed": args.seed, "bucket_mb": args.bucket_mb,
@@ -182,6 +184,10 @@ def plot_curves(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hexagram train``; 1 if an algorithm failed, 2 if the lab is unavailable."""
+    try:
+        robust_harness.spec_fields(args)  # a bad --attack or --byzantine: before any lab
+    except (SystemExit, ValueError) as exc:
+        return fail("hexagram train", exc.code if isinstance(exc, SystemExit) else exc)
     if args.live:
         from hexagram.bench.soak import train_cli
 
