@@ -34,7 +34,10 @@ def _quiet_highs(highspy: Any) -> Any:
     file descriptor 1 points at /dev/null for that call (C buffers flushed before it is
     restored, so nothing leaks out later)."""
     sys.stdout.flush()
-    saved = os.dup(1)
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all: nothing to keep clean
+        return highspy.Highs()
     null = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(null, 1)
