@@ -31,13 +31,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=32, help="per rank")
-    parser.add_argument("--candidates", default="allreduce,fp16,powersgd")
+    parser.add_argument("--algorithms", default="allreduce,fp16,powersgd",
+                        help="the candidates auto chooses among")
     args = parser.parse_args(argv)
 
     rt = hx.init()
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).to(rt.device)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    auto = hx.algorithms.get("auto", candidates=args.candidates.split(","), probe_budget_s=1.0)
+    auto = hx.algorithms.get("auto", candidates=args.algorithms.split(","), probe_budget_s=1.0)
     model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=auto)
     for step in range(args.steps):
         x, y = batch(rt, args.batch, step)

@@ -27,16 +27,16 @@ VOCAB, SEQ = 64, 16
 def main(argv: Sequence[str] | None = None) -> dict[str, float | str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--pp", type=int, default=None, help="pipeline stages (default: planned)")
     args = parser.parse_args(argv)
 
     rt = hx.init()
-    shape = {"layers": args.layers, "hidden": args.hidden, "heads": 4, "vocab": VOCAB,
+    shape = {"layers": args.layers, "hidden": args.width, "heads": 4, "vocab": VOCAB,
              "seq": SEQ}
-    tokens = torch.zeros(args.batch, SEQ, dtype=torch.long, device="meta")
+    tokens = torch.zeros(args.global_batch, SEQ, dtype=torch.long, device="meta")
     plan = hp.plan(hp.gpt(**shape, device="meta"), tokens,      # planned without memory
                    cluster=hp.Cluster(hosts=1, devices_per_host=rt.world_size),
                    constraints=hp.Constraints(pp=args.pp))
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | str]:
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(args.steps):
-        x = torch.randint(0, VOCAB, (args.batch, SEQ), generator=g).to(rt.device)
+        x = torch.randint(0, VOCAB, (args.global_batch, SEQ), generator=g).to(rt.device)
         y = torch.roll(x, -1, dims=1)                           # next token
         loss = pm.train_step(x, y)                              # None off the last stage
         opt.step()
