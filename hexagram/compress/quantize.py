@@ -216,8 +216,7 @@ class MinMax8Compressor(Compressor):
             return super().payload_fault(payload)
         header = payload.tensors[0].double()
         lo, step = header[:, 0], header[:, 1]
-        top = torch.addcmul(lo, step, torch.tensor(float((1 << self.bits) - 1),
-                                                   dtype=torch.float64, device=lo.device))
+        top = torch.add(lo, step, alpha=(1 << self.bits) - 1)  # the top code's value
         return any_of([beyond(torch.stack([lo, top]), payload.dtype), (step < 0).any()])
 
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
