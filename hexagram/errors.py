@@ -10,6 +10,7 @@ __all__ = [
     "CommTimeoutError",
     "ConfigError",
     "HexagramError",
+    "MalformedPayloadError",
     "MissingExtraError",
     "ModelMismatchError",
     "NonFiniteGradientError",
@@ -44,6 +45,13 @@ class ModelMismatchError(HexagramError):
 
 class NonFiniteGradientError(HexagramError, FloatingPointError):
     """A gradient holds NaN or Inf (names the step and the parameter)."""
+
+
+class MalformedPayloadError(NonFiniteGradientError):
+    """A payload received from a peer is malformed (indices out of range or repeated, scales
+    NaN/Inf): every rank raises it at the same step, naming the sending rank where the
+    collective lets it be known. A :class:`NonFiniteGradientError` too: its values cannot
+    be used."""
 
 
 class MissingExtraError(HexagramError, ModuleNotFoundError):

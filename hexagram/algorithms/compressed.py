@@ -36,12 +36,13 @@ from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.algorithms.layouts import BucketLayout, LayoutCache
 from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm.communicator import Handle
+from hexagram.comm.faults import MALFORMED
 from hexagram.comm.reduce import reduce_many
 from hexagram.compress.base import Compressor, Payload, all_finite
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.compress.segments import Segments
 from hexagram.config import check_choice, check_int
-from hexagram.errors import NonFiniteGradientError
+from hexagram.errors import MalformedPayloadError, NonFiniteGradientError
 
 __all__ = [
     "GRANULARITIES",
@@ -52,6 +53,7 @@ __all__ = [
     "CompressorAlgorithm",
     "Segment",
     "check_finite",
+    "raised_for",
     "segments",
 ]
 
@@ -133,6 +135,14 @@ def check_finite(bucket: Bucket, step: int, who: str) -> str | None:
     return f"{who}: non-finite gradient at step {step}"  # pragma: no cover - unreachable
 
 
+def raised_for(problem: str) -> NonFiniteGradientError:
+    """The error of a failed step check: :class:`MalformedPayloadError` for a malformed
+    received payload (:mod:`hexagram.comm.faults`), else :class:`NonFiniteGradientError`."""
+    if problem.startswith(MALFORMED):
+        return MalformedPayloadError(problem)
+    return NonFiniteGradientError(problem)
+
+
 def _spans(segment: Segment) -> list[tuple[BucketEntry, int, int]]:
     """Each tensor of the segment with its [start, stop) inside the segment."""
     return [(e, e.offset - segment.start, e.offset - segment.start + e.numel)
@@ -210,7 +220,7 @@ class CompressedAlgorithm(Algorithm):
         self.step += 1
         problem = self.ctx.checks.due()  # the step's one host read (none if none queued)
         if problem is not None:
-            raise NonFiniteGradientError(problem)
+            raise raised_for(problem)
 
     # -- helpers for subclasses ----------------------------------------------------------
     def _feedback(self) -> ErrorFeedback:
@@ -334,6 +344,7 @@ class CompressorAlgorithm(CompressedAlgorithm):
             outs=[bucket.flat], segments=[layout.segments],
             encode=(lambda _, t, d: self.encode_bucket(layout, t, d)) if own else None,
             generator=self.generator, reduce_generator=self.reduce_generator,
+            faults=self.ctx.checks.add,
         ).then(lambda _: bucket.flat)
 
     def layout(self, bucket: Bucket) -> BucketLayout:
@@ -371,6 +382,7 @@ class CompressorAlgorithm(CompressedAlgorithm):
             self.ctx.comm, views, self.compressor, reduction=self.reduction, outs=views,
             encode=(lambda i, t, d: self.encode_segment(segs[i], t, d)) if own else None,
             generator=self.generator, reduce_generator=self.reduce_generator,
+            faults=self.ctx.checks.add,
         ).then(lambda _: bucket.flat)
 
     def encode_segment(self, segment: Segment, tensor: Tensor, divisor: int) -> Payload:

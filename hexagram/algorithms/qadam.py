@@ -214,7 +214,7 @@ class QAdamAlgorithm(Algorithm):
             self._update_residuals(bucket, mine.mul_(divisor) if divisor > 1 else mine)
             return payload
 
-        return reduce(self.ctx.comm, x, c, out=x, encode=encode)
+        return reduce(self.ctx.comm, x, c, out=x, encode=encode, faults=self.ctx.checks.add)
 
     def _check_payload(self, payload: Payload, bucket: Bucket) -> None:
         """Queue "the payload holds NaN/Inf" (its floats: min-max headers, cast values; the

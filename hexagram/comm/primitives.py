@@ -35,6 +35,7 @@ from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Deferred, Handle
 from hexagram.comm.device import needs_host_staging
+from hexagram.comm.faults import FaultSink, check_gathered, poison
 from hexagram.compress.base import Compressor, Payload
 from hexagram.compress.combine import decode_sum
 
@@ -191,13 +192,18 @@ def scatter_gather(comm: Communicator, tensor: Tensor, compressor: Compressor,
 def scatter_gather_many(comm: Communicator, tensors: Sequence[Tensor], compressor: Compressor,
                         average: bool = True, generator: torch.Generator | None = None,
                         reduce_generator: torch.Generator | None = None,
-                        outs: Sequence[Tensor] | None = None) -> Handle[list[Tensor]]:
+                        outs: Sequence[Tensor] | None = None,
+                        faults: FaultSink | None = None) -> Handle[list[Tensor]]:
     """:func:`scatter_gather` of several tensors in one all-to-all and one allgather.
 
     Each tensor is compressed in P chunks of its own (layer-wise scales and norms) with
     exactly the payloads and bytes of one :func:`scatter_gather` per tensor, and the draws
     happen in the same order, so the results are identical; only the number of messages
     differs (a collective's latency per tensor adds up on models with many small tensors).
+
+    ``faults`` (see :mod:`hexagram.comm.faults`): the owner of a chunk checks the copies it
+    received and, where one is malformed, sends its re-encoded chunk poisoned naming the
+    sender; every rank checks the allgathered chunks, so every rank flags it.
     """
     results = list(outs) if outs is not None else [torch.empty_like(t) for t in tensors]
     if comm.size == 1:
@@ -216,18 +222,22 @@ def scatter_gather_many(comm: Communicator, tensors: Sequence[Tensor], compresso
         recv = torch.empty_like(send)
         comm.await_work(dist.all_to_all_single(recv, send, group=comm.group, async_op=True))
         blocks = [b.split(sizes) for b in recv.view(size, -1)]
-        mine = [_sum_copies(compressor, [first[i][0].from_buffer(blocks[s][i])
-                                         for s in range(size)], rows[i][0], average)
-                for i in range(len(rows))]
+        copies = [[first[i][0].from_buffer(blocks[s][i]) for s in range(size)]
+                  for i in range(len(rows))]
+        flags = [check_gathered(faults, compressor, c, f"tensor {i} of the message")
+                 for i, c in enumerate(copies)]
+        mine = [_sum_copies(compressor, c, rows[i][0], average) for i, c in enumerate(copies)]
         reduced = [compressor.compress(m, second) for m in mine]
+        reduced = [p if f is None else poison(p, f) for p, f in zip(reduced, flags)]
         buf = torch.cat([p.to_buffer() for p in reduced])
         comm.counter.add("scatter_gather.allgather", comm.allgather_bytes(buf.numel()))
         gathered = [torch.empty_like(buf) for _ in range(size)]
         comm.await_work(dist.all_gather(gathered, buf, group=comm.group, async_op=True))
         parts = [g.split([p.nbytes for p in reduced]) for g in gathered]
         for i, (p, res) in enumerate(zip(reduced, results)):
-            _decode_rows(compressor, [p.from_buffer(parts[r][i]) for r in range(size)],
-                         res.view(-1), mine[i])
+            chunks = [p.from_buffer(parts[r][i]) for r in range(size)]
+            check_gathered(faults, compressor, chunks, f"tensor {i} of the message")
+            _decode_rows(compressor, chunks, res.view(-1), mine[i])
         return results
 
     return comm.submit("scatter_gather.alltoall", job, comm.alltoall_bytes(send.numel()))

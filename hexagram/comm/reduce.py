@@ -26,6 +26,11 @@ are allgathered. ``encode(i, tensor, divisor)`` returns the payload of ``tensor 
 the ``SUM`` route divides by the world size *before* encoding for a mean (a 16-bit sum cannot
 overflow), so an error-feedback encoder counts ``divisor * decode(payload)`` as sent.
 
+Received payloads are checked on the device (:mod:`hexagram.comm.faults`): a caller that
+passes ``faults`` (a sink, e.g. ``ctx.checks.add``) receives, per reduced tensor, a 0-d
+bool flag of malformed payloads with an explanation naming the sending rank (gathered
+payloads; scatter-gather's poisoned chunks) or saying that a sum hides it.
+
 Multi-stage work is chained on the returned :class:`~hexagram.comm.communicator.Handle`
 (``handle.then(next_stage)``), as PyTorch's comm hooks chain ``Future.then``.
 
@@ -45,6 +50,7 @@ from torch import Tensor
 
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
+from hexagram.comm.faults import FaultSink, check_gathered, check_summed
 from hexagram.compress.base import Aggregation, Compressor, Payload
 from hexagram.compress.combine import decode_sum
 from hexagram.compress.segments import Segments
@@ -94,12 +100,13 @@ def route(compressor: Compressor | None, *, exact_local: bool = False,
 def reduce(comm: Communicator, tensor: Tensor, compressor: Compressor | None = None, *,
            reduction: str = "mean", out: Tensor | None = None, encode: Encoder | None = None,
            generator: torch.Generator | None = None,
-           reduce_generator: torch.Generator | None = None) -> Handle[Tensor]:
+           reduce_generator: torch.Generator | None = None,
+           faults: FaultSink | None = None) -> Handle[Tensor]:
     """:func:`reduce_many` of one tensor; the handle's result is the reduced tensor."""
     return reduce_many(comm, [tensor], compressor, reduction=reduction,
                        outs=None if out is None else [out], encode=encode,
-                       generator=generator, reduce_generator=reduce_generator
-                       ).then(lambda results: results[0])
+                       generator=generator, reduce_generator=reduce_generator,
+                       faults=faults).then(lambda results: results[0])
 
 
 def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
@@ -107,7 +114,8 @@ def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
                 outs: Sequence[Tensor] | None = None, encode: Encoder | None = None,
                 generator: torch.Generator | None = None,
                 reduce_generator: torch.Generator | None = None,
-                segments: Sequence[Segments | None] | None = None) -> Handle[list[Tensor]]:
+                segments: Sequence[Segments | None] | None = None,
+                faults: FaultSink | None = None) -> Handle[list[Tensor]]:
     """Reduce each of ``tensors`` over the ranks of ``comm``; one message per leg for all.
 
     Args:
@@ -128,6 +136,8 @@ def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
             must do the same) and decoded in one call: a bucket's layer-wise compression
             in a handful of kernels. The scatter-gather route compresses them
             segment by segment (its chunks are per tensor).
+        faults: where the flags of malformed received payloads go (see the module doc);
+            ``None``: not checked (the decoders stay safe on any bytes).
 
     Returns:
         A handle whose result is the list of outputs, every rank's bit for bit the same.
@@ -148,7 +158,7 @@ def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
         return _allreduce(comm, tensors, results, reduction)
     if way is Route.SCATTER_GATHER:
         return _scatter_gather(comm, tensors, compressor, reduction, generator,
-                               reduce_generator, results, segs)
+                               reduce_generator, results, segs, faults)
     comp = compressor
     owned = [r.data_ptr() == t.data_ptr() for t, r in zip(tensors, results)]
 
@@ -164,17 +174,28 @@ def reduce_many(comm: Communicator, tensors: Sequence[Tensor],
         divisor = comm.size if reduction == "mean" else 1
         payloads = [enc(i, t, divisor) for i, t in enumerate(tensors)]
         vote = "majority" if reduction == "majority" else "sum"
-        return primitives.allreduce_payloads(comm, payloads).then(
-            lambda summed: _decode(comp, [[p] for p in summed], results, vote, comm.size))
+
+        def decode_sums(summed: list[Payload]) -> list[Tensor]:
+            for i, p in enumerate(summed):
+                check_summed(faults, comp, p, f"tensor {i} of the message")
+            return _decode(comp, [[p] for p in summed], results, vote, comm.size)
+
+        return primitives.allreduce_payloads(comm, payloads).then(decode_sums)
     payloads = [enc(i, t, 1) for i, t in enumerate(tensors)]
-    return primitives.allgather_payloads_many(comm, payloads).then(
-        lambda per_tensor: _decode(comp, per_tensor, results, reduction, comm.size))
+
+    def decode_gathered(per_tensor: list[list[Payload]]) -> list[Tensor]:
+        for i, ps in enumerate(per_tensor):
+            check_gathered(faults, comp, ps, f"tensor {i} of the message")
+        return _decode(comp, per_tensor, results, reduction, comm.size)
+
+    return primitives.allgather_payloads_many(comm, payloads).then(decode_gathered)
 
 
 def _scatter_gather(comm: Communicator, tensors: Sequence[Tensor], comp: Compressor,
                     reduction: str, generator: torch.Generator | None,
                     reduce_generator: torch.Generator | None, results: list[Tensor],
-                    segs: Sequence[Segments | None]) -> Handle[list[Tensor]]:
+                    segs: Sequence[Segments | None],
+                    faults: FaultSink | None) -> Handle[list[Tensor]]:
     """Scatter-gather; segmented tensors go segment by segment (each tensor is cut in P
     chunks of its own), or in one call where one rank is all (compress, then decode)."""
     if comm.size == 1:
@@ -187,14 +208,15 @@ def _scatter_gather(comm: Communicator, tensors: Sequence[Tensor], comp: Compres
         return Handle.completed(results, "scatter_gather")
     if all(s is None for s in segs):
         return primitives.scatter_gather_many(comm, tensors, comp, reduction == "mean",
-                                              generator, reduce_generator, results)
+                                              generator, reduce_generator, results, faults)
     ins: list[Tensor] = []
     outs: list[Tensor] = []
     for t, res, seg in zip(tensors, results, segs):
         ins += [t] if seg is None else seg.views(t)
         outs += [res] if seg is None else seg.views(res.view(-1))
     return primitives.scatter_gather_many(comm, ins, comp, reduction == "mean", generator,
-                                          reduce_generator, outs).then(lambda _: results)
+                                          reduce_generator, outs, faults
+                                          ).then(lambda _: results)
 
 
 def _finish(reduction: str, size: int, scale: Tensor | None = None

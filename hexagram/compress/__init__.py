@@ -70,7 +70,7 @@ _ENTRIES: dict[str, _Entry] = {
                    "k largest magnitudes (exact, or approximate threshold from a sample)"),
     "randomk": _Entry("hexagram.compress.sparsify", "RandomKConfig", "RandomKCompressor",
                       "k random entries (stratified), rescaled to be unbiased"),
-    "threshold": _Entry("hexagram.compress.sparsify", "ThresholdConfig", "ThresholdCompressor",
+    "threshold": _Entry("hexagram.compress.threshold", "ThresholdConfig", "ThresholdCompressor",
                         "entries with |x| >= threshold, fixed capacity + count header"),
     "powersgd": _Entry("hexagram.compress.lowrank", "PowerSGDConfig", "PowerSGDCompressor",
                        "PowerSGD rank-r factors, warm start; two allreduces (step API)"),

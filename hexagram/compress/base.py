@@ -10,6 +10,16 @@ to decide which collective can carry a compressor's payloads:
 - ``Aggregation.SCATTER_GATHER``: payloads of equal-sized chunks can be exchanged with
   all-to-all, decompressed, reduced, recompressed and allgathered (8-bit min-max, QSGD).
 
+Received bytes are not trusted. Every decoder is safe on any bytes of the right size: it
+never raises a torch error nor indexes outside its output (indices read from the wire are
+clamped into range, sub-byte codes are in range by construction). Whether the decoded
+values are to be trusted is a separate question, answered on the device by
+:meth:`Compressor.payload_fault`: a 0-d bool tensor, True when the payload is malformed
+(an index out of range or repeated where the format forbids it, a NaN/Inf or negative
+scale, values that decode past the dtype's range). It reads nothing from the device;
+collectives hand it, with the sending rank, to the caller, which joins it to the step's
+one host read (:class:`hexagram.algorithms.finite.StepChecks`).
+
 Example:
     >>> import torch
     >>> from hexagram.compress.base import Payload
@@ -30,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hexagram.compress.faults import any_of, beyond, no_fault
 from hexagram.compress.segments import Segments
 from hexagram.errors import NonFiniteGradientError
 
@@ -44,6 +55,7 @@ __all__ = [
     "check_finite",
     "decompress_via_into",
     "ensure_finite",
+    "segment_parts",
 ]
 
 
@@ -188,6 +200,32 @@ class Compressor(ABC):
         dense = self.decompress(payload).reshape(-1)
         return out.add_(dense) if add else out.copy_(dense)
 
+    def payload_fault(self, payload: Payload) -> Tensor:
+        """0-d bool on the payload's device: True when ``payload`` (received, possibly
+        hostile) is malformed, so its decoded values must not be used. Reads nothing.
+
+        Contract: for any bytes of the payload's layout, a decode (any of the decoders,
+        per tensor or per bucket) either gives finite values of the right shape or this
+        flag is True; for a payload :meth:`compress` made, the flag is False. A payload
+        whose floating tensors hold NaN is always flagged (collectives poison a payload
+        that way to pass a fault on).
+
+        The default checks that every floating tensor of the payload (the values, or
+        the scales of a sign format) is finite and within the payload dtype's range;
+        formats with indices or with scales that multiply codes override it. Payloads
+        of :meth:`compress_segments`' per-segment fallback are checked part by part.
+
+        >>> import torch, hexagram.compress as hc
+        >>> c = hc.get("fp16")
+        >>> p = c.compress(torch.ones(3))
+        >>> bool(c.payload_fault(p)), bool(c.payload_fault(p.from_buffer(p.to_buffer() | 0x7e)))
+        (False, True)
+        """
+        if "parts" in payload.meta:
+            return any_of([self.payload_fault(p) for p in segment_parts(payload)])
+        flags = [beyond(t, payload.dtype) for t in payload.tensors if t.is_floating_point()]
+        return any_of(flags) if flags else no_fault(payload.tensors[-1].device)
+
     # -- several tensors in one call (see hexagram.compress.segments) ---------------------
     def compress_segments(self, flat: Tensor, segments: Segments,
                           generator: torch.Generator | None = None) -> Payload:
@@ -226,10 +264,7 @@ class Compressor(ABC):
         elements; ``add``: add to it); returns ``out``. The default decodes segment by
         segment with :meth:`decompress_into`."""
         segments: Segments = payload.meta["segments"]
-        tensors = iter(payload.tensors)
-        for part, count, view in zip(payload.meta["parts"], payload.meta["counts"],
-                                     segments.views(out)):
-            sub = replace(part, tensors=tuple(next(tensors) for _ in range(count)))
+        for sub, view in zip(segment_parts(payload), segments.views(out)):
             self.decompress_into(sub, view, add=add)
         return out
 
@@ -265,6 +300,14 @@ class Compressor(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def segment_parts(payload: Payload) -> list[Payload]:
+    """The per-segment payloads of a :meth:`Compressor.compress_segments` payload made
+    segment by segment (``meta["parts"]``, the default)."""
+    tensors = iter(payload.tensors)
+    return [replace(part, tensors=tuple(next(tensors) for _ in range(count)))
+            for part, count in zip(payload.meta["parts"], payload.meta["counts"])]
 
 
 def decompress_via_into(compressor: Compressor, payload: Payload) -> Tensor:

@@ -59,6 +59,7 @@ from hexagram.compress.base import (
     check_finite,
 )
 from hexagram.compress.chunks import work_dtype
+from hexagram.compress.faults import beyond
 from hexagram.config import check_int
 
 __all__ = ["PowerSGDCompressor", "PowerSGDConfig"]
@@ -238,6 +239,15 @@ class PowerSGDCompressor(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         p, q = payload.tensors
         return self.reconstruct(p, q, payload.shape, payload.dtype)
+
+    def payload_fault(self, payload: Payload) -> Tensor:
+        """A factor NaN/Inf, or a product ``P Q^T`` that may exceed the dtype's range
+        (bounded by ``r max|P| max|Q|``)."""
+        if "parts" in payload.meta:
+            return super().payload_fault(payload)
+        p, q = payload.tensors
+        peaks = torch.stack([p.abs().amax(), q.abs().amax()]).double().prod()
+        return beyond(peaks, payload.dtype, float(p.shape[-1]))
 
     def state_dict(self) -> dict[str, Any]:
         return {"q": {k: v.clone() for k, v in self._q.items()}}

@@ -61,6 +61,7 @@ from hexagram.compress.chunks import (
     work_dtype,
 )
 from hexagram.compress.codes import random_words, stochastic_codes, truncate_to
+from hexagram.compress.faults import any_of, beyond
 from hexagram.compress.packing import block_size, cpu_fast, encode_blocks, packed_nbytes
 from hexagram.compress.quantize_segments import (
     check_segments,
@@ -206,6 +207,18 @@ class MinMax8Compressor(Compressor):
                                  add: bool = False) -> Tensor:
         return minmax_decode(self, payload, out, add)
 
+    def payload_fault(self, payload: Payload) -> Tensor:
+        """A chunk's min or step NaN/Inf, a negative step, or its top code decoding past
+        the dtype's range (codes are in range by construction: every ``bits``-bit code
+        is a step of the chunk). Per tensor and per bucket alike (one header row per
+        chunk)."""
+        if "parts" in payload.meta:
+            return super().payload_fault(payload)
+        header = payload.tensors[0].double()
+        lo, step = header[:, 0], header[:, 1]
+        top = torch.add(lo, step, alpha=(1 << self.bits) - 1)  # the top code's value
+        return any_of([beyond(torch.stack([lo, top]), payload.dtype), (step < 0).any()])
+
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         if "segments" in payload.meta:
             return minmax_decode(self, payload, out, add)
@@ -345,6 +358,17 @@ class QSGDCompressor(SeededCompressor):
     def decompress_segments_into(self, payload: Payload, out: Tensor,
                                  add: bool = False) -> Tensor:
         return qsgd_decode(self, payload, out, add)
+
+    def payload_fault(self, payload: Payload) -> Tensor:
+        """A norm NaN/Inf or negative, or one whose levels decode past the range: the
+        largest code (``2**bits - 1``, past ``2s`` when ``2s + 1`` is not a power of two:
+        it decodes to a little more than the norm, finite, so codes are not read) times
+        ``norm / s`` in the work dtype, the decoded value in the payload's dtype."""
+        if "parts" in payload.meta:
+            return super().payload_fault(payload)
+        norms, s, top = payload.tensors[0], self.config.levels, (1 << self.bits) - 1
+        return any_of([beyond(norms, payload.dtype, max(s, top - s) / s),
+                       beyond(norms, norms.dtype, top / s), (norms < 0).any()])
 
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         if "segments" in payload.meta:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from hexagram.compress.base import Payload
+from hexagram.compress.faults import clamp_index
 from hexagram.compress.segments import Segments
 
 __all__ = ["fits", "pairs_payload", "scatter_pairs", "strata", "top_positions"]
@@ -77,10 +78,12 @@ def pairs_payload(flat: Tensor, positions: Tensor, segments: Segments,
 
 
 def scatter_pairs(values: Tensor, positions: Tensor, out: Tensor, add: bool) -> Tensor:
-    """``out`` (1-D) := (``add``: ``+=``) the dense tensor of the pairs; returns ``out``."""
+    """``out`` (1-D) := (``add``: ``+=``) the dense tensor of the pairs; returns ``out``.
+    Positions are clamped into the bucket (received ones may be anything; the
+    compressor's ``payload_fault`` flags those)."""
     if not add:
         out.zero_()
-    return out.index_add_(0, positions, values.to(out.dtype))
+    return out.index_add_(0, clamp_index(positions, out.numel()), values.to(out.dtype))
 
 
 def strata(segments: Segments, count: Callable[[int], int], device: torch.device

@@ -33,14 +33,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from hexagram.compress import sparse_segments as seg_ops
 from hexagram.compress.base import (
     Aggregation,
-    Compressor,
     Layout,
     Payload,
     SeededCompressor,
@@ -49,8 +47,18 @@ from hexagram.compress.base import (
     ensure_finite,
 )
 from hexagram.compress.chunks import work_dtype
-from hexagram.compress.packing import BLOCK, block_size, blocks, cpu_fast
+from hexagram.compress.faults import any_of, beyond
+from hexagram.compress.packing import BLOCK, cpu_fast
 from hexagram.compress.segments import Segments
+from hexagram.compress.sparse_select import (
+    above,
+    index_dtype,
+    largest,
+    pairs_fault,
+    pairs_layout,
+    scatter,
+)
+from hexagram.compress.threshold import ThresholdCompressor, ThresholdConfig
 from hexagram.config import check_float, check_int
 
 __all__ = [
@@ -128,97 +136,6 @@ class TopKConfig(KeepConfig):
         check_float(self, "sample", low=0.0, high=1.0, low_open=True)
 
 
-@dataclass(frozen=True, kw_only=True)
-class ThresholdConfig:
-    """Settings of ``threshold``.
-
-    Attributes:
-        threshold: entries with ``|x| >= threshold`` are sent. Higher => fewer entries.
-        max_density: capacity of the payload as a fraction of the elements (the wire size
-            is fixed by it). Higher => more bytes, fewer entries dropped when many pass.
-    """
-
-    threshold: float = 1e-3
-    max_density: float = 0.01
-
-    def __post_init__(self) -> None:
-        check_float(self, "threshold", low=0.0, low_open=True)
-        check_float(self, "max_density", low=0.0, high=1.0, low_open=True)
-
-
-def _index_dtype(n: int) -> torch.dtype:
-    return torch.int32 if n < 2**31 else torch.int64
-
-
-def above(flat: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
-    """int64 indices and values of the entries with ``|x| >= threshold`` or NaN.
-
-    Found block by block (values are read while the block is in cache), the magnitudes and
-    the mask written into two block-sized buffers reused by every block. NaN and Inf are
-    always included (``not |x| < t`` holds for NaN), so the caller's check of the selected
-    values sees them. float32/float64 tensors on the CPU go through numpy, whose
-    ``flatnonzero`` is about 7x faster than ``torch.nonzero`` on a CPU mask: 4.9 against
-    11.8 ms for 5M values, one thread, the same indices and values.
-    """
-    if flat.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64, device=flat.device), flat[:0]
-    if cpu_fast(flat) and flat.dtype in (torch.float32, torch.float64):
-        return _above_numpy(flat, threshold)
-    size = min(flat.numel(), block_size(flat.device))
-    magnitude = flat.new_empty(size)
-    mask = torch.empty(size, dtype=torch.bool, device=flat.device)
-    found, values = [], []
-    for start, stop in blocks(flat.numel(), size):
-        blk, n = flat[start:stop], stop - start
-        torch.abs(blk, out=magnitude[:n])
-        local = torch.lt(magnitude[:n], threshold, out=mask[:n]).logical_not_().nonzero()
-        local = local.flatten()
-        values.append(blk[local])
-        found.append(local + start)
-    return torch.cat(found), torch.cat(values)
-
-
-def _above_numpy(flat: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
-    """:func:`above` for a CPU float32/float64 tensor, the scan in numpy (shares memory)."""
-    arr = flat.numpy()
-    size = min(arr.size, block_size())
-    magnitude, keep = np.empty(size, dtype=arr.dtype), np.empty(size, dtype=bool)
-    found = []
-    for start, stop in blocks(arr.size, size):
-        n = stop - start
-        np.abs(arr[start:stop], out=magnitude[:n])
-        np.less(magnitude[:n], threshold, out=keep[:n])
-        found.append(np.flatnonzero(np.logical_not(keep[:n], out=keep[:n])) + start)
-    indices = torch.from_numpy(np.concatenate(found))
-    return indices, flat[indices]
-
-
-def _largest(candidates: Tensor, values: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The ``k`` (index, value) pairs among the candidates with the largest ``|value|``."""
-    if candidates.numel() == k:
-        return candidates, values
-    keep = torch.topk(values.abs(), k, sorted=False).indices
-    return candidates[keep], values[keep]
-
-
-def _scatter(payload: Payload, values: Tensor, indices: Tensor, out: Tensor | None = None,
-             add: bool = False) -> Tensor:
-    """The dense tensor of the (index, value) pairs; written into (``add``: added to) the
-    1-D ``out`` if given, which is returned flat."""
-    if out is None:
-        dense = torch.zeros(payload.shape.numel(), dtype=payload.dtype, device=values.device)
-        return _scatter(payload, values, indices, dense, add=True).view(payload.shape)
-    if not add:
-        out.zero_()
-    # index_add_: duplicate indices (threshold's empty slots at index 0, value 0) are harmless
-    return out.index_add_(0, indices, values.to(payload.dtype))
-
-
-def _pairs_layout(k: int, n: int, dtype: torch.dtype) -> Layout:
-    """A sparsifier's (values, indices) payload of ``k`` of ``n`` elements."""
-    return (((k,), dtype), ((k,), _index_dtype(n)))
-
-
 class TopKCompressor(SeededCompressor):
     """Keeps the k entries of largest magnitude (see the module docstring)."""
 
@@ -234,7 +151,7 @@ class TopKCompressor(SeededCompressor):
 
     def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
         """(k,) values in the input's dtype; (k,) indices (int32 below 2**31 elements)."""
-        return _pairs_layout(self.config.count(math.prod(shape)), math.prod(shape), dtype)
+        return pairs_layout(self.config.count(math.prod(shape)), math.prod(shape), dtype)
 
     def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
         check_compressible(tensor, self.name)
@@ -251,7 +168,7 @@ class TopKCompressor(SeededCompressor):
         idx, values = chosen
         if self.checks_finite:  # topk ranks NaN and Inf first: the values carry them
             ensure_finite(flat, values, self.name)
-        return Payload(tensors=(values, idx.to(_index_dtype(flat.numel()))),
+        return Payload(tensors=(values, idx.to(index_dtype(flat.numel()))),
                        shape=tensor.shape, dtype=tensor.dtype)
 
     def _approximate(self, flat: Tensor, k: int, gen: torch.Generator
@@ -267,15 +184,22 @@ class TopKCompressor(SeededCompressor):
         candidates, values = above(flat, threshold)
         if candidates.numel() < k:
             return None
-        return _largest(candidates, values, k)
+        return largest(candidates, values, k)
 
     def decompress(self, payload: Payload) -> Tensor:
         values, indices = payload.tensors
-        return _scatter(payload, values, indices)
+        return scatter(payload, values, indices)
+
+    def payload_fault(self, payload: Payload) -> Tensor:
+        """Values NaN/Inf, indices (bucket positions) out of range or repeated."""
+        if "parts" in payload.meta:
+            return super().payload_fault(payload)
+        values, indices = payload.tensors
+        return pairs_fault(values, indices, payload.shape.numel(), payload.dtype)
 
     def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
         values, indices = payload.tensors
-        return _scatter(payload, values, indices, out, add)
+        return scatter(payload, values, indices, out, add)
 
     def compress_segments(self, flat: Tensor, segments: Segments,
                           generator: torch.Generator | None = None) -> Payload:
@@ -329,7 +253,7 @@ class RandomKCompressor(SeededCompressor):
 
     def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
         """(k,) values in the input's dtype; (k,) indices (int32 below 2**31 elements)."""
-        return _pairs_layout(self.config.count(math.prod(shape)), math.prod(shape), dtype)
+        return pairs_layout(self.config.count(math.prod(shape)), math.prod(shape), dtype)
 
     @staticmethod
     def _strata(n: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -365,7 +289,7 @@ class RandomKCompressor(SeededCompressor):
         u = torch.rand(self.config.count(n), dtype=torch.float64, generator=self.generator_for(
             tensor, generator), device=flat.device)
         idx = self._positions(u, n)  # uniform within each stratum
-        return Payload(tensors=(flat[idx], idx.to(_index_dtype(n))), shape=tensor.shape,
+        return Payload(tensors=(flat[idx], idx.to(index_dtype(n))), shape=tensor.shape,
                        dtype=tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
@@ -375,13 +299,27 @@ class RandomKCompressor(SeededCompressor):
         values, indices = payload.tensors
         if self.config.rescale:  # x_i / P(i kept): the stratum size, recomputed from k and n
             _, size = self._strata(payload.shape.numel(), values.numel(), values.device)
+            # an overflow decodes to Inf, which payload_fault flags (read once per step)
             values = values.to(work_dtype(payload.dtype)) * size
-            # an overflow decodes to Inf where the caller checks its result (one read per
-            # step, not one per payload)
-            if self.checks_finite and not bool(torch.isfinite(values.to(payload.dtype)).all()):
-                raise ValueError(f"{self.name}: rescaled values overflow {payload.dtype}; "
-                                 "use rescale=False or a wider dtype")
-        return _scatter(payload, values, indices, out, add)
+        return scatter(payload, values, indices, out, add)
+
+    def payload_fault(self, payload: Payload) -> Tensor:
+        """Values NaN/Inf or past the range once rescaled; an index outside its stratum
+        (each slot's stratum is known to both sides: out of range or repeated both show)."""
+        if "parts" in payload.meta:
+            return super().payload_fault(payload)
+        values, indices = payload.tensors
+        if "segments" in payload.meta:
+            segments: Segments = payload.meta["segments"]
+            start, size = seg_ops.strata(segments, self.config.count, values.device)
+            widest = max(-(-n // self.config.count(n)) for n in segments.lengths)
+        else:
+            n = payload.shape.numel()
+            start, size = self._strata(n, values.numel(), values.device)
+            widest = -(-n // values.numel())
+        outside = ((indices < start) | (indices >= start + size)).any()
+        factor = float(widest) if self.config.rescale else 1.0
+        return any_of([beyond(values, payload.dtype, factor), outside])
 
     def _segmented(self, segments: Segments) -> bool:
         return seg_ops.fits(segments) and all(  # strata in exact float64 integers
@@ -414,78 +352,3 @@ class RandomKCompressor(SeededCompressor):
 
     def __repr__(self) -> str:
         return f"RandomKCompressor({self.config})"
-
-
-class ThresholdCompressor(Compressor):
-    """Sends entries with ``|x| >= threshold`` in a fixed-capacity payload."""
-
-    name = "threshold"
-    aggregation = Aggregation.GATHER
-    unbiased = False
-    #: the comparison (a read, a byte mask written and read back) and the decode's zero fill
-    memory_passes = 2.5
-
-    def __init__(self, config: ThresholdConfig | None = None) -> None:
-        self.config = config or ThresholdConfig()
-
-    def capacity(self, n: int) -> int:
-        """Slots in the payload of an ``n``-element tensor."""
-        return min(n, max(1, math.ceil(self.config.max_density * n)))
-
-    def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout:
-        """(1,) int32 count; (c,) values; (c,) indices, c = :meth:`capacity`."""
-        n = math.prod(shape)
-        cap = self.capacity(n)
-        return (((1,), torch.int32), ((cap,), dtype), ((cap,), _index_dtype(n)))
-
-    def compress(self, tensor: Tensor, generator: torch.Generator | None = None) -> Payload:
-        check_compressible(tensor, self.name)
-        flat = tensor.detach().reshape(-1)
-        n, cap = flat.numel(), self.capacity(flat.numel())
-        chosen, kept = above(flat, self.config.threshold)
-        if chosen.numel() > cap:
-            chosen, kept = _largest(chosen, kept, cap)  # topk ranks NaN first: checked below
-        ensure_finite(flat, kept, self.name)
-        values = flat.new_zeros(cap)
-        indices = torch.zeros(cap, dtype=_index_dtype(n), device=flat.device)
-        values[: chosen.numel()] = kept
-        indices[: chosen.numel()] = chosen.to(indices.dtype)
-        count = torch.tensor([chosen.numel()], dtype=torch.int32, device=flat.device)
-        return Payload(tensors=(count, values, indices), shape=tensor.shape, dtype=tensor.dtype)
-
-    def decompress(self, payload: Payload) -> Tensor:
-        return decompress_via_into(self, payload)
-
-    def decompress_into(self, payload: Payload, out: Tensor, add: bool = False) -> Tensor:
-        count, values, indices = payload.tensors
-        used = int(count[0])
-        return _scatter(payload, values[:used], indices[:used], out, add)
-
-    def compress_segments(self, flat: Tensor, segments: Segments,
-                          generator: torch.Generator | None = None) -> Payload:
-        """Each segment's entries with ``|x| >= threshold``, up to its capacity (the
-        largest), as the capacity largest of ``|x|`` with the rest set to -1; slots that
-        did not pass send value 0. No count is sent (the slots say it): 4 bytes a tensor
-        fewer than per tensor."""
-        if not seg_ops.fits(segments):
-            return super().compress_segments(flat, segments, generator)
-        check_compressible(flat, self.name)
-        flat = flat.detach()
-        score = flat.abs()
-        score.masked_fill_(score < self.config.threshold, -1.0)  # NaN passes, as alone
-        positions = seg_ops.top_positions(score, segments, self.capacity)
-        values = flat.index_select(0, positions)
-        if self.checks_finite:
-            ensure_finite(flat, values, self.name)
-        values.masked_fill_(score.index_select(0, positions) < 0, 0.0)
-        return seg_ops.pairs_payload(flat, positions, segments, values)
-
-    def decompress_segments_into(self, payload: Payload, out: Tensor,
-                                 add: bool = False) -> Tensor:
-        if "parts" in payload.meta:
-            return super().decompress_segments_into(payload, out, add)
-        values, positions = payload.tensors
-        return seg_ops.scatter_pairs(values, positions, out, add)
-
-    def __repr__(self) -> str:
-        return f"ThresholdCompressor({self.config})"

@@ -1,0 +1,95 @@
+"""A rank that sends malformed payloads stops every rank at the same step, named.
+
+Two ranks train through the real algorithm path (``topk``: allgathered (index, value)
+pairs with error feedback; ``qsgd``: scatter-gather of per-chunk norms and codes). From
+step ``BAD_STEP`` on, the bytes rank 1 puts on the wire are those of a corrupted payload:
+every index past the end (top-k), a NaN norm (QSGD). Both ranks must raise the same
+:class:`~hexagram.errors.NonFiniteGradientError` (or its ``MalformedPayloadError``) at that
+step, naming rank 1, with no raw torch error and no hang (the run has a deadline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hexagram.launch import run_local
+
+BAD_STEP = 2
+STEPS = 5
+
+
+def _corrupt(payload: Any, how: str) -> Any:
+    tensors = list(payload.tensors)
+    if how == "index":  # (values, indices): every index past the end of the tensor
+        tensors[-1] = torch.full_like(tensors[-1], 10**6)
+    else:  # (norms, codes): one chunk's norm NaN
+        norms = tensors[0].clone()
+        norms[0] = float("nan")
+        tensors[0] = norms
+    return replace(payload, tensors=tuple(tensors))
+
+
+def _sabotage(how: str, armed: list[bool]) -> None:
+    """Rank 1's bytes on the wire: every payload it packs for a collective is corrupted
+    once ``armed[0]`` holds (its own error-feedback residuals see the honest payload, as
+    with bytes corrupted in transit)."""
+    from hexagram.compress.base import Payload
+
+    honest = Payload.to_buffer
+
+    def to_buffer(self: Payload) -> torch.Tensor:
+        return honest(_corrupt(self, how) if armed[0] else self)
+
+    Payload.to_buffer = to_buffer  # type: ignore[method-assign]
+
+
+def _worker(algorithm: str, how: str) -> dict[str, Any]:
+    import hexagram as hx
+    from hexagram.errors import HexagramError
+
+    hx.init()
+    rank = hx.get_runtime().rank
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algorithm,
+                                       bucket_size_mb=25.0)
+    armed = [False]
+    if rank == 1:
+        _sabotage(how, armed)
+    gen = torch.Generator().manual_seed(rank)
+    outcome: dict[str, Any] = {"rank": rank, "error": None, "step": None}
+    try:
+        for step in range(STEPS):
+            armed[0] = step >= BAD_STEP
+            x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+            outcome["step"] = step
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    except HexagramError as exc:
+        outcome["error"] = (type(exc).__name__, str(exc))
+    except Exception as exc:  # a raw torch error is a failure of the test
+        outcome["error"] = ("raw " + type(exc).__name__, str(exc))
+    model.close()
+    return outcome
+
+
+@pytest.mark.parametrize(("algorithm", "how"), [("topk", "index"), ("qsgd", "norm")])
+def test_both_ranks_raise_the_same_named_error_naming_rank_1(algorithm: str,
+                                                             how: str) -> None:
+    outcomes = run_local(_worker, 2, args=(algorithm, how), timeout=180)
+    for out in outcomes:
+        assert out["error"] is not None, f"rank {out['rank']} trained on: {out}"
+        kind, message = out["error"]
+        # the engine reads the step's checks (NonFiniteGradientError), or the algorithm
+        # does at the end of backward (its MalformedPayloadError subclass)
+        assert kind in ("MalformedPayloadError", "NonFiniteGradientError"), out
+        assert message.startswith("malformed payload") and "rank 1 sent" in message, out
+        assert out["step"] == BAD_STEP, out
+    assert outcomes[0]["error"] == outcomes[1]["error"]
