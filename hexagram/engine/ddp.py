@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel.distributed import _to_kwargs
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
@@ -323,6 +325,24 @@ class DistributedDataParallel(OptimizerHooks, CommHooks, Joinable, nn.Module):
             self._sync = previous
             if self._reducer is not None:
                 self._reducer.enabled = previous
+
+    # -- PyTorch DDP's helpers, kept for scripts that call them ---------------------------
+    def will_sync_module_buffers(self) -> bool:
+        """True when rank 0's buffers are broadcast before each forward (as PyTorch's)."""
+        return self.broadcast_buffers and self.algorithm.kind == "grad" \
+            and self.runtime.world_size > 1 and any(True for _ in self.module.buffers())
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int) -> Any:
+        """PyTorch DDP's: inputs and kwargs moved to CUDA device ``device_id``."""
+        return _to_kwargs(inputs, kwargs, torch.device("cuda", device_id), False)
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> Any:
+        """PyTorch DDP's: ``scatter_kwargs(inputs, kwargs, device_ids, dim)``."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        """PyTorch DDP's: ``gather(outputs, output_device, dim)``."""
+        return gather(outputs, output_device, dim=self.dim)
 
     # -- user-facing utilities -----------------------------------------------------------
     @property
