@@ -118,8 +118,9 @@ def test_world_size_one_state_dict_and_bad_config() -> None:
         unknown.split("valid are")[1] and "did you mean 'allreduce'?" in unknown
     assert "hierarchicl" in field and "hierarchical" in field
     assert "bucket_size_mb" in bucket
-    assert out["keys"] == sorted(["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
-                                  "1.running_var", "1.num_batches_tracked"])  # no prefix
+    assert out["keys"] == sorted("module." + k for k in [  # PyTorch DDP's keys
+        "0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
+        "1.num_batches_tracked"])
     assert out["grad"] is True
 
 

@@ -34,7 +34,7 @@ def _single_rank() -> dict[str, Any]:
     hx.init()
     out: dict[str, Any] = {}
     net = Named()
-    model = hx.DistributedDataParallel(net, algorithm="local_sgd")
+    model = hx.DistributedDataParallel(net, algorithm="local_sgd", optimizers="later")
     out["signature"] = list(inspect.signature(model.forward).parameters)
     try:
         model(torch.randn(2, 4))
@@ -81,8 +81,8 @@ def _late_local_sgd() -> list[float]:
 
     rt = hx.init()
     torch.manual_seed(rt.rank)  # different replicas: wrapping broadcasts rank 0's
-    model = hx.DistributedDataParallel(Named(), algorithm=hx.algorithms.get("local_sgd",
-                                                                             period=2))
+    model = hx.DistributedDataParallel(Named(), optimizers="later",
+                                       algorithm=hx.algorithms.get("local_sgd", period=2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.attach_optimizers(opt)
     for step in range(4):

@@ -48,7 +48,7 @@ from hexagram.comm.reduce import reduce
 from hexagram.comm.streams import on_stream, side_stream
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.compress.lowrank import PowerSGDCompressor
-from hexagram.config import check_int
+from hexagram.config import check_float, check_int
 
 __all__ = ["PowerSGDAlgorithm", "PowerSGDAlgorithmConfig", "compressible", "segment_shape"]
 
@@ -64,6 +64,10 @@ class PowerSGDAlgorithmConfig(CompressedConfig):
         warm_start: reuse last step's Q (True, as the paper: one power iteration per step
             then converges over steps) or draw a fresh random Q every step.
         error_feedback: carry ``M - approx`` to the next step (needed for convergence).
+        min_compression_rate: a tensor is compressed only when its factors, this many times
+            over, are smaller than it (PyTorch's ``PowerSGDState`` knob, default 2 there);
+            higher => fewer tensors compressed, more bytes; 1 => whenever the factors are
+            smaller than the tensor.
     """
 
     algorithm = "powersgd"
@@ -72,11 +76,13 @@ class PowerSGDAlgorithmConfig(CompressedConfig):
     start_iter: int = 10
     warm_start: bool = True
     error_feedback: bool = True
+    min_compression_rate: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int(self, "rank", low=1, high=1 << 16)
         check_int(self, "start_iter", low=0)
+        check_float(self, "min_compression_rate", low=1.0)
 
 
 def segment_shape(segment: Segment, granularity: str) -> torch.Size:
@@ -86,12 +92,14 @@ def segment_shape(segment: Segment, granularity: str) -> torch.Size:
     return torch.Size([segment.numel])
 
 
-def compressible(shape: torch.Size, granularity: str, compressor: PowerSGDCompressor) -> bool:
+def compressible(shape: torch.Size, granularity: str, compressor: PowerSGDCompressor,
+                 min_rate: float = 1.0) -> bool:
     """Layer-wise, vectors (biases) go uncompressed, as in the paper; any segment goes
-    uncompressed when its factors would not be smaller than itself."""
+    uncompressed when its factors (``min_rate`` times over) would not be smaller than
+    itself."""
     if granularity == "layer" and len(shape) < 2:
         return False
-    return compressor.worthwhile(shape)
+    return layers.worth_compressing(shape, compressor, min_rate)
 
 
 @dataclass
@@ -175,8 +183,8 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         """Layer-wise, batch by batch (:mod:`hexagram.algorithms.powersgd_layers`)."""
         layout = self._layouts.get(bucket.index)
         if layout is None or layout.entries is not bucket.entries:
-            layout = self._layouts[bucket.index] = layers.LayerLayout.of(bucket,
-                                                                         self.compressor)
+            layout = self._layouts[bucket.index] = layers.LayerLayout.of(
+                bucket, self.compressor, self.config.min_compression_rate)
         stage, first = layers.first_stage(layout, bucket.flat, self.compressor,
                                           self.error_feedback)
 
@@ -193,7 +201,8 @@ class PowerSGDAlgorithm(CompressedAlgorithm):
         dense: list[Segment] = []
         for seg in segments(bucket, self.config.granularity):
             shape = segment_shape(seg, self.config.granularity)
-            if not compressible(shape, self.config.granularity, self.compressor):
+            if not compressible(shape, self.config.granularity, self.compressor,
+                                self.config.min_compression_rate):
                 dense.append(seg)
                 continue
             grad = bucket.flat[seg.start:seg.stop]

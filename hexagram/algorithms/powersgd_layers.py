@@ -33,7 +33,7 @@ from hexagram.compress.feedback import ErrorFeedback
 from hexagram.compress.lowrank import PowerSGDCompressor, matrix_shape
 from hexagram.compress.segments import Segments
 
-__all__ = ["Batch", "LayerLayout", "Stage"]
+__all__ = ["Batch", "LayerLayout", "Stage", "worth_compressing"]
 
 
 @dataclass(eq=False)
@@ -47,6 +47,16 @@ class Batch:
     rank: int
     q: Tensor | None = None  # (g, cols, r): the warm starts, views registered per name
     q_version: int = -1
+
+
+def worth_compressing(shape: torch.Size, compressor: PowerSGDCompressor,
+                      min_rate: float = 1.0) -> bool:
+    """True when the factors of a tensor of ``shape``, ``min_rate`` times over, are smaller
+    than the tensor (PyTorch's ``_should_compress``); ``min_rate=1`` is
+    :meth:`PowerSGDCompressor.worthwhile`."""
+    rows, cols = matrix_shape(shape)
+    return compressor.worthwhile(shape) \
+        and (rows + cols) * compressor.effective_rank(shape) * min_rate < shape.numel()
 
 
 @dataclass(eq=False)
@@ -65,11 +75,13 @@ class LayerLayout:
         self.lengths = tuple(b.rows * b.cols for b in self.batches for _ in b.members)
 
     @classmethod
-    def of(cls, bucket: Bucket, compressor: PowerSGDCompressor) -> LayerLayout:
+    def of(cls, bucket: Bucket, compressor: PowerSGDCompressor,
+           min_rate: float = 1.0) -> LayerLayout:
         by_shape: dict[tuple[int, int], list[int]] = {}
         dense = []
         for i, e in enumerate(bucket.entries):
-            if len(e.shape) < 2 or e.numel == 0 or not compressor.worthwhile(e.shape):
+            if len(e.shape) < 2 or e.numel == 0 \
+                    or not worth_compressing(e.shape, compressor, min_rate):
                 dense.append(i)
             else:
                 by_shape.setdefault(matrix_shape(e.shape), []).append(i)

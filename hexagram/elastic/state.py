@@ -203,8 +203,14 @@ def fingerprint(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
                 ) -> dict[str, Any]:
     """What must match between the saving and the loading job (JSON-able)."""
     algorithm = getattr(model, "algorithm", None)
+    # Hexagram's wrapper lists its module's own keys, as before its state_dict() took
+    # PyTorch DDP's "module." prefix: checkpoints of either version fit (its
+    # load_state_dict takes both)
+    from hexagram.engine.ddp import DistributedDataParallel
+
+    own = model.module if isinstance(model, DistributedDataParallel) else model
     return {
-        "model": [[k, list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()
+        "model": [[k, list(v.shape), str(v.dtype)] for k, v in own.state_dict().items()
                   if isinstance(v, torch.Tensor)],
         "optimizers": [[type(o).__name__, [len(g["params"]) for g in o.param_groups]]
                        for o in optimizers],

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel.distributed import _to_kwargs
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from hexagram.algorithms import registry
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
@@ -33,8 +35,9 @@ from hexagram.engine.checks import (
     check_same_model,
     fp16_autocast,
 )
-from hexagram.engine.join import Joinable
-from hexagram.engine.optimizers import expose_forward_signature, unwrap_optimizers
+from hexagram.engine.comm_hooks import CommHooks
+from hexagram.engine.join import Joinable, default_group
+from hexagram.engine.optimizers import expose_forward_signature, wrap_time_optimizers
 from hexagram.engine.reducer import Reducer
 from hexagram.engine.step_hooks import OptimizerHooks
 from hexagram.errors import ConfigError
@@ -63,7 +66,7 @@ def _has_step_hooks(algorithm: Algorithm) -> bool:
         or kind.before_step is not Algorithm.before_step
 
 
-class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
+class DistributedDataParallel(OptimizerHooks, CommHooks, Joinable, nn.Module):
     """Data-parallel wrapper whose communication is chosen by ``algorithm``.
 
     Takes every argument of ``torch.nn.parallel.DistributedDataParallel`` (torch 2.13), in
@@ -106,8 +109,10 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
         forward_sync_buffers: broadcast rank 0's buffers (e.g. BatchNorm statistics) before
             each forward (default True; gradient algorithms only).
         optimizers: optimizers of ``module``'s parameters (keyword); weight-based
-            algorithms hook their ``step``. Optional: frameworks that create optimizers
-            later call :meth:`attach_optimizers`. Framework wrappers (Accelerate's
+            algorithms hook their ``step`` and need them: without, they raise
+            ``ConfigError`` here; ``optimizers="later"`` defers them to
+            :meth:`attach_optimizers` (before the first forward), for frameworks that create
+            optimizers after wrapping. Framework wrappers (Accelerate's
             ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are unwrapped.
         algorithm: a registered name (``hexagram.algorithms.names()``) or an instance from
             ``hexagram.algorithms.get(name, **config)`` (keyword; default "allreduce").
@@ -116,10 +121,13 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
     Optimizers passed as the 2nd positional argument, or an algorithm as the 3rd (the
     former signature), still work with a ``FutureWarning``: pass them by keyword.
 
-    After wrapping, parameters and buffers equal rank 0's. ``state_dict()`` has no wrapper
-    prefix. ``no_sync()`` accumulates gradients locally. ``join()`` lets ranks run out of
-    data at different times. ``synchronize()`` brings every rank to the same weights (for
-    delayed/decentralized algorithms).
+    After wrapping, parameters and buffers equal rank 0's. ``state_dict()`` has PyTorch
+    DDP's keys (``module.`` prefix); ``load_state_dict`` also takes the module's own keys.
+    ``no_sync()`` accumulates gradients locally. ``join()`` (or ``Join([model])``) lets
+    ranks run out of data at different times. ``register_comm_hook`` runs PyTorch's
+    built-in hooks as the matching algorithm. ``synchronize()`` brings every rank to the
+    same weights (for delayed/decentralized algorithms). docs/migration.md maps every
+    PyTorch DDP argument and method.
 
     Example::
 
@@ -148,8 +156,11 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
         check_runs_on(module, runtime.device)
         check_model_device(module, runtime.device)
         self.module = module
-        self.optimizers = unwrap_optimizers(optimizers)
         self.algorithm = registry.get("allreduce" if algorithm is None else algorithm)
+        self.optimizers = wrap_time_optimizers(optimizers, self.algorithm)
+        self._algorithm_chosen = algorithm is not None
+        self._comm_hook: Any = None  # register_comm_hook's, once
+        self.process_group = default_group(process_group, device_mesh)
         self.runtime = runtime
         self.device_ids, self.output_device, self.dim = \
             opts.device_ids, opts.output_device, opts.dim
@@ -178,13 +189,12 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
         self._step_hooks: list[Any] = []
         self._hooked: set[int] = set()
         self._amp = False  # the last forward ran under fp16 autocast
+        self._grad_scale = 1.0  # join(divide_by_initial_world_size=False) sets it
         self._build()  # wires where the step's checks are read (see _wire_checks)
         self._setup_pending = True
         self.attach_optimizers(*self.optimizers)
         expose_forward_signature(self, module)
-        self._joining = False
-        self._divide_by_world = True
-        self._join_steps = 0
+        self._divide_by_world = True  # join's divide_by_initial_world_size
 
     # -- set-up helpers ------------------------------------------------------------------
     def _broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -206,6 +216,7 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
             self._reducer = Reducer(self.algorithm, self.comm, buckets,
                                     self.find_unused_parameters, self.gradient_as_bucket_view)
             self._reducer.enabled = self._sync
+            self._reducer.grad_scale = self._grad_scale  # join's, for the next backward
         self._resources.reducer = self._reducer
         self._wire_checks()
 
@@ -256,11 +267,9 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
 
     @torch.compiler.disable
     def _before_module_forward(self) -> None:
-        if self._joining:
-            syncing = torch.is_grad_enabled() and (self._reducer is None
-                                                   or self._reducer.enabled)
-            self._join_round(active=True, syncing=syncing)
-            self._join_steps += 1
+        if self._join_config.enable:  # inside Join([model]) / model.join()
+            self._notify_join(syncing=torch.is_grad_enabled() and (
+                self._reducer is None or self._reducer.enabled))
         if self._setup_pending:
             raise ConfigError(
                 f"algorithm {self.algorithm.name!r} communicates after optimizer steps: pass "
@@ -272,9 +281,9 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
             self._ctx.checks.clear()
         self._prepare_forward()
 
-    def _prepare_forward(self) -> None:
+    def _prepare_forward(self, joined: bool = False) -> None:
         """The collectives and hooks that precede every forward (also shadowed by joined
-        ranks, so they must stay identical on every rank)."""
+        ranks, ``joined=True``, so they must stay identical on every rank)."""
         if self.algorithm.need_reset():
             self._build()
             self.algorithm.reset(self._ctx)
@@ -289,7 +298,7 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
                 and self.algorithm.kind == "grad":
             buffers = list(self.module.buffers())
             if buffers:
-                self._broadcast(buffers)
+                self._broadcast(buffers, src=self._buffer_source(joined))
         self.algorithm.before_forward()
 
     @property
@@ -317,6 +326,24 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
             if self._reducer is not None:
                 self._reducer.enabled = previous
 
+    # -- PyTorch DDP's helpers, kept for scripts that call them ---------------------------
+    def will_sync_module_buffers(self) -> bool:
+        """True when rank 0's buffers are broadcast before each forward (as PyTorch's)."""
+        return self.broadcast_buffers and self.algorithm.kind == "grad" \
+            and self.runtime.world_size > 1 and any(True for _ in self.module.buffers())
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: int) -> Any:
+        """PyTorch DDP's: inputs and kwargs moved to CUDA device ``device_id``."""
+        return _to_kwargs(inputs, kwargs, torch.device("cuda", device_id), False)
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> Any:
+        """PyTorch DDP's: ``scatter_kwargs(inputs, kwargs, device_ids, dim)``."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        """PyTorch DDP's: ``gather(outputs, output_device, dim)``."""
+        return gather(outputs, output_device, dim=self.dim)
+
     # -- user-facing utilities -----------------------------------------------------------
     @property
     def buckets(self) -> list[Bucket]:
@@ -332,14 +359,16 @@ class DistributedDataParallel(OptimizerHooks, Joinable, nn.Module):
         excluded)."""
         return self.algorithm.bytes_sent() - self.comm.counter.by_op().get("broadcast", 0)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """The wrapped module's state dict, without a ``module.`` prefix."""
-        return self.module.state_dict(*args, **kwargs)
-
     def load_state_dict(self, state_dict: Any, strict: bool = True,
                         assign: bool = False) -> Any:
-        """Load into the wrapped module (keys without a ``module.`` prefix)."""
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load a state dict with PyTorch DDP's keys (``module.weight``: what
+        ``state_dict()`` returns, here and under PyTorch DDP), or with the module's own keys
+        (``weight``: a plain module's checkpoint, or one from Hexagram before it took
+        PyTorch's keys), which go to the wrapped module as they are (the reverse of
+        ``torch.nn.modules.utils.consume_prefix_in_state_dict_if_present``)."""
+        if torch_args.has_bare_keys(state_dict, self.module):
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def algorithm_state_dict(self) -> dict[str, Any]:
         """The algorithm's state (residuals, momenta, counters) for exact resumption."""

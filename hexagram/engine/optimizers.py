@@ -30,8 +30,11 @@ from torch import nn
 from hexagram.algorithms.base import Algorithm
 from hexagram.errors import ConfigError
 
-__all__ = ["KNOWN_WRAPPERS", "expose_forward_signature", "needs_optimizers",
-           "unwrap_optimizer", "unwrap_optimizers"]
+__all__ = ["KNOWN_WRAPPERS", "LATER", "expose_forward_signature", "needs_optimizers",
+           "unwrap_optimizer", "unwrap_optimizers", "wrap_time_optimizers"]
+
+#: ``optimizers=LATER``: the optimizers come through ``attach_optimizers`` (frameworks)
+LATER = "later"
 
 # (module, class name) of a framework's optimizer wrapper -> attribute holding the optimizer.
 KNOWN_WRAPPERS: dict[tuple[str, str], str] = {
@@ -93,6 +96,33 @@ def needs_optimizers(algorithm: Algorithm) -> bool:
     from hexagram.algorithms.weight_sync import RoundAlgorithm
 
     return isinstance(algorithm, (RoundAlgorithm, QAdamAlgorithm))
+
+
+def wrap_time_optimizers(optimizers: Any, algorithm: Algorithm) -> list[torch.optim.Optimizer]:
+    """The wrapper's ``optimizers=``: optimizers (unwrapped), or :data:`LATER`.
+
+    A weight algorithm (local SGD, DiLoCo, decentralized, QAdam: :func:`needs_optimizers`)
+    wrapped without optimizers fails here, at wrap time, with the fix; ``"later"`` defers
+    them to ``attach_optimizers`` (called before the first forward), as the framework
+    integrations do, which create optimizers after wrapping.
+
+    Example:
+        >>> from hexagram.algorithms import registry
+        >>> wrap_time_optimizers("later", registry.get("local_sgd"))
+        []
+    """
+    if isinstance(optimizers, str):
+        if optimizers == LATER:
+            return []
+        raise ConfigError(f"optimizers={optimizers!r}: pass a list of optimizers or "
+                          f"optimizers={LATER!r} (then model.attach_optimizers(opt))")
+    opts = unwrap_optimizers(optimizers)
+    if not opts and needs_optimizers(algorithm):
+        raise ConfigError(
+            f"algorithm {algorithm.name!r} communicates after optimizer steps: pass "
+            "optimizers=[opt] to hexagram.DistributedDataParallel (or optimizers='later' "
+            "and call model.attach_optimizers(opt) before the first forward)")
+    return opts
 
 
 def expose_forward_signature(wrapper: nn.Module, module: nn.Module) -> None:

@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +32,11 @@ from torch.utils._pytree import tree_map
 from hexagram.algorithms.base import Algorithm
 from hexagram.errors import ConfigError
 
-__all__ = ["ARGUMENTS", "DEFAULT_BUCKET_MB", "WrapOptions", "legacy_positionals", "module_device",
-           "resolve", "to_device"]
+__all__ = ["ARGUMENTS", "DEFAULT_BUCKET_MB", "PREFIX", "WrapOptions", "has_bare_keys",
+           "legacy_positionals", "module_device", "resolve", "to_device"]
+
+#: PyTorch DDP's state-dict prefix: the wrapped module is its ``module`` attribute
+PREFIX = "module."
 
 #: the wrapper's arguments :func:`resolve` reads (torch DDP's but ``module``, and Hexagram's
 #: bucket sizes)
@@ -286,3 +289,24 @@ def to_device(tree: Any, device: torch.device) -> Any:
     PyTorch DDP moves inputs to ``device_ids[0]``."""
     return tree_map(lambda t: t.to(device, non_blocking=True)
                     if isinstance(t, torch.Tensor) else t, tree)
+
+
+def has_bare_keys(state_dict: Mapping[str, Any], module: nn.Module) -> bool:
+    """True when ``state_dict`` holds ``module``'s own keys (``weight``) rather than
+    PyTorch DDP's (``module.weight``): some key lacks the prefix, or every key has it but
+    only the unprefixed keys name entries of ``module`` (a module whose own child is
+    called ``module``).
+
+    Example:
+        >>> net = torch.nn.Linear(2, 2)
+        >>> has_bare_keys(net.state_dict(), net), has_bare_keys({"module.weight": 0}, net)
+        (True, False)
+    """
+    keys = list(state_dict)
+    if not keys:
+        return False
+    if not all(k.startswith(PREFIX) for k in keys):
+        return True
+    own = set(module.state_dict(keep_vars=True))
+    stripped = {k[len(PREFIX):] for k in keys}
+    return not stripped & own and bool(set(keys) & own)

@@ -37,9 +37,11 @@ def wrapper_and_algorithm_config(config: dict[str, Any]) -> tuple[dict[str, Any]
 
 
 def wrap(module: nn.Module, algorithm: Any, config: dict[str, Any],
-         optimizers: Any = ()) -> nn.Module:
+         optimizers: Any = "later") -> nn.Module:
     """``hexagram.DistributedDataParallel(module, optimizers=..., algorithm=..., **options)``:
-    ``config`` mixes wrapper options and algorithm fields (e.g. ``rank=2`` for PowerSGD)."""
+    ``config`` mixes wrapper options and algorithm fields (e.g. ``rank=2`` for PowerSGD).
+    Frameworks create their optimizers after wrapping: without ``optimizers`` the wrapper
+    is told ``optimizers="later"`` and the integration calls ``attach_optimizers``."""
     from hexagram import runtime
     from hexagram.algorithms import registry
     from hexagram.engine.ddp import DistributedDataParallel

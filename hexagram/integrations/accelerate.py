@@ -102,5 +102,6 @@ def prepare(accelerator: Accelerator, model: nn.Module, *objects: Any,
     if isinstance(model, DistributedDataParallel):
         model.attach_optimizers(*optimizers)
         return (model, *prepared)
-    wrapped = wrap(model.to(accelerator.device), algorithm, config, optimizers=optimizers)
+    wrapped = wrap(model.to(accelerator.device), algorithm, config,
+                   optimizers=optimizers or "later")  # later: a second prepare() attaches
     return (wrapped, *prepared)

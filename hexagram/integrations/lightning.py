@@ -85,7 +85,8 @@ class HexagramStrategy(DDPStrategy):
         return self.model if isinstance(self.model, DistributedDataParallel) else None
 
     def _setup_model(self, model: nn.Module) -> Any:
-        return wrap(model, self.algorithm, dict(self.hexagram_config))
+        # Lightning creates the optimizers after wrapping: setup() attaches them
+        return wrap(model, self.algorithm, dict(self.hexagram_config), optimizers="later")
 
     def configure_ddp(self) -> None:
         # PyTorch DDP's comm hooks do not apply: the algorithm does the communication.

@@ -128,7 +128,9 @@ class HexagramTrainer(Trainer):  # type: ignore[misc]
                     dataloader: Any = None) -> nn.Module:
         if isinstance(model, DistributedDataParallel) or not training:
             return super()._wrap_model(model, training=training, dataloader=dataloader)
-        return wrap(model, self.hexagram_algorithm, dict(self.hexagram_config))
+        # the Trainer creates its optimizer after wrapping: _prepare_for_training attaches it
+        return wrap(model, self.hexagram_algorithm, dict(self.hexagram_config),
+                    optimizers="later")
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any,
                               resume_from_checkpoint: str | None) -> Any:

@@ -1,0 +1,103 @@
+"""``register_comm_hook`` with PyTorch's built-in hooks: a DDP script registering them runs
+with only its import changed, sends the same bytes per step and ends with the same (fp16,
+bf16: within rounding) or close (PowerSGD) parameters; other hooks are refused with one
+line; a second registration raises PyTorch's error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _dropin import run_both, single_rank
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from hexagram.engine.comm_hooks import ONCE, algorithm_for
+from hexagram.errors import ConfigError
+
+NUMEL = 16 * 16 + 16 + 8 * 16 + 8  # the script's model
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return run_both(tmp_path_factory.mktemp("hooks"), "hooks")
+
+
+def _initial() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [p.detach() for p in nn.Sequential(nn.Linear(16, 16), nn.Tanh(),
+                                              nn.Linear(16, 8)).parameters()]
+
+
+def _compare(runs: dict[str, list[dict[str, Any]]], case: str, atol: float,
+             relative: float = 0.1) -> None:
+    for rank in (0, 1):
+        ref, got = runs["torch"][rank][case], runs["hexagram"][rank][case]
+        assert got["sent"] == ref["sent"], (case, rank)  # the same bytes, step by step
+        for p0, a, b in zip(_initial(), ref["params"], got["params"]):
+            torch.testing.assert_close(b, a, rtol=0, atol=atol, msg=case)
+            moved, gap = (a - p0).abs().max(), (b - a).abs().max()
+            assert gap <= relative * moved, (case, float(gap), float(moved))  # it trained
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["fp16", "bf16"])
+def test_16_bit_compress_hooks_match_pytorch(runs: dict[str, Any], case: str) -> None:
+    _compare(runs, case, atol=1e-6)
+    assert runs["hexagram"][0][case]["sent"] == [2 * NUMEL] * 4  # one 16-bit allreduce
+
+
+@pytest.mark.timeout(240)
+def test_powersgd_hook_warms_up_then_sends_factors_as_pytorch(runs: dict[str, Any]) -> None:
+    _compare(runs, "powersgd", atol=1e-4)  # rank 2 captures these gradients exactly
+    sent = runs["hexagram"][0]["powersgd"]["sent"]
+    factors = 4 * (2 * (16 + 16) + 2 * (8 + 16) + 16 + 8)  # P, Q of each weight; biases
+    assert sent == [4 * NUMEL] * 2 + [factors] * 3  # start_powerSGD_iter=2: allreduce first
+
+
+@pytest.mark.timeout(240)
+def test_fp16_wrapper_around_powersgd_halves_its_bytes(runs: dict[str, Any]) -> None:
+    # fp16 factors on the wire round differently: PyTorch orthogonalizes the warm-start Q
+    # before P = M Q (and computes in fp16), Hexagram computes in fp32 from the raw Q
+    _compare(runs, "fp16+powersgd", atol=2e-2, relative=0.35)
+    half = runs["hexagram"][0]["fp16+powersgd"]["sent"]
+    assert half == [s // 2 for s in runs["hexagram"][0]["powersgd"]["sent"]]
+    full = runs["torch"][0]["powersgd"]["params"]  # float32 factors: exact here
+    for a, b in zip(full, runs["hexagram"][0]["fp16+powersgd"]["params"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-2)
+
+
+def test_hooks_map_to_algorithms() -> None:
+    state = powersgd.PowerSGDState(None, matrix_approximation_rank=3, start_powerSGD_iter=7,
+                                   min_compression_rate=4, use_error_feedback=False,
+                                   warm_start=False)
+    algo = algorithm_for(state, powersgd.powerSGD_hook, world_size=2)
+    c = algo.config
+    assert (algo.name, c.rank, c.start_iter, c.min_compression_rate) == ("powersgd", 3, 7, 4.0)
+    assert (c.error_feedback, c.warm_start, c.granularity) == (False, False, "layer")
+    batched = algorithm_for(state, powersgd.batched_powerSGD_hook, world_size=2)
+    assert batched.config.granularity == "bucket"
+    bf16 = algorithm_for(None, default.bf16_compress_hook, world_size=2)
+    assert (bf16.name, bf16.config.wire) == ("fp16", "bf16")
+    cast = algorithm_for(state, default.bf16_compress_wrapper(powersgd.powerSGD_hook), 2)
+    assert (cast.name, cast.inner.name, cast.dtype) == ("cast", "powersgd", torch.bfloat16)
+    assert algorithm_for(None, default.allreduce_hook, world_size=2).name == "allreduce"
+    with pytest.raises(ConfigError, match="PowerSGDState"):
+        algorithm_for(None, powersgd.powerSGD_hook, world_size=2)
+
+
+@pytest.mark.timeout(120)
+def test_other_hooks_and_a_second_registration_are_refused() -> None:
+    out = single_rank()
+    for name, error in out["refused"].items():
+        assert error.startswith("ConfigError: ") and "\n" not in error, (name, error)
+    for name in ("own", "noop"):
+        assert "algorithm=" in out["refused"][name], out["refused"][name]
+    assert "noop_hook" in out["refused"]["noop"]
+    assert "min_compression_rate=0.5" in out["refused"]["rate"]
+    assert "16-bit already" in out["refused"]["fp16 of fp16"]
+    assert (out["first"], out["algorithm"]) == ("", "fp16")  # refusals left no trace
+    assert out["twice"] == f"RuntimeError: {ONCE}"  # PyTorch's error, word for word
+    assert out["chosen"].startswith("ConfigError: ") and "algorithm='topk'" in out["chosen"]
