@@ -39,11 +39,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -51,13 +52,29 @@ import torch.distributed as dist
 
 from hexagram.errors import CommError, HexagramError
 
-__all__ = ["Epoch", "Heartbeat", "Quorum", "QuorumError", "Watcher"]
+__all__ = ["Epoch", "Heartbeat", "Quorum", "QuorumError", "Watcher", "peer_failure"]
 
 _POLL = 0.01  # seconds between store polls while waiting for a quorum
 _HINT_EVERY = 16  # a commit vote in this many records its index for fence()
 
 class QuorumError(HexagramError):
     """The quorum could not reach its minimum size in time (names who was there)."""
+
+
+@contextlib.contextmanager
+def peer_failure(what: str) -> Iterator[None]:
+    """Collectives of a membership's set-up (healing, re-centring) outside the engine's
+    communicator: a peer that dies in them makes gloo raise a bare ``RuntimeError``
+    ("Connection closed by peer"); raise :class:`CommError` instead, which live mode
+    answers by forming the next membership. (A replica killed while it healed took its
+    source down with it before: the source's broadcast raised ``RuntimeError``.)"""
+    try:
+        yield
+    except (CommError, dist.DistError):
+        raise
+    except RuntimeError as exc:
+        raise CommError(f"live mode: {what} failed: a member probably died. Backend said: "
+                        f"{exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,8 @@ class Epoch:
     members: tuple[int, ...]
     steps: tuple[int, ...]
     joins: int  # value of the join counter when the epoch closed
+    #: the members' process tokens (which incarnation of each replica is the member)
+    tokens: tuple[str, ...] = ()
 
     def rank_of(self, replica: int) -> int:
         """This replica's rank in the epoch's process group."""
@@ -79,17 +98,19 @@ class Epoch:
 
 
 class Heartbeat:
-    """A daemon thread that writes ``hb/<replica>`` = wall clock every ``interval`` s.
+    """A daemon thread that writes ``hb/<replica>`` = ``"<wall clock> <token>"`` every
+    ``interval`` s (``token``: this process's, :attr:`Quorum.token`: a restarted replica's
+    heartbeat does not keep its dead predecessor's membership alive).
 
     It uses its own store client, so a busy training thread never delays it.
     """
 
     def __init__(self, host: str, port: int, prefix: str, replica: int,
-                 interval: float) -> None:
+                 interval: float, token: str = "") -> None:
         self._store = dist.PrefixStore(prefix, dist.TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=30),
             wait_for_workers=False))
-        self._key, self._interval = f"hb/{replica}", interval
+        self._key, self._interval, self._token = f"hb/{replica}", interval, token
         self._stop = threading.Event()
         self.beat()
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -97,7 +118,7 @@ class Heartbeat:
         self._thread.start()
 
     def beat(self) -> None:
-        self._store.set(self._key, repr(time.time()))
+        self._store.set(self._key, f"{time.time()!r} {self._token}".strip())
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -129,23 +150,43 @@ class Quorum:
 
     def __init__(self, store: dist.Store, replica: int, max_size: int, min_size: int,
                  heartbeat_timeout: float = 0.5, join_timeout: float = 60.0,
-                 behind_grace: float | None = None) -> None:
+                 behind_grace: float | None = None, token: str | None = None) -> None:
         self.store, self.replica = store, replica
         self.max_size, self.min_size = max_size, min_size
         self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
         self.behind_grace = 10 * heartbeat_timeout if behind_grace is None else behind_grace
-        self._token = uuid.uuid4().hex  # tells this process from earlier incarnations
+        self._token = token or uuid.uuid4().hex  # tells this process from earlier ones
+
+    @property
+    def token(self) -> str:
+        """This process's token (in its registrations and heartbeats)."""
+        return self._token
 
     # -- liveness --------------------------------------------------------------------
     def alive(self) -> set[int]:
         """Replicas whose heartbeat is fresh."""
+        return set(self._beats())
+
+    def _beats(self) -> dict[int, str]:
+        """The token of every replica whose heartbeat is fresh ("" from a heartbeat
+        without one)."""
         keys = [f"hb/{r}" for r in range(self.max_size)]
         present = [r for r, k in enumerate(keys) if self.store.check([k])]
-        now, live = time.time(), set()
+        now, live = time.time(), {}
         for r in present:
-            if now - float(self.store.get(f"hb/{r}").decode()) < self.heartbeat_timeout:
-                live.add(r)
+            when, _, token = self.store.get(f"hb/{r}").decode().partition(" ")
+            if now - float(when) < self.heartbeat_timeout:
+                live[r] = token
         return live
+
+    def members_alive(self, epoch: Epoch) -> bool:
+        """Whether every member of ``epoch`` is alive: its heartbeat is fresh and comes
+        from the process that registered for the epoch (not from a restart of a member
+        that died: that one keeps the replica's heartbeat fresh, never the membership)."""
+        beats = self._beats()
+        tokens = epoch.tokens or ("",) * len(epoch.members)
+        return all(m in beats and (not t or beats[m] in ("", t))
+                   for m, t in zip(epoch.members, tokens))
 
     def joins(self) -> int:
         """How many times a replica asked to join (a counter on the store)."""
@@ -187,7 +228,7 @@ class Quorum:
             time.sleep(_POLL)
         record = json.loads(self.store.get(f"{base}members").decode())
         epoch = Epoch(number, tuple(record["members"]), tuple(record["steps"]),
-                      record["joins"])
+                      record["joins"], tuple(record["tokens"]))
         if self.replica not in epoch.members:
             return None
         # this process's registration, not an earlier incarnation's of the same replica
@@ -265,8 +306,10 @@ class Quorum:
                 return head
             index += 1
 
-    def assemble(self, epoch: Epoch, timeout: float) -> None:
-        """Wait until every member of ``epoch`` is ready to build its process group.
+    def assemble(self, epoch: Epoch, timeout: float, stage: str = "ready") -> None:
+        """Wait until every member of ``epoch`` is ready to build its process group
+        (``stage`` ``"ready"``; ``"healed"``: ready to build the wrapper, whose subgroups
+        have a rendezvous of their own).
 
         A member that dies between the epoch's closing and its group's set-up would leave
         the others in the group's rendezvous until its timeout (30 s by default); here a
@@ -277,14 +320,14 @@ class Quorum:
             CommError: a member's heartbeat went stale first (form the next epoch).
             QuorumError: not every member arrived within ``timeout`` s, all alive.
         """
-        base = f"e{epoch.number}/ready/"
+        base = f"e{epoch.number}/{stage}/"
         self.store.set(f"{base}{self.replica}", "1")
         keys, decision = [f"{base}{r}" for r in epoch.members], f"{base}decision"
         deadline = time.monotonic() + timeout
         while not self.store.check([decision]):
             if self.store.check(keys):
                 self.store.compare_set(decision, "", "ok")
-            elif not set(epoch.members) <= self.alive():
+            elif not self.members_alive(epoch):
                 self.store.compare_set(decision, "", "abort")
             elif time.monotonic() > deadline:
                 raise QuorumError(f"live mode: members {list(epoch.members)} of epoch "
@@ -322,7 +365,7 @@ class Quorum:
                 return self.store.get(f"{key}decision").decode().partition(" ")[0]
             except (RuntimeError, TimeoutError):  # DistStoreError on timeout
                 pass
-            if not set(epoch.members) <= self.alive():
+            if not self.members_alive(epoch):
                 self.store.compare_set(f"{key}decision", "", "abort")
             elif time.monotonic() > deadline:
                 raise QuorumError(
@@ -387,7 +430,7 @@ class Watcher:
             try:
                 q.store.wait([key], wait)
             except (RuntimeError, TimeoutError):
-                if not set(epoch.members) <= q.alive():
+                if not q.members_alive(epoch):
                     q.store.compare_set(key, "", "abort")
                 continue
             if q.store.get(key) == b"abort" and self._armed == (epoch, step):

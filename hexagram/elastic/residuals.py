@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hexagram.elastic.quorum import Epoch
+from hexagram.elastic.quorum import Epoch, peer_failure
 from hexagram.elastic.state import residual_tensors
 from hexagram.errors import ConfigError
 
@@ -76,7 +76,8 @@ def recenter(model: Any, epoch: Epoch, replica: int, previous: tuple[int, ...] |
     residuals = residual_tensors(state)
     signature = [(k, tuple(t.shape), str(t.dtype)) for k, t in residuals.items()]
     seen: list[Any] = [None] * len(epoch.members)
-    dist.all_gather_object(seen, (signature, lost_member(epoch, previous)))
+    with peer_failure("re-centring the residuals"):
+        dist.all_gather_object(seen, (signature, lost_member(epoch, previous)))
     if any(s != signature for s, _ in seen):
         raise RuntimeError(f"epoch {epoch.number}: the members' error-feedback residuals "
                            "differ in keys or shapes; they cannot be re-centred")
@@ -86,7 +87,8 @@ def recenter(model: Any, epoch: Epoch, replica: int, previous: tuple[int, ...] |
     flat = torch.cat([t.reshape(-1).double() for t in residuals.values()])
     if epoch.steps[epoch.rank_of(replica)] != newest:
         flat.zero_()  # healed: its residuals are not its own (zeroed by the healing)
-    dist.all_reduce(flat)
+    with peer_failure("re-centring the residuals"):
+        dist.all_reduce(flat)
     flat /= epoch.steps.count(newest)
     if policy == "reset" and any(lost for _, lost in seen):
         flat.zero_()

@@ -56,7 +56,14 @@ from torch import nn
 
 from hexagram.comm.communicator import abort_all
 from hexagram.elastic.job_token import check_token
-from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError, Watcher
+from hexagram.elastic.quorum import (
+    Epoch,
+    Heartbeat,
+    Quorum,
+    QuorumError,
+    Watcher,
+    peer_failure,
+)
 from hexagram.elastic.residuals import check_policy, recenter
 from hexagram.elastic.service import LiveAddress, live_address
 from hexagram.elastic.state import (
@@ -71,6 +78,8 @@ from hexagram.errors import CommError, ConfigError
 __all__ = ["LiveTrainer", "QuorumError", "live"]
 
 _FAILURES = (CommError, CheckpointError, dist.DistError)
+#: The watcher's key while a membership is set up (commit votes count from 0).
+_SETUP_VOTE = -1
 
 
 def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -186,17 +195,20 @@ class LiveTrainer:
                                    wait_for_workers=False)
         check_token(self._root, address.job, address.token)  # refuse before any key
         self._store = dist.PrefixStore(prefix, self._root)
-        self._heartbeat = Heartbeat(host, port, prefix, replica, heartbeat_timeout / 5)
         self.quorum = Quorum(self._store, replica, max_size, min_size, heartbeat_timeout,
                              join_timeout)
+        self._heartbeat = Heartbeat(host, port, prefix, replica, heartbeat_timeout / 5,
+                                    self.quorum.token)
         watch_store = dist.PrefixStore(prefix, dist.TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=join_timeout),
             wait_for_workers=False))  # its own client: used from the watcher thread
         self._abort_lock = threading.Lock()  # the watcher vs. the membership change
         self._watcher = Watcher(Quorum(watch_store, replica, max_size, min_size,
-                                       heartbeat_timeout, join_timeout), self._abort_epoch)
+                                       heartbeat_timeout, join_timeout,
+                                       token=self.quorum.token), self._abort_epoch)
         self.step = -1  # no training state yet
         self._vote = 0  # index of the next commit vote in the current epoch
+        self._aborted = 0  # the last epoch the watcher aborted
         self.model: Any = None
         self.epoch: Epoch | None = None
         self._join(own=None, first_size=start_size)
@@ -295,8 +307,9 @@ class LiveTrainer:
         close its process groups, so a survivor stuck in a round with a dead peer votes
         instead of waiting out the collective timeout."""
         with self._abort_lock:
-            if self.epoch is not epoch or self.model is None:
+            if self.epoch is not epoch:
                 return  # the membership already changed: nothing of it is pending
+            self._aborted = epoch.number  # a set-up failing now failed for this reason
             abort_all(f"live mode: a member of epoch {epoch.number} failed")
             _abort_all_groups()
 
@@ -332,7 +345,9 @@ class LiveTrainer:
                 try:
                     self._setup(epoch, own)
                     return
-                except _FAILURES:  # a member died while the group was set up (or healed)
+                except Exception as exc:  # a member died while the group was set up or
+                    if not isinstance(exc, _FAILURES) and self._aborted != epoch.number:
+                        raise  # healed (the watcher aborted it: any error then), else a bug
                     self.stats["failures"] += 1
                     self._teardown()
             number = max(number, self.quorum.last_epoch()) + 1
@@ -354,21 +369,31 @@ class LiveTrainer:
         healed_at = time.monotonic()
         newest = max(epoch.steps)
         source = epoch.steps.index(newest)
-        if newest >= 0 and min(epoch.steps) < newest:
-            box = [own if epoch.rank_of(self.replica) == source else None]
-            dist.broadcast_object_list(box, src=source)
-            if self.step < newest and box[0] is not None:  # healed from the source:
-                own = without_residuals(box[0])  # its residuals are its own debt
-        name, config = self.algorithm
-        self.model = DistributedDataParallel(
-            self.module, optimizers=self.optimizers, algorithm=registry.get(name, **config),
-            **self._wrapper_kwargs)
-        if own is not None:
-            apply_rank_state(own, self.model, self.optimizers, restore_rng=False)
-            self.step = int(own["step"])
-        elif newest < 0:
-            self.step = self._load_durable()
-        recenter(self.model, epoch, self.replica, self._members, self._residuals)
+        # a member that dies while healing or re-centring leaves the others in a
+        # collective: the watcher aborts it when the member's heartbeat goes stale
+        self._watcher.arm(epoch, _SETUP_VOTE)
+        try:
+            if newest >= 0 and min(epoch.steps) < newest:
+                box = [own if epoch.rank_of(self.replica) == source else None]
+                with peer_failure("healing"):
+                    dist.broadcast_object_list(box, src=source)
+                if self.step < newest and box[0] is not None:  # healed from the source:
+                    own = without_residuals(box[0])  # its residuals are its own debt
+            # the wrapper's subgroups meet in a store rendezvous that no abort ends: a
+            # member that died while healing would hold the others there 30 s
+            self.quorum.assemble(epoch, self.timeout, stage="healed")
+            name, config = self.algorithm
+            self.model = DistributedDataParallel(
+                self.module, optimizers=self.optimizers,
+                algorithm=registry.get(name, **config), **self._wrapper_kwargs)
+            if own is not None:
+                apply_rank_state(own, self.model, self.optimizers, restore_rng=False)
+                self.step = int(own["step"])
+            elif newest < 0:
+                self.step = self._load_durable()
+            recenter(self.model, epoch, self.replica, self._members, self._residuals)
+        finally:
+            self._watcher.disarm()
         self._members, self._vote = epoch.members, 0
         healed = min(epoch.steps) < newest
         if healed:

@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 from hexagram.errors import ConfigError
 
-__all__ = ["ACTIONS", "EXIT_CODE", "Fault", "FaultInjector", "InjectedFault", "parse_faults",
-           "trigger"]
+__all__ = ["ACTIONS", "CHAOS_KINDS", "CHAOS_MIX", "EXIT_CODE", "Chaos", "Fault", "FaultInjector",
+           "InjectedFault", "chaos_schedule", "parse_faults", "trigger"]
 
 Action = Literal["exit", "sigkill", "sigstop", "raise"]
 ACTIONS: tuple[str, ...] = ("exit", "sigkill", "sigstop", "raise")
@@ -82,6 +82,12 @@ def trigger(action: Action, where: str = "") -> None:
     os.kill(os.getpid(), sig)
 
 
+def _fire(on_fire: Callable[[], None] | None, action: Action, where: str) -> None:
+    if on_fire is not None:
+        on_fire()
+    trigger(action, where)
+
+
 class FaultInjector:
     """This rank's faults; :meth:`at_step` fires those due at a step."""
 
@@ -97,12 +103,14 @@ class FaultInjector:
 
     @contextlib.contextmanager
     def inside(self, owner: Any, name: str, *, rank: int, action: Action = "sigkill",
-               call: int = 1, when: Literal["before", "after"] = "before") -> Iterator[None]:
+               call: int = 1, when: Literal["before", "after"] = "before",
+               on_fire: Callable[[], None] | None = None) -> Iterator[None]:
         """Within the block, ``owner.name``'s ``call``-th call on ``rank`` fails.
 
         ``when="before"`` fails on entry (the call never happens); ``"after"`` lets the call
         complete first (e.g. a rank wrote its checkpoint shard, then dies before the commit).
-        Other ranks run the real function unchanged.
+        ``on_fire`` runs just before the failure (a soak records what fired: a SIGKILL
+        leaves no other trace). Other ranks run the real function unchanged.
         """
         original: Callable[..., Any] = getattr(owner, name)
         count = 0
@@ -113,10 +121,10 @@ class FaultInjector:
             count += 1
             due = self.rank == rank and count == call
             if due and when == "before":
-                trigger(action, f"in {name} call {call} on rank {rank}")
+                _fire(on_fire, action, f"in {name} call {call} on rank {rank}")
             result = original(*args, **kwargs)
             if due:
-                trigger(action, f"after {name} call {call} on rank {rank}")
+                _fire(on_fire, action, f"after {name} call {call} on rank {rank}")
             return result
 
         setattr(owner, name, wrapped)
@@ -124,3 +132,65 @@ class FaultInjector:
             yield
         finally:
             setattr(owner, name, original)
+
+
+#: What a generated schedule draws from (:func:`chaos_schedule`): ``sigkill`` (the process
+#: is killed from outside), ``sigstop`` (frozen past the heartbeat timeout, then SIGCONT),
+#: ``slow`` (the rank sleeps inside one step), ``heal_kill`` (killed, and its restart is
+#: killed again while it heals from a peer), ``collective_kill`` (SIGKILLed right after
+#: issuing a collective of its next communicating step).
+CHAOS_KINDS: tuple[str, ...] = ("sigkill", "sigstop", "slow", "heal_kill", "collective_kill")
+#: Default proportions of the kinds (as :data:`CHAOS_KINDS`).
+CHAOS_MIX: tuple[float, ...] = (0.3, 0.2, 0.2, 0.15, 0.15)
+
+
+@dataclass(frozen=True)
+class Chaos:
+    """One scheduled failure: due once the job has committed ``step`` steps; ``pick`` in
+    [0, 1) chooses the victim among the replicas eligible then (sorted ids: index
+    ``int(pick * n)``), so the schedule is fixed before the run and the victim is still
+    one that is training."""
+
+    index: int
+    step: int
+    kind: str
+    pick: float
+
+    @property
+    def faults(self) -> int:
+        """Failures it injects: a ``heal_kill`` is two (the kill, then the one in healing)."""
+        return 2 if self.kind == "heal_kill" else 1
+
+
+def chaos_schedule(failures: int, every: int, seed: int = 0, first: int | None = None,
+                   mix: tuple[float, ...] = CHAOS_MIX) -> list[Chaos]:
+    """A seeded schedule of at least ``failures`` failures, one event every ``every``
+    committed steps from step ``first`` (default ``every``), kinds drawn with the
+    proportions ``mix`` (over :data:`CHAOS_KINDS`). Same arguments, same schedule.
+
+    Raises:
+        ConfigError: ``every`` < 1, ``failures`` < 0, or a ``mix`` that is not one
+            non-negative weight per kind with a positive sum.
+
+    Example:
+        >>> s = chaos_schedule(5, every=20, seed=1)
+        >>> [c.step for c in s][:3], sum(c.faults for c in s) >= 5
+        ([20, 40, 60], True)
+        >>> s == chaos_schedule(5, every=20, seed=1)
+        True
+    """
+    import random
+
+    if every < 1 or failures < 0:
+        raise ConfigError(f"chaos_schedule needs every >= 1 and failures >= 0, got every="
+                          f"{every}, failures={failures}")
+    if len(mix) != len(CHAOS_KINDS) or min(mix) < 0 or sum(mix) <= 0:
+        raise ConfigError(f"mix must give one weight >= 0 per kind {CHAOS_KINDS} with a "
+                          f"positive sum, got {mix}")
+    rng = random.Random(seed)
+    start = every if first is None else first
+    out: list[Chaos] = []
+    while sum(c.faults for c in out) < failures:
+        kind = rng.choices(CHAOS_KINDS, weights=mix)[0]
+        out.append(Chaos(len(out), start + every * len(out), kind, rng.random()))
+    return out
