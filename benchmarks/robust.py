@@ -45,7 +45,7 @@ def with_f(algorithms: str, f: int) -> str:
 def _train_args(opts: argparse.Namespace, attack: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
-    argv = ["--loopback", "--hosts", str(opts.hosts), "--dataset", "fashion-mnist",
+    argv = ["--loopback", "--hosts", str(opts.hosts), "--dataset", opts.dataset,
             "--params", str(opts.params), "--epochs", str(opts.epochs),
             "--evals-per-epoch", str(opts.evals_per_epoch),
             "--algorithms", with_f(opts.algorithms, opts.byzantine),
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
     a("--hosts", type=int, default=5)
+    a("--dataset", default="fashion-mnist", help="digits is the fast one")
     a("--byzantine", type=int, default=1)
     a("--partition", choices=("iid", "dirichlet"), default="iid")
     a("--alpha", type=float, default=0.3)

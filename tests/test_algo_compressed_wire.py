@@ -189,7 +189,13 @@ def _k(ccfg: dict[str, Any], numel: int) -> int:
 
 
 def expected_bytes(name: str, rank: int, world: int) -> int:
-    """Bytes rank ``rank`` sends per step: payload sizes times each collective's formula."""
+    """Bytes rank ``rank`` sends per step: payload sizes times each collective's formula,
+    plus the engine's agreement on non-finite gradients (a ring allreduce of one int64)."""
+    return _payload_bytes(name, rank, world) + 2 * (world - 1) * 8 // world
+
+
+def _payload_bytes(name: str, rank: int, world: int) -> int:
+    """The algorithm's own bytes per step (see :func:`expected_bytes`)."""
     config = _config(name)
     if name == "powersgd":  # ring allreduce of all P (n x r) + vectors, then of all Q (m x r)
         r = config["rank"]

@@ -224,6 +224,11 @@ class Forwarding(Algorithm):
         super().__init__(inner.config)
         self.inner = inner
 
+    @property  # type: ignore[misc]
+    def passes_nonfinite(self) -> bool:  # type: ignore[override]
+        """The inner algorithm's: a wrapper sends what its inner algorithm reduces."""
+        return self.inner.passes_nonfinite
+
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
         self.inner.setup(ctx)

@@ -143,7 +143,7 @@ class SentAttacked(AttackedAlgorithm):
         vec = inner.outgoing(bucket)  # every rank: the omniscient ones gather honest vectors
         a = self.attack
         honest = self._honest(vec) if a.name in OMNISCIENT else None
-        if self.ctx.comm.rank in a.ranks:
+        if self.ctx.comm.rank in a.ranks and not self.corrupting:  # (bytes: on encoding)
             vec = corrupt(a.name, vec, honest, scale=a.scale, sigma=a.sigma, tau=a.tau,
                           generator=self._generator)  # a new tensor: its momentum stays
         return inner.send(bucket, vec)

@@ -237,16 +237,20 @@ def bucket_schedule(algorithm: Priced, bucket: Sequence[TensorSpec], world: int,
     if comp is None:
         return allreduce_messages(algorithm, bucket, world, rank, hosts)
     comp = _at_step(algorithm, comp, step)
-    messages = _generic(algorithm, comp, bucket, world)
-    if getattr(algorithm.config, "on_nonfinite", "raise") == "skip":
-        messages.insert(0, Message("allreduce", ring_sent(4, world)))
-    return messages
+    return _generic(algorithm, comp, bucket, world)
 
 
 def step_schedule(algorithm: Priced, layout: Layout, world: int, step: int = 10**9,
                   hosts: int = 1, rank: int = 0) -> list[list[Message]]:
-    """:func:`bucket_schedule` of every bucket, in launch order."""
-    return [bucket_schedule(algorithm, b, world, step, hosts, rank) for b in layout]
+    """:func:`bucket_schedule` of every bucket, in launch order; after the last one, the
+    engine's once-per-step agreement on non-finite gradients (an allreduce of one int64,
+    :class:`hexagram.engine.guard.FiniteGuard`) where the algorithm's reduction does not
+    carry a NaN/Inf to every rank itself."""
+    out = [bucket_schedule(algorithm, b, world, step, hosts, rank) for b in layout]
+    if out and world > 1 and algorithm.kind == "grad" \
+            and not getattr(algorithm, "passes_nonfinite", False):
+        out[-1] = [*out[-1], Message("allreduce", ring_sent(8, world))]
+    return out
 
 
 def wire_bytes(algorithm: Priced, layout: Layout, world: int, step: int = 10**9,

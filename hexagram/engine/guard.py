@@ -113,8 +113,11 @@ class FiniteGuard:
         >>> guard.check_step(step=3, policy="raise")  # before optimizer.step  # doctest: +SKIP
     """
 
-    def __init__(self, buckets: list[Bucket], comm: Communicator) -> None:
+    def __init__(self, buckets: list[Bucket], comm: Communicator, local: bool = True) -> None:
         self.comm = comm
+        #: False for an algorithm whose reduction carries a NaN/Inf to every rank itself
+        #: (allreduce): the engine then skips steps 1-3 and checks only what arrives (3a)
+        self.local = local
         device = buckets[0].flat.device if buckets else torch.device("cpu")
         self._names = [e.name for b in buckets for e in b.entries]
         self._bad = torch.zeros(len(self._names), dtype=torch.bool, device=device)
@@ -128,7 +131,10 @@ class FiniteGuard:
             first = end
         self._offsets = {b.index: torch.tensor([e.offset for e in b.entries], device=device)
                          for b in buckets}
-        self.collective = False  # set per step by the engine (see step 2)
+        #: kept for callers that set it per step (fp16 autocast, ``"skip"``); with more
+        #: than one rank the flag is shared whatever its value (see :meth:`agree`)
+        self.collective = False
+        self._arrived: list[Tensor] = []  # per reduced bucket: its min and max (step 3a)
         self._any: Handle[Tensor] | None = None
         self._global: Tensor | None = None
         self._addend: dict[torch.dtype, Tensor] = {}  # this step's Inf-or-0, per dtype
@@ -167,12 +173,35 @@ class FiniteGuard:
         return [self._names[i] for i in self._bad.nonzero().flatten().tolist()]
 
     def agree(self) -> None:
-        """Step 2 (collective): start the sum over ranks of "saw a non-finite gradient"."""
+        """Step 2 (collective with more than one rank): start the sum over ranks of "saw a
+        non-finite gradient". Always shared, autocast or not: a ``GradScaler`` used without
+        fp16 autocast (bf16, fp32) must skip on every rank or on none, and ``"raise"`` must
+        stop every rank at the same step (a flag kept local let the rank that saw the NaN
+        skip or raise alone)."""
+        self.drop()
+        if not self.local:
+            return  # nothing observed, nothing to share: only what arrives is checked
         local = self._bad.any().to(CONTROL_DTYPE).reshape(1)
         self._any = primitives.allreduce(self.comm, local, average=False) \
-            if self.collective else Handle.completed(local, "nonfinite")
-        self._global = None
-        self._addend = {}
+            if self.collective or self.comm.size > 1 else Handle.completed(local, "nonfinite")
+
+    def arrived(self, result: Tensor) -> None:
+        """Step 3a, per reduced bucket: queue whether ``result`` (what arrived: the bucket's
+        gradient after reduction and decoding) holds NaN/Inf. One read-only pass
+        (``aminmax``), no host read: the flags join :meth:`check_step`'s one read. Every
+        rank decodes the same bytes, so every rank sees the same flag: a peer's NaN (an
+        attacker past its own guard, a corrupted payload) stops or skips every rank at
+        the same step instead of reaching the optimizers."""
+        if result.numel():
+            self._arrived.extend(torch.aminmax(result.detach().reshape(-1)))
+
+    def _arrival_bad(self) -> Tensor | None:
+        """0-d bool: some reduced bucket of this step held NaN/Inf (None: none checked)."""
+        if not self._arrived:
+            return None
+        lows_highs = torch.stack([t.float() for t in self._arrived]) \
+            if len({t.dtype for t in self._arrived}) > 1 else torch.stack(self._arrived)
+        return torch.isfinite(lows_highs).all().logical_not()
 
     def _flag(self) -> Tensor | None:
         if self._any is None:
@@ -211,43 +240,58 @@ class FiniteGuard:
             _poison_firsts([g for g in grads if g is not None], addend)
 
     def drop(self) -> None:
-        """Forget this step's flag unread (a ``GradScaler`` handles the overflow: the
+        """Forget this step's flags unread (a ``GradScaler`` handles the overflow: the
         reduced gradients already hold Inf, see :meth:`poison`)."""
         self._any = self._global = None
         self._addend = {}
+        self._arrived = []
 
     def check_step(self, step: int, policy: str, checks: StepChecks | None = None) -> bool:
-        """Step 4: True when the gradients were non-finite on some rank (``"skip"``: they
-        are now zero); raises under ``"raise"``. Call once, before the optimizer step.
-        ``checks`` (the algorithm's queued conditions, e.g. fp16's range) join the same
-        host read; one of them that holds raises its own explanation."""
-        if self._any is None:
-            problem = checks.read() if checks is not None else None
-            if problem:
-                raise NonFiniteGradientError(problem)
-            return False
-        count = self._global if self._global is not None else self._any.wait()
+        """Step 4: True when the gradients were non-finite on some rank or arrived
+        non-finite (``"skip"``: they are now zero); raises under ``"raise"``. Call once,
+        before the optimizer step. ``checks`` (the algorithm's queued conditions, e.g.
+        fp16's range) join the same host read; one of them that holds raises its own
+        explanation. Every rank reaches the same decision: the count is summed over
+        ranks, and every rank decoded the same bytes."""
+        arrived = self._arrival_bad()
+        count = None if self._any is None else \
+            self._global if self._global is not None else self._any.wait()
         self.drop()
-        seen = (count > 0).reshape(())
-        problem = checks.read(also=seen) if checks is not None else \
-            ("" if bool(seen) else None)  # the one host read of the step
+        seen = arrived if count is None else (count > 0).reshape(())
+        if seen is not None and count is not None and arrived is not None:
+            seen = seen | arrived
+        if checks is not None:
+            problem = checks.read(also=seen)  # the one host read of the step
+        else:
+            problem = None if seen is None or not bool(seen) else ""
         if problem is None:
             return False
         if problem:  # an algorithm's own condition (the gradients may be finite)
             raise NonFiniteGradientError(problem)
-        bad = self.flagged()
         if policy == "skip":
             grads = [p.grad for p in self._params if p.grad is not None]
             if grads:
                 torch._foreach_zero_(grads)
             return True
-        where = f"parameter '{bad[0]}'" if bad else f"another rank ({int(count.item())} of " \
-            f"{self.comm.size} ranks)"
-        raise NonFiniteGradientError(
-            f"non-finite gradient (NaN or Inf) at step {step}: {where}, detected before "
-            "compression. Lower the learning rate, clip gradients or use loss scaling "
-            "(torch.amp.GradScaler skips such steps on every rank); or pass "
-            "on_nonfinite='skip' to the algorithm to skip them")
+        raise NonFiniteGradientError(self._explain(step, count))
+
+    def _explain(self, step: int, count: Tensor | None) -> str:
+        """The error of a non-finite step (runs only on a failure: reads freely)."""
+        fix = ("Lower the learning rate, clip gradients or use loss scaling "
+               "(torch.amp.GradScaler skips such steps on every rank); or pass "
+               "on_nonfinite='skip' to the algorithm to skip them")
+        bad = self.flagged()
+        ranks = 0 if count is None else int(count.item())
+        if bad or ranks:
+            where = f"parameter '{bad[0]}'" if bad else \
+                f"another rank ({ranks} of {self.comm.size} ranks)"
+            return (f"non-finite gradient (NaN or Inf) at step {step}: {where}, detected "
+                    f"before compression. {fix}")
+        return (f"non-finite gradient (NaN or Inf) at step {step}: the reduced gradient "
+                "holds NaN/Inf although no rank's own gradient did, so a peer's "
+                "contribution arrived non-finite or malformed (a faulty or Byzantine "
+                "rank, or a corrupted payload). Use algorithm='robust' to exclude such "
+                "contributions and train on, or on_nonfinite='skip' to skip such steps")
 
 
 def read_step_checks(guard: FiniteGuard | None, checks: StepChecks, step: int, policy: str,

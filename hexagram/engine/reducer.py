@@ -69,16 +69,17 @@ class Reducer:
         self.on_backward_end: Callable[[], None] | None = None
 
     def match_guard(self) -> None:
-        """Build or drop the non-finite check to match ``algorithm.passes_nonfinite`` now.
+        """Build the non-finite check to match ``algorithm.passes_nonfinite`` now: every
+        gradient algorithm's reduced buckets are checked (what arrives); only those whose
+        reduction would not carry a NaN/Inf to every rank also check (and clean) their
+        gradients before it (``guard.local``).
 
         An algorithm that delegates (``auto``) declares what its current choice declares;
         the engine calls this before every forward, so a switch to or from allreduce adds
         or removes the check (and its cost) from the next step on."""
-        wanted = not self.algorithm.passes_nonfinite
-        if wanted and self.guard is None:
-            self.guard = FiniteGuard(self.buckets, self.comm)
-        elif not wanted:
-            self.guard = None
+        local = not self.algorithm.passes_nonfinite
+        if self.guard is None or self.guard.local != local:
+            self.guard = FiniteGuard(self.buckets, self.comm, local=local)
 
     def remove(self) -> None:
         """Detach the autograd hooks (before re-bucketing or on close)."""
@@ -137,7 +138,7 @@ class Reducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             bucket = self.buckets[self._next]
-            if self.guard is not None:
+            if self.guard is not None and self.guard.local:
                 self.guard.observe(bucket)  # no host read; the bucket is made finite
             self._handles[self._next] = self.algorithm.bucket_ready(bucket)
             self._next += 1
@@ -164,23 +165,26 @@ class Reducer:
 
     def _collect(self, skip: frozenset[str]) -> None:
         """Wait every launched bucket, write the results into ``.grad``, end the step."""
-        if self.guard is not None:
-            self.guard.agree()  # collective: after every bucket's, in the same order
+        guard = self.guard
+        if guard is not None:
+            guard.agree()  # collective: after every bucket's, in the same order
         for index, handle in sorted(self._handles.items()):
             if handle is not None:
                 result, bucket = handle.wait(), self.buckets[index]
+                if guard is not None:  # what arrived, before anything is poisoned
+                    guard.arrived(result)
                 if not self.grad_as_view:
                     scaled = result * self.grad_scale if self.grad_scale != 1.0 else result
                     bucket.copy_out_grads(scaled, skip=skip)
-                    if self.guard is not None:  # the .grad tensors (not the algorithm's)
-                        self.guard.poison_grads(bucket, skip)
+                    if guard is not None:  # the .grad tensors (not the algorithm's)
+                        guard.poison_grads(bucket, skip)
                     continue
                 if result.data_ptr() != bucket.flat.data_ptr():
                     bucket.flat.copy_(result)
                 if self.grad_scale != 1.0:  # in place: the gradients are views of flat
                     bucket.flat.mul_(self.grad_scale)
-                if self.guard is not None:  # the engine's buffer, never the algorithm's
-                    self.guard.poison(bucket, bucket.flat)
+                if guard is not None:  # the engine's buffer, never the algorithm's
+                    guard.poison(bucket, bucket.flat)
                 bucket.attach_grads(skip)
         self._handles.clear()  # the results are in .grad: hold no device memory between steps
         self.algorithm.after_backward()

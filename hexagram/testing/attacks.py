@@ -14,7 +14,13 @@ Attacks (defaults as in ByzFL):
 - ``sign_flip``: ``-g``; ``scale``: ``-10 g``; ``gaussian``: ``N(0, sigma^2)`` per element;
 - ``alie`` (Baruch et al. 2019): ``mean + tau * std`` of the honest gradients, tau 1.5;
 - ``ipm`` (Xie et al. 2020): ``-tau * mean`` of the honest gradients, tau 2;
-- ``label_flip``: train on labels ``classes - 1 - y``; ``nan``: every element NaN.
+- ``label_flip``: train on labels ``classes - 1 - y``; ``nan``: every element NaN;
+- byte attacks (:mod:`hexagram.testing.byte_attacks`): ``malformed``,
+  ``index_out_of_range``, ``nan_scale`` corrupt the attacking ranks' *payloads* after
+  encoding (a :class:`~hexagram.testing.byte_attacks.CorruptingCompressor` put in place of
+  the algorithm's compressor at set-up); an algorithm without a compressor sends its
+  vector's bytes as they are, so those are corrupted instead (``index_out_of_range`` then
+  finds no index and leaves it alone).
 
 Example:
     >>> import torch
@@ -37,11 +43,13 @@ from hexagram.algorithms.base import Algorithm, AlgorithmContext, Forwarding
 from hexagram.buckets import Bucket
 from hexagram.comm.communicator import Handle
 from hexagram.comm.shards import all_gather_flat
+from hexagram.compress.base import Compressor
+from hexagram.testing.byte_attacks import BYTE_ATTACKS, CorruptingCompressor, corrupt_tensors
 
-__all__ = ["ATTACKS", "OMNISCIENT", "AttackConfig", "AttackedAlgorithm", "byzantine_ranks",
-           "check_attack", "corrupt", "flip_labels"]
+__all__ = ["ATTACKS", "BYTE_ATTACKS", "OMNISCIENT", "AttackConfig", "AttackedAlgorithm",
+           "byzantine_ranks", "check_attack", "corrupt", "corrupt_compressors", "flip_labels"]
 
-ATTACKS = ("sign_flip", "scale", "gaussian", "alie", "ipm", "label_flip", "nan")
+ATTACKS = ("sign_flip", "scale", "gaussian", "alie", "ipm", "label_flip", "nan", *BYTE_ATTACKS)
 OMNISCIENT = ("alie", "ipm")
 
 
@@ -76,6 +84,8 @@ def corrupt(name: str, own: Tensor, honest: Tensor | None = None, *, scale: floa
         return torch.full_like(own, float("nan"))
     if name == "label_flip":
         return own.clone()
+    if name in BYTE_ATTACKS:  # the vector's own bytes: what crosses the wire uncompressed
+        return corrupt_tensors(name, (own.detach().clone(),), own.numel(), generator)[0]
     if honest is None or honest.shape[0] == 0:
         raise ValueError(f"attack {name!r} is omniscient: pass the honest gradients")
     mean = honest.mean(dim=0).view_as(own)
@@ -131,17 +141,24 @@ class AttackedAlgorithm(Forwarding):
         self.attack = attack
         self._group: Any = None
         self._generator = torch.Generator()
+        #: the byte attack's compressor wrappers on this rank (None: not a byte attack or
+        #: not an attacking rank; empty: no compressor, the vector's bytes are corrupted)
+        self.corrupting: list[CorruptingCompressor] | None = None
 
     def setup(self, ctx: AlgorithmContext) -> None:
         if self.attack.name in OMNISCIENT and ctx.comm.size > 1:
             self._group = dist.new_group(ctx.comm.global_ranks)  # the harness's own group
         self._generator.manual_seed(self.attack.seed * 1_000_003 + ctx.comm.rank)
         super().setup(ctx)  # then the inner algorithm's (collective) set-up
+        self.corrupting = None
+        if self.attack.name in BYTE_ATTACKS and ctx.comm.rank in self.attack.ranks:
+            self.corrupting = corrupt_compressors(
+                self.inner, self.attack.name, self.attack.seed * 1_000_003 + ctx.comm.rank)
 
     def bucket_ready(self, bucket: Bucket) -> Handle[Tensor] | None:
         comm = self.ctx.comm
         honest = self._honest(bucket.flat) if self.attack.name in OMNISCIENT else None
-        if comm.rank in self.attack.ranks:
+        if comm.rank in self.attack.ranks and not self.corrupting:
             a = self.attack
             bad = corrupt(a.name, bucket.flat, honest, scale=a.scale, sigma=a.sigma, tau=a.tau,
                           generator=self._generator)
@@ -163,3 +180,28 @@ class AttackedAlgorithm(Forwarding):
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
+
+
+def corrupt_compressors(algorithm: Algorithm, attack: str, seed: int
+                        ) -> list[CorruptingCompressor]:
+    """Put a :class:`~hexagram.testing.byte_attacks.CorruptingCompressor` in place of every
+    compressor ``algorithm`` (or the algorithm it wraps) encodes with: its ``compressor``
+    and its error feedback's. Returns the wrappers (empty: the algorithm compresses
+    nothing, so the caller corrupts the vector itself)."""
+    inner: Any = algorithm
+    while hasattr(inner, "inner") and isinstance(inner.inner, Algorithm):
+        inner = inner.inner
+    found = getattr(inner, "compressor", None)
+    if not isinstance(found, Compressor):
+        return []
+    comp: Compressor = found
+    device = inner.ctx.runtime.device if inner.is_set_up else None
+    wrapped = [CorruptingCompressor(comp, attack, seed, device=device)]
+    inner.compressor = wrapped[0]
+    feedback = getattr(inner, "error_feedback", None)
+    if feedback is not None and getattr(feedback, "compressor", None) is comp:
+        # its own wrapper: the residual is decoded from the payload as it really was
+        wrapped.append(CorruptingCompressor(comp, attack, seed, device=device,
+                                            keep_own=True))
+        feedback.compressor = wrapped[1]
+    return wrapped
