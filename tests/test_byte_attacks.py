@@ -4,9 +4,8 @@ The wrapper itself (single process): each attack really corrupts the bytes it na
 every shape and dtype (the wire size is unchanged) and leaves the decoders alone. Through
 training (gloo): the last rank attacks through :class:`~hexagram.testing.attacks.
 AttackConfig`; without ``robust`` every rank raises the same named error at the first
-step, with ``robust`` training goes on. ``index_out_of_range`` in training needs decoders
-that flag out-of-range indices instead of raising ``IndexError``: those cases are
-``xfail(strict=False)`` until such decoders are in.
+step (bad indices: the decoders' malformed-payload check, naming the sender), with
+``robust`` training goes on.
 """
 
 from __future__ import annotations
@@ -166,22 +165,19 @@ def _named_error_everywhere(runs: list[dict[str, Any]], key: str) -> None:
     assert all(r[key]["finite"] for r in runs)
 
 
-# a malformed top-k payload holds random indices too: decoders that do not check them
-# raise IndexError (or, in the qsgd/fp16 cases, decode random bits that hold NaN/Inf)
-_NEEDS_SAFE_DECODERS = {"index_out_of_range/topk", "malformed/topk"}
+# a malformed top-k payload holds random indices too: the decoders' check flags them (the
+# message names the sender) where a decoder without it would raise IndexError
+_BAD_INDICES = {"index_out_of_range/topk", "malformed/topk"}
 
 
-@pytest.mark.parametrize("key", [k for k in PLAIN if k not in _NEEDS_SAFE_DECODERS
+@pytest.mark.parametrize("key", [k for k in PLAIN if k not in _BAD_INDICES
                                  and not k.startswith("index_out_of_range")])
 def test_without_robust_every_rank_raises_the_named_error(
         key: str, plain: list[dict[str, Any]]) -> None:
     _named_error_everywhere(plain, key)
 
 
-@pytest.mark.xfail(strict=False, reason="needs decoders that flag out-of-range indices "
-                   "on the device (a 'malformed' check naming the sender) instead of "
-                   "raising IndexError")
-@pytest.mark.parametrize("key", sorted(_NEEDS_SAFE_DECODERS))
+@pytest.mark.parametrize("key", sorted(_BAD_INDICES))
 def test_bad_indices_raise_the_named_error_on_every_rank(
         key: str, plain: list[dict[str, Any]]) -> None:
     _named_error_everywhere(plain, key)
