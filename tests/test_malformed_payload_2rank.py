@@ -1,7 +1,10 @@
 """A rank that sends malformed payloads stops every rank at the same step, named.
 
 Two ranks train through the real algorithm path (``topk``: allgathered (index, value)
-pairs with error feedback; ``qsgd``: scatter-gather of per-chunk norms and codes). From
+pairs with error feedback; ``qsgd``: scatter-gather of per-chunk norms and codes;
+``gtopk``: (value, index) messages merged on the way (every index repeated);
+``sparseloco``: allgathered chunked top-k (bin means NaN); ``low_precision_decentralized``:
+payloads to ring neighbours only, the fault carried by the round's control collective). From
 step ``BAD_STEP`` on, the bytes rank 1 puts on the wire are those of a corrupted payload:
 every index past the end (top-k), a NaN norm (QSGD). Both ranks must raise the same
 :class:`~hexagram.errors.NonFiniteGradientError` (or its ``MalformedPayloadError``) at that
@@ -25,7 +28,10 @@ STEPS = 5
 
 def _corrupt(payload: Any, how: str) -> Any:
     tensors = list(payload.tensors)
-    if how == "index":  # (values, indices): every index past the end of the tensor
+    if how == "nan":  # every floating tensor (scales, bin means) NaN
+        tensors = [t.new_full(t.shape, float("nan")) if t.is_floating_point() else t
+                   for t in tensors]
+    elif how == "index":  # (values, indices): every index past the end of the tensor
         tensors[-1] = torch.full_like(tensors[-1], 10**6)
     else:  # (norms, codes): one chunk's norm NaN
         norms = tensors[0].clone()
@@ -40,6 +46,16 @@ def _sabotage(how: str, armed: list[bool]) -> None:
     with bytes corrupted in transit)."""
     from hexagram.compress.base import Payload
 
+    if how == "pairs":  # gTop-k's (value, index) messages: every index the same
+        from hexagram.comm import gtopk_tree
+
+        pack = gtopk_tree._pack
+
+        def bad_pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+            return pack(values, torch.zeros_like(indices) if armed[0] else indices)
+
+        gtopk_tree._pack = bad_pack
+        return
     honest = Payload.to_buffer
 
     def to_buffer(self: Payload) -> torch.Tensor:
@@ -57,7 +73,9 @@ def _worker(algorithm: str, how: str) -> dict[str, Any]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algorithm,
+    config = {"sparseloco": {"period": 1}, "gtopk": {"density": 0.1}}.get(algorithm, {})
+    model = hx.DistributedDataParallel(net, optimizers=[opt],
+                                       algorithm=hx.algorithms.get(algorithm, **config),
                                        bucket_size_mb=25.0)
     armed = [False]
     if rank == 1:
@@ -80,7 +98,14 @@ def _worker(algorithm: str, how: str) -> dict[str, Any]:
     return outcome
 
 
-@pytest.mark.parametrize(("algorithm", "how"), [("topk", "index"), ("qsgd", "norm")])
+#: a weight algorithm's rounds raise at the control collective after the one that received
+#: the payload (sparseloco: the next round, a step later)
+LATE = {"sparseloco": 1}
+
+
+@pytest.mark.parametrize(("algorithm", "how"), [
+    ("topk", "index"), ("qsgd", "norm"), ("gtopk", "pairs"), ("sparseloco", "nan"),
+    ("low_precision_decentralized", "nan")])
 def test_both_ranks_raise_the_same_named_error_naming_rank_1(algorithm: str,
                                                              how: str) -> None:
     outcomes = run_local(_worker, 2, args=(algorithm, how), timeout=180)
@@ -91,5 +116,5 @@ def test_both_ranks_raise_the_same_named_error_naming_rank_1(algorithm: str,
         # does at the end of backward (its MalformedPayloadError subclass)
         assert kind in ("MalformedPayloadError", "NonFiniteGradientError"), out
         assert message.startswith("malformed payload") and "rank 1 sent" in message, out
-        assert out["step"] == BAD_STEP, out
+        assert out["step"] == BAD_STEP + LATE.get(algorithm, 0), out
     assert outcomes[0]["error"] == outcomes[1]["error"]

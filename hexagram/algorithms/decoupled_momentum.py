@@ -52,9 +52,11 @@ from hexagram.algorithms.momentum_correction import MomentumCorrection
 from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
+from hexagram.comm.faults import check_ranks
 from hexagram.compress.base import Payload
 from hexagram.compress.dct import DCTTopKCompressor, DCTTopKConfig
 from hexagram.compress.dct_flat import DCTTopKRows
+from hexagram.compress.faults import any_of
 from hexagram.config import check_float
 from hexagram.errors import ConfigError
 
@@ -162,8 +164,12 @@ class DeMoAlgorithm(MomentumCorrection, CompressorAlgorithm):
             mean = plan.own
             if comm.size > 1:  # sum of the spectra in rank order, one inverse transform
                 mean = plan.mean
-                plan.coder.inverse([sent if r == comm.rank else plan.coder.decode(p)
+                faults: list[list[Tensor]] = [[] for _ in gathered[0]]
+                plan.coder.inverse([sent if r == comm.rank else plan.coder.decode(p, faults[r])
                                     for r, p in enumerate(gathered[0])], mean.flat)
+                # every rank decodes the same bytes: the same flag, read with the step's
+                check_ranks(self.ctx.checks.add, [any_of(f) if f else None for f in faults],
+                            self.name, f"a bucket of {len(plan.entries)} tensor(s)")
                 mean.flat.div_(comm.size)  # the mean (world 1: x / 1, exact, skipped)
             self._scaled_sign(plan, mean)
             torch._foreach_copy_(plan.grads, mean.views)

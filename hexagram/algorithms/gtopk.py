@@ -24,8 +24,11 @@ tensors. (A bucket holding an empty tensor, or 2**31 elements or more, goes tens
 tensor, :meth:`GTopKAlgorithm.reduce_segment`.)
 
 No host reads per segment: the selections are fixed-size (``k`` pairs in and out, masks
-applied by ``torch.where`` and scatters), and the range checks of this rank's indices and
-of the result's (a peer's bytes) join the step's one read (``ctx.checks``).
+applied by ``torch.where`` and scatters), and the range check of this rank's indices and
+the checks of every message received (a peer's bytes: a malformed one is made harmless,
+and the ranks agree on it, :mod:`hexagram.comm.gtopk_tree`) join the step's one read
+(``ctx.checks``): every rank raises :class:`~hexagram.errors.MalformedPayloadError` at the
+same step, naming the sender.
 
 Example:
     >>> import hexagram as hx
@@ -55,7 +58,6 @@ from hexagram.comm.gtopk import (
     butterfly,
     gtopk_allreduce_tracked,
     gtopk_bytes,
-    out_of_range,
     sparse_pairs,
 )
 from hexagram.comm.gtopk_segments import SegmentPlan, gtopk_allreduce_segments
@@ -146,11 +148,8 @@ class GTopKAlgorithm(CompressedAlgorithm):
                 kept = torch.where(included, torch.zeros_like(mine), mine)
                 bound.buffer.copy_(flat).scatter_(0, indices, kept)
                 bound.zero = False
-            if size > 1:  # a peer's positions: checked with the step's checks, clamped
-                checks.add(plan.misplaced(gindices), lambda: (
-                    f"gtopk: a peer sent indices outside their tensors for "
-                    f"{', '.join(layout.names)}; are all ranks running the same model?"))
-                gindices = gindices.clamp(0, plan.numel - 1)
+            if size > 1:  # every message received was checked (gtopk_tree.Receipts):
+                gindices = gindices.clamp(0, plan.numel - 1)  # kept in range regardless
             return flat.zero_().index_put_((gindices,), gvalues / size)
 
         return handle.then(finish)
@@ -181,12 +180,8 @@ class GTopKAlgorithm(CompressedAlgorithm):
             gvalues, gindices, included = results[0]
             if feedback:  # sent = my values the global sum includes; the rest stays
                 self._keep_residual(segment, tensor, indices, included)
-            if size > 1:  # a peer's indices are checked on the device (read with the
-                # step's checks) and kept in range meanwhile: a bad one cannot fault the scatter
-                checks.add(out_of_range(gindices, numel), lambda: (
-                    f"gtopk: a peer sent indices outside [0, {numel}) for "
-                    f"{', '.join(segment.names)}; are all ranks running the same model?"))
-                gindices = gindices.clamp(0, numel - 1)
+            if size > 1:  # every message received was checked (gtopk_tree.Receipts):
+                gindices = gindices.clamp(0, numel - 1)  # kept in range regardless
             return tensor.zero_().index_put_((gindices,), gvalues / size)
 
         return Handle.gather([handle], "gtopk").then(finish)

@@ -21,7 +21,10 @@ weights are those used by the next forward pass.
 One host read per round: the compressor's own NaN/Inf check (a read per bucket) is off;
 instead a device flag of the payloads rides in the round's control collective (the join
 counts), so a NaN/Inf weight on any rank stops every rank in the same round, before any
-weight is mixed.
+weight is mixed. So does a malformed payload received from a neighbour
+(:meth:`~hexagram.compress.base.Compressor.payload_fault`, checked before it is decoded):
+only its neighbours receive it, and its flag in the control collective reaches every rank,
+which raises :class:`~hexagram.errors.MalformedPayloadError` naming the sender.
 
 Example:
     >>> LowPrecisionDecentralizedConfig(compressor="fp16").gamma
@@ -48,7 +51,6 @@ from hexagram.algorithms.weight_sync import (
 )
 from hexagram.buckets import Bucket
 from hexagram.comm import primitives
-from hexagram.comm.control import count_flags
 from hexagram.comm.peers import select_peers
 from hexagram.compress.base import Compressor
 from hexagram.config import check_float, check_int
@@ -84,6 +86,7 @@ class LowPrecisionDecentralizedAlgorithm(RoundAlgorithm):
     """Compressed ring gossip of weight differences; see the module docstring."""
 
     name = "low_precision_decentralized"
+    checks_received = True
 
     def __init__(self, config: LowPrecisionDecentralizedConfig | None = None) -> None:
         super().__init__(config or LowPrecisionDecentralizedConfig())
@@ -126,17 +129,22 @@ class LowPrecisionDecentralizedAlgorithm(RoundAlgorithm):
             handles.append(primitives.neighbor_exchange_payloads(comm, payload, self.peers,
                                                                  self.peers))
         bad = torch.stack(flags).any() if flags else False
-        # the round's one host read: the join counts, and how many ranks sent NaN/Inf
-        counts = count_flags(comm, active=active, contributing=True, nonfinite=bad).wait()
+        received = [handle.wait() for handle in handles]  # checked before any is decoded
+        for payloads in received:
+            for peer, payload in zip(self.peers, payloads):
+                self._received(c.payload_fault(payload), peer)
+        # the round's one host read: the join counts, how many ranks sent NaN/Inf, and
+        # malformed payloads received (raised on every rank: no weight is mixed)
+        counts = self._control(active, contributing=True, nonfinite=bad).wait()
         if counts.nonfinite:
             raise NonFiniteGradientError(
                 f"low_precision_decentralized: the weights of {counts.nonfinite} rank(s) hold "
                 f"NaN or Inf at round {self.rounds}; no weight was mixed. Lower the learning "
                 "rate, clip gradients or use loss scaling")
         share = self.config.gamma / (len(self.peers) + 1)
-        for i, (b, handle) in enumerate(zip(self.ctx.buckets, handles)):
+        for i, (b, payloads) in enumerate(zip(self.ctx.buckets, received)):
             h_self, scratch = self.replicas["self"][i], self._scratch(b)
-            for peer, payload in zip(self.peers, handle.wait()):
+            for peer, payload in zip(self.peers, payloads):
                 h_peer = self.replicas[str(peer)][i]
                 c.decompress_into(payload, h_peer, add=True)  # as the neighbour did
                 b.flat.add_(torch.sub(h_peer, h_self, out=scratch), alpha=share)

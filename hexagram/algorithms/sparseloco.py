@@ -54,6 +54,7 @@ from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Payload
 from hexagram.compress.chunk_topk import ChunkTopKCompressor, ChunkTopKConfig
 from hexagram.compress.chunk_topk_flat import ChunkTopKRows, Sparse
+from hexagram.compress.faults import any_of
 from hexagram.config import check_float, check_int
 
 __all__ = ["SparseLoCoAlgorithm", "SparseLoCoConfig"]
@@ -121,11 +122,15 @@ class SparseLoCoAlgorithm(DiLoCoAlgorithm):
     chunks): one read of the weights, the error update over the buffer, one top-k and one
     quantizer per row format (:class:`~hexagram.compress.chunk_topk_flat.ChunkTopKRows`),
     ONE payload allgathered, decoded once per rank into the sum (this rank's own from what
-    it encoded), and the NaN/Inf flag of the encode joined to the round's control read.
+    it encoded), and the NaN/Inf flag of the encode joined to the round's control read. A
+    peer's malformed payload (positions past their chunk or repeated, bin means NaN/Inf)
+    adds nothing, and its flag rides in the next round's control: every rank raises
+    :class:`~hexagram.errors.MalformedPayloadError` there, naming the sender.
     """
 
     name = "sparseloco"
     exact_local = True
+    checks_received = True
 
     def __init__(self, config: SparseLoCoConfig | None = None) -> None:
         cfg = config or SparseLoCoConfig()
@@ -175,10 +180,21 @@ class SparseLoCoAlgorithm(DiLoCoAlgorithm):
         def decode(gathered: list[list[Payload]]) -> torch.Tensor:
             out = torch.zeros(w.numel, dtype=w.dtype, device=w.device)
             for r, p in enumerate(gathered[0]):
-                w.coder.add_into(out, sent if r == comm.rank else w.coder.decode(p))
+                w.coder.add_into(out, sent if r == comm.rank else self._checked(p, w, r))
             return out
 
         return primitives.allgather_payloads_many(comm, [payload]).then(decode)
+
+    def _checked(self, payload: Payload, w: _Chunked, sender: int) -> Sparse:
+        """``sender``'s payload decoded (safe on any bytes), its values zero where it is
+        malformed; the flag joins the next round's control collective, which raises on
+        every rank (every rank decodes the same gathered bytes)."""
+        faults: list[torch.Tensor] = []
+        sparse = w.coder.decode(payload, faults)
+        bad = any_of(faults)
+        self._received(bad, sender)
+        sparse.values = [torch.where(bad, torch.zeros_like(v), v) for v in sparse.values]
+        return sparse
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

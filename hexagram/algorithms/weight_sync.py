@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -41,9 +41,10 @@ from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.control import count_flags
+from hexagram.comm.faults import _FIX, MALFORMED
 from hexagram.comm.reduce import Encoder, reduce, reduce_many
 from hexagram.compress.base import Compressor
-from hexagram.errors import ConfigError
+from hexagram.errors import ConfigError, MalformedPayloadError
 
 __all__ = [
     "RoundAlgorithm",
@@ -198,11 +199,17 @@ class RoundAlgorithm(Algorithm):
 
     kind = "weight"
 
+    #: True where a round decodes payloads received from peers: their malformed flags
+    #: (:meth:`_received`) ride in the next control collective, which raises
+    #: :class:`~hexagram.errors.MalformedPayloadError` on every rank at once
+    checks_received: ClassVar[bool] = False
+
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
         self.step = 0
         self.rounds = 0
         self.dirty = False
+        self._faults: list[tuple[Tensor, int]] = []
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -236,10 +243,42 @@ class RoundAlgorithm(Algorithm):
         round's one host read (the counts) is also its finiteness check, and every rank
         learns of a bad peer at the same round. Every rank of a round passes it or none.
         """
-        if nonfinite is None:
-            return count_flags(self.ctx.comm, active=active, contributing=contributing)
-        return count_flags(self.ctx.comm, active=active, contributing=contributing,
-                           nonfinite=nonfinite)
+        flags: dict[str, Any] = {"active": active, "contributing": contributing}
+        if nonfinite is not None:
+            flags["nonfinite"] = nonfinite
+        if not self.checks_received:
+            return count_flags(self.ctx.comm, **flags)
+        flags["malformed"], flags["culprit"] = self._fault_flags()
+        return count_flags(self.ctx.comm, **flags).then(self._raise_malformed)
+
+    def _received(self, flag: Tensor, sender: int) -> None:
+        """Queue the 0-d malformed flag of a payload ``sender`` sent (no host read): it
+        rides in the next control collective (:attr:`checks_received`)."""
+        self._faults.append((flag.reshape(()), sender))
+
+    def _fault_flags(self) -> tuple[Tensor | bool, Tensor | int]:
+        """(some payload received since the last control is malformed, the first such
+        sender's rank + 1, 0 if none), on the device; empties the queue."""
+        faults, self._faults = self._faults, []
+        if not faults:
+            return False, 0
+        bad = torch.stack([f for f, _ in faults])
+        # the largest flagged sender (scalars: no tensor made from host data)
+        senders = torch.stack([torch.where(f, r + 1, 0) for f, r in faults])
+        return bad.any(), senders.amax()
+
+    def _raise_malformed(self, counts: Any) -> Any:
+        """The control's counts, unless a rank received a malformed payload: then
+        :class:`~hexagram.errors.MalformedPayloadError` on every rank (the same counts
+        everywhere, so the same message), naming the sender where the ranks agree."""
+        if not counts.malformed:
+            return counts
+        sender, agreed = divmod(counts.culprit, counts.malformed)
+        who = f"rank {sender - 1}" if not agreed and sender > 0 else "a rank"
+        raise MalformedPayloadError(
+            f"{MALFORMED}: {self.name}: {who} sent a malformed payload before round "
+            f"{self.rounds} (reported by {counts.malformed} rank(s), which received it; "
+            f"its values were not used); {_FIX}")
 
     def _sync_buffers(self) -> None:
         """End of a round: buffers (BatchNorm statistics) equal on every rank."""

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from hexagram.compress.base import Compressor, Payload
 
-__all__ = ["MALFORMED", "FaultSink", "check_gathered", "check_summed", "poison"]
+__all__ = ["MALFORMED", "FaultSink", "check_gathered", "check_ranks", "check_summed", "poison"]
 
 #: how every explanation of a malformed payload begins (algorithms raise
 #: :class:`~hexagram.errors.MalformedPayloadError` for it)
@@ -77,6 +77,26 @@ def check_gathered(sink: FaultSink | None, comp: Compressor, payloads: Sequence[
 
     sink(flags.any(), explain)
     return flags
+
+
+def check_ranks(sink: FaultSink, flags: Sequence[Tensor | None], name: str,
+                what: str) -> Tensor:
+    """Queue one flag for payloads a format decodes itself (``flags[r]``: the 0-d flag of
+    rank ``r``'s payload, None for this rank's own, never checked); the explanation
+    names the first malformed one's rank. Every rank decodes the same gathered bytes, so
+    every rank queues the same flag. Returns the (P,) per-rank flags."""
+    device = next((f.device for f in flags if f is not None), None)
+    per_rank = torch.stack([f.reshape(()) if f is not None else
+                            torch.zeros((), dtype=torch.bool, device=device) for f in flags])
+
+    def explain() -> str:  # runs only on a failure: reads freely
+        r = int(per_rank.int().argmax())
+        return (f"{MALFORMED}: {name}: rank {r} sent a malformed payload for {what} "
+                f"(positions past their chunk or repeated, or scales NaN/Inf or past the "
+                f"dtype's range); {_FIX}")
+
+    sink(per_rank.any(), explain)
+    return per_rank
 
 
 def check_summed(sink: FaultSink | None, comp: Compressor, summed: Payload,

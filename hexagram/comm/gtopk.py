@@ -33,10 +33,16 @@ Pairs travel as one uint8 buffer: ``k`` values in their own dtype, then ``k`` in
 staged by the helper behind :func:`hexagram.comm.primitives.neighbor_exchange` (gloo's
 point-to-point ops read host memory only).
 
+Received pairs are not trusted: each message is checked on the device, a malformed one is
+merged as harmless pairs, and the ranks agree on the fault with one 8-byte allreduce at the
+end of the exchange (:mod:`hexagram.comm.gtopk_tree`), so every rank raises the same
+:class:`~hexagram.errors.MalformedPayloadError` at the same step, naming the sender.
+
 No host reads on the device path: every size is known on the host (``k`` pairs in, ``k``
 out), merges sort and select fixed-size buffers, and the range check of the caller's
-indices is a device flag handed to the caller's once-per-step read (``checks``). The
-CPU-only numpy merges (:func:`~hexagram.compress.packing.cpu_fast`) read freely.
+indices and the fault of the messages received are device flags handed to the caller's
+once-per-step read (``checks``). The CPU-only numpy merges
+(:func:`~hexagram.compress.packing.cpu_fast`) read freely.
 
 Example:
     >>> h = gtopk_allreduce(comm, values, indices, numel=1000)   # doctest: +SKIP
@@ -49,14 +55,29 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Handle
-from hexagram.comm.device import needs_host_staging
-from hexagram.comm.primitives import _exchange_works as exchange_works
+from hexagram.comm.gtopk_tree import (  # noqa: F401 (re-exported: tests, cost model)
+    Bounds,
+    Merge,
+    Merger,
+    Receipts,
+    _broadcast_down_tracked,
+    _included,
+    _isin,
+    _pack,
+    _recursive_doubling,
+    _reduce_up_tracked,
+    _survived,
+    _unpack,
+    exchange_works,
+    tree_children,
+    tree_parent,
+)
 from hexagram.compress.base import Payload
 from hexagram.compress.packing import cpu_fast
+from hexagram.errors import MalformedPayloadError
 
 __all__ = ["FlagSink", "butterfly", "gtopk_allreduce", "gtopk_allreduce_tracked",
            "gtopk_bytes", "merge_topk", "out_of_range", "sparse_pairs", "tree_children",
@@ -81,28 +102,6 @@ def sparse_pairs(payload: Payload) -> tuple[Tensor, Tensor]:
 def butterfly(size: int) -> bool:
     """True when ``size`` ranks reduce by recursive doubling (a power of two, >= 2)."""
     return size >= 2 and size & (size - 1) == 0
-
-
-def tree_parent(rank: int, size: int) -> int | None:
-    """Parent of ``rank`` in the binomial tree rooted at 0 (``None`` for the root).
-
-    The parent clears the lowest set bit: 6 -> 4, 5 -> 4, 4 -> 0.
-    """
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is not in [0, {size})")
-    return None if rank == 0 else rank & (rank - 1)
-
-
-def tree_children(rank: int, size: int) -> list[int]:
-    """Children of ``rank``, in the order the broadcast sends to them (farthest first)."""
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is not in [0, {size})")
-    out, d = [], 1
-    while d < size and rank % (2 * d) == 0:
-        if rank + d < size:
-            out.append(rank + d)
-        d *= 2
-    return list(reversed(out))
 
 
 def gtopk_bytes(rank: int, size: int, k: int, value_bytes: int = 4) -> tuple[int, int]:
@@ -188,20 +187,6 @@ def _merge_cpu(val: Tensor, idx: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(summed[mask]), torch.from_numpy(uniq[mask])
 
 
-def _isin(elements: Tensor, test: Tensor) -> Tensor:
-    """``torch.isin(elements, test)`` for unique ``test``; on CPU by binary search in the
-    sorted ``test`` (``torch.isin`` sorts both, several times slower at k = 25K). ``test``
-    may repeat -1, which no index equals (a placeholder for "not counted")."""
-    if not cpu_fast(elements) or test.numel() == 0:
-        return torch.isin(elements, test)
-    t = test.numpy()
-    if t.size > 1 and not bool((t[1:] > t[:-1]).all()):
-        t = np.sort(t)
-    e = elements.numpy()
-    pos = np.minimum(np.searchsorted(t, e), t.size - 1)
-    return torch.from_numpy(t[pos] == e)
-
-
 def _sort_pairs(values: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """(values, indices) in increasing index order, and the permutation used (None: they
     were sorted): later merges of sorted pairs need no sort."""
@@ -213,42 +198,6 @@ def _sort_pairs(values: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor
         return values, indices, None
     indices, order = torch.sort(indices)
     return values[order], indices, order
-
-
-def _send(comm: Communicator, buf: Tensor, peer: int) -> None:
-    if needs_host_staging(buf, comm):  # gloo sends host memory only
-        buf = buf.cpu()
-    work = dist.isend(buf, comm.global_rank(peer), group=comm.group)
-    assert work is not None  # None only for ranks outside the group
-    comm.await_work(work)
-
-
-def _recv(comm: Communicator, buf: Tensor, peer: int) -> None:
-    target, host = buf, needs_host_staging(buf, comm)
-    if host:  # gloo receives into host memory only
-        buf = torch.empty_like(buf, device="cpu")
-    work = dist.irecv(buf, comm.global_rank(peer), group=comm.group)
-    assert work is not None
-    comm.await_work(work)
-    if host:
-        target.copy_(buf)
-
-
-def _pack(values: Tensor, indices: Tensor) -> Tensor:
-    return torch.cat([values.contiguous().view(torch.uint8),
-                      indices.to(torch.int32).contiguous().view(torch.uint8)])
-
-
-def _unpack(buf: Tensor, k: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    split = k * torch.empty(0, dtype=dtype).element_size()
-    return buf[:split].view(dtype).clone(), buf[split:].view(torch.int32).long()
-
-
-#: one merge a rank performed: (the peer's pairs' indices it merged in, the kept indices)
-Merge = tuple[Tensor, Tensor]
-#: merges two sets of pairs, each sorted by index, into the kept set (sorted by index):
-#: (values_a, indices_a, values_b, indices_b) -> (values, indices)
-Merger = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def gtopk_allreduce(comm: Communicator, values: Tensor, indices: Tensor, numel: int
@@ -295,14 +244,24 @@ def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor,
     k = values.numel()
     _check(values, indices, numel, checks if comm.size > 1 else _unused)
     return start_tracked(comm, values, indices,
-                         lambda va, ia, vb, ib: merge_topk(va, ia, vb, ib, k))
+                         lambda va, ia, vb, ib: merge_topk(va, ia, vb, ib, k),
+                         bounds=lambda device: (0, numel),
+                         fallback=lambda device: torch.arange(k, device=device),
+                         faults=checks, what=f"a tensor of {numel} elements")
 
 
-def start_tracked(comm: Communicator, values: Tensor, indices: Tensor, merge: Merger
+def start_tracked(comm: Communicator, values: Tensor, indices: Tensor, merge: Merger, *,
+                  bounds: Bounds, fallback: Callable[[torch.device], Tensor],
+                  faults: FlagSink | None, what: str
                   ) -> Handle[tuple[Tensor, Tensor, Tensor]]:
     """The exchange of :func:`gtopk_allreduce_tracked` (inputs checked), every merge by
     ``merge``: the ``k`` pairs of one tensor, or of several tensors at once (bucket
-    positions, :mod:`hexagram.comm.gtopk_segments`), travel as one message per edge."""
+    positions, :mod:`hexagram.comm.gtopk_segments`), travel as one message per edge.
+
+    Each message received is checked (:class:`~hexagram.comm.gtopk_tree.Receipts`:
+    ``bounds`` of each pair's index, ``fallback`` indices for a malformed message); the
+    ranks agree on the fault, whose flag goes to ``faults`` (None: read here, raising
+    :class:`~hexagram.errors.MalformedPayloadError` on every rank)."""
     k = values.numel()
     values, indices = values.detach().clone(), indices.detach().long().clone()
     if comm.size == 1:
@@ -310,21 +269,32 @@ def start_tracked(comm: Communicator, values: Tensor, indices: Tensor, merge: Me
                                                              device=values.device)), "gtopk")
     up, down = gtopk_bytes(comm.rank, comm.size, k, values.element_size())
 
-    def job() -> tuple[Tensor, Tensor, Tensor]:
+    def job() -> tuple[Tensor, Tensor, Tensor, Receipts]:
+        receipts = Receipts(comm, bounds, fallback(values.device))
         v, i, order = _sort_pairs(values, indices)  # every merge then takes sorted runs
         if butterfly(comm.size):
-            gv, gi, mine = _recursive_doubling(comm, v, i, merge)
+            gv, gi, mine = _recursive_doubling(comm, v, i, merge, receipts)
         else:
-            v, i, merges = _reduce_up_tracked(comm, v, i, merge)
+            v, i, merges = _reduce_up_tracked(comm, v, i, merge, receipts)
             comm.counter.add("gtopk.broadcast", down)
-            gv, gi, mask = _broadcast_down_tracked(comm, v, i, k, merges)
+            gv, gi, mask = _broadcast_down_tracked(comm, v, i, k, merges, receipts)
             counted = torch.where(mask, gi, torch.full_like(gi, -1))  # -1: not mine
             mine = _included(indices if order is None else indices[order], merges, counted)
         if order is not None:  # ``included`` is over the caller's order of its pairs
             mine = torch.empty_like(mine).scatter_(0, order, mine)
+        receipts.agree()  # a fault any rank found, on every rank
+        return gv, gi, mine, receipts
+
+    def report(result: tuple[Tensor, Tensor, Tensor, Receipts]
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        gv, gi, mine, receipts = result
+        if faults is not None:
+            faults(receipts.fault > 0, lambda: receipts.explain(what))
+        elif bool(receipts.fault > 0):  # host read: a caller without a step to join
+            raise MalformedPayloadError(receipts.explain(what))
         return gv, gi, mine
 
-    return comm.submit("gtopk.reduce", job, up)
+    return comm.submit("gtopk.reduce", job, up).then(report)
 
 
 def out_of_range(indices: Tensor, numel: int) -> Tensor:
@@ -361,66 +331,12 @@ def _check(values: Tensor, indices: Tensor, numel: int, checks: FlagSink | None)
         raise ValueError(explain())
 
 
-def _survived(indices: Tensor, merges: list[Merge]) -> Tensor:
-    """Which of ``indices`` are kept by every one of ``merges`` (bool, per index)."""
-    alive = torch.ones(indices.numel(), dtype=torch.bool, device=indices.device)
-    for _, kept in merges:
-        alive &= _isin(indices, kept)
-    return alive
-
-
-def _included(own: Tensor, merges: list[Merge], counted: Tensor) -> Tensor:
-    """Own pairs that survived all my merges and whose index my set contributed to the
-    result (``counted``: the result's indices that include my outgoing set's value)."""
-    return _survived(own, merges) & _isin(own, counted)
-
-
 def _reduce_up(comm: Communicator, values: Tensor, indices: Tensor, k: int
                ) -> tuple[Tensor, Tensor]:
     """Tree reduction; on return rank 0 holds the global top-k (others: their last state)."""
     v, i, _ = _reduce_up_tracked(comm, values, indices,
                                  lambda va, ia, vb, ib: merge_topk(va, ia, vb, ib, k))
     return v, i
-
-
-def _reduce_up_tracked(comm: Communicator, values: Tensor, indices: Tensor, merge: Merger
-                       ) -> tuple[Tensor, Tensor, list[Merge]]:
-    """:func:`_reduce_up`, also returning the merges this rank performed, in order."""
-    rank, size, d, k = comm.rank, comm.size, 1, values.numel()
-    merges: list[Merge] = []
-    while d < size:
-        if rank % (2 * d) == d:  # my turn to hand my k pairs to my parent, then I'm done
-            _send(comm, _pack(values, indices), rank - d)
-            break
-        if rank + d < size:  # rank % 2d == 0 here: receive from the child of this round
-            buf = torch.empty(k * (values.element_size() + 4), dtype=torch.uint8,
-                              device=values.device)
-            _recv(comm, buf, rank + d)
-            other_v, other_i = _unpack(buf, k, values.dtype)
-            values, indices = merge(values, indices, other_v, other_i)
-            merges.append((other_i, indices))
-        d *= 2
-    return values, indices, merges
-
-
-def _recursive_doubling(comm: Communicator, values: Tensor, indices: Tensor, merge: Merger
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-    """Round d = 1, 2, 4, ...: exchange k pairs with ``rank ^ d`` (both directions at once)
-    and keep the merge; every rank ends with the global top-k (see the module docstring)
-    and knows which of its own pairs survived every merge (those the result includes)."""
-    k = values.numel()
-    own, alive, d = indices, torch.ones(k, dtype=torch.bool, device=indices.device), 1
-    while d < comm.size:
-        peer = comm.rank ^ d
-        send = _pack(values, indices)
-        recv = torch.empty_like(send)
-        # both directions at once; CUDA tensors on gloo go through host memory
-        comm.await_work(exchange_works(comm, send, [recv], [peer], [peer]))
-        other_v, other_i = _unpack(recv, k, values.dtype)
-        values, indices = merge(values, indices, other_v, other_i)
-        alive &= _isin(own, indices)
-        d *= 2
-    return values, indices, alive
 
 
 def _broadcast_down(comm: Communicator, values: Tensor, indices: Tensor, k: int
@@ -430,32 +346,3 @@ def _broadcast_down(comm: Communicator, values: Tensor, indices: Tensor, k: int
     return v, i
 
 
-def _broadcast_down_tracked(comm: Communicator, values: Tensor, indices: Tensor, k: int,
-                            merges: list[Merge]) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_broadcast_down`, also returning ``mask`` over the result: where it includes
-    the value this rank sent up (the root: everywhere). Each child's copy flags, in the
-    index's sign bit (``~index``), where it includes that child's value; ``merges`` are
-    this rank's from :func:`_reduce_up_tracked` (empty: children are flagged nowhere)."""
-    parent = tree_parent(comm.rank, comm.size)
-    if parent is None:
-        mask = torch.ones(k, dtype=torch.bool, device=values.device)
-    else:
-        buf = torch.empty(k * (values.element_size() + 4), dtype=torch.uint8,
-                          device=values.device)
-        _recv(comm, buf, parent)
-        values, signed = _unpack(buf, k, values.dtype)
-        mask = signed < 0
-        indices = torch.where(mask, ~signed, signed)
-    children = tree_children(comm.rank, comm.size)
-    # merges[t] merged the child of round t: children come farthest (last merged) first
-    by_child = dict(zip(reversed(children), range(len(merges))))
-    for child in children:
-        flag = torch.zeros_like(mask)
-        if child in by_child:
-            t = by_child[child]
-            theirs = merges[t][0]
-            survived = _survived(theirs, merges[t:])
-            counted = torch.where(survived, theirs, torch.full_like(theirs, -1))  # -1: none
-            flag = mask & _isin(indices, counted)
-        _send(comm, _pack(values, torch.where(flag, ~indices, indices)), child)
-    return values, indices, mask

@@ -14,8 +14,9 @@ are those :func:`hexagram.comm.gtopk.merge_topk` keeps for it alone (ties: the l
 as the device merge), with the same sums ``(0.0 + a) + b``.
 
 No host reads: every size is known from the ``k_t`` (a :class:`SegmentPlan`, built once per
-bucket layout, caches its device tables), and a peer's result is checked on the device
-(each tensor's ``k_t`` pairs inside its own range, :meth:`SegmentPlan.misplaced`).
+bucket layout, caches its device tables), and every message a rank receives is checked on
+the device (each tensor's ``k_t`` pairs inside its own range, :meth:`SegmentPlan.bounds`,
+in increasing order; :class:`~hexagram.comm.gtopk_tree.Receipts`).
 
 Example:
     >>> plan = SegmentPlan.of(lengths=[4, 3], ks=[1, 2])
@@ -103,12 +104,26 @@ class SegmentPlan:
         return self._table("heads", device, lambda: torch.arange(
             self.total, device=device) + self._per_pair("before", before, 1, device))
 
+    def bounds(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(lo, hi), (total,) each: the range ``[lo, hi)`` of each pair's position in a
+        message (in position order: ``ks[t]`` pairs of tensor ``t``)."""
+        lo = self._per_pair("lo", self.starts, 1, device)
+        hi = self._per_pair("hi", [s + n for s, n in zip(self.starts, self.lengths)], 1,
+                            device)
+        return lo, hi
+
+    def fallback(self, device: torch.device) -> Tensor:
+        """(total,): valid, distinct positions in position order (each tensor's first
+        ``ks[t]`` elements): what a malformed message's positions become."""
+        before = list(itertools.accumulate((0, *self.ks[:-1])))
+        return self._table("fallback", device, lambda: torch.arange(
+            self.total, device=device) - self._per_pair("before", before, 1, device)
+            + self.bounds(device)[0])
+
     def misplaced(self, indices: Tensor) -> Tensor:
         """0-d bool: ``indices`` (a result, in position order: ``ks[t]`` per tensor) are
         not each inside their tensor's range (a peer's bytes: one pass, no host read)."""
-        lo = self._per_pair("lo", self.starts, 1, indices.device)
-        hi = self._per_pair("hi", [s + n for s, n in zip(self.starts, self.lengths)], 1,
-                            indices.device)
+        lo, hi = self.bounds(indices.device)
         return ((indices < lo) | (indices >= hi)).any()
 
 
@@ -152,4 +167,6 @@ def gtopk_allreduce_segments(comm: Communicator, values: Tensor, indices: Tensor
         raise ValueError(f"gtopk: {values.numel()} pairs for a plan of {plan.total}")
     _check(values, indices, plan.numel, checks if comm.size > 1 else _unused)
     return start_tracked(comm, values, indices,
-                         lambda va, ia, vb, ib: merge_segments(va, ia, vb, ib, plan))
+                         lambda va, ia, vb, ib: merge_segments(va, ia, vb, ib, plan),
+                         bounds=plan.bounds, fallback=plan.fallback, faults=checks,
+                         what=f"a bucket of {len(plan.ks)} tensor(s), {plan.numel} elements")

@@ -53,6 +53,7 @@ from hexagram.compress.base import (
     ensure_finite,
 )
 from hexagram.compress.chunks import padded_rows, work_dtype
+from hexagram.compress.faults import any_of, beyond, row_positions
 from hexagram.compress.packing import pack_codes, packed_nbytes, unpack_codes
 from hexagram.config import check_float, check_int
 
@@ -196,8 +197,18 @@ class ChunkTopKCompressor(Compressor):
         codes = unpack_codes(packed, self.config.bits, g * k).view(g, k)
         vals = code_values(levels, codes, self.config.bits)
         base = torch.arange(g, device=levels.device)[:, None] * c
-        pos = unpack_positions(packed_pos, b, g * k).view(g, k) + base
+        # ``b`` bits can name more than ``c`` positions: clamped into the chunk (a payload
+        # naming one is flagged by payload_fault), so no index leaves the output
+        pos = unpack_positions(packed_pos, b, g * k).view(g, k).clamp_(max=c - 1) + base
         return pos.reshape(-1), vals.reshape(-1)
+
+    def payload_fault(self, payload: Payload) -> Tensor:
+        """Bin means NaN/Inf or past the dtype's range; a position past its chunk or
+        repeated in it (no host read)."""
+        c, g, k, b = chunk_layout(self.config, payload.shape.numel())
+        levels, _, packed_pos = payload.tensors
+        pos = unpack_positions(packed_pos, b, g * k).view(g, k)
+        return any_of([beyond(levels, payload.dtype), row_positions(pos, c)])
 
     def decompress(self, payload: Payload) -> Tensor:
         return decompress_via_into(self, payload)

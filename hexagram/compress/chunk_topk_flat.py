@@ -15,7 +15,7 @@ format, zero where a position is padding): error feedback subtracts it from the 
 encoded and the sender adds it to the sum of the ranks' updates, without unpacking its own
 payload again. A payload received from a peer is decoded with :meth:`ChunkTopKRows.decode`
 (positions clamped into the row, values of padding positions zeroed: no index a peer sends
-can write outside the buffer).
+can write outside the buffer), its malformed flags handed to the caller on the device.
 
 Example:
     >>> import torch
@@ -46,6 +46,7 @@ from hexagram.compress.chunk_topk import (
     quantize_rows,
 )
 from hexagram.compress.chunks import work_dtype
+from hexagram.compress.faults import beyond, row_positions
 
 __all__ = ["ChunkTopKRows", "PositionPacker", "Sparse"]
 
@@ -121,8 +122,10 @@ class ChunkTopKRows:
                           dtype=flat.dtype)
         return payload, sent, ~torch.isfinite(peak).all()
 
-    def decode(self, payload: Payload) -> Sparse:
-        """Positions and values of a payload of this layout (a peer's, say)."""
+    def decode(self, payload: Payload, faults: list[Tensor] | None = None) -> Sparse:
+        """Positions and values of a payload of this layout (a peer's, say). ``faults``:
+        where the payload's malformed flags go (0-d bools, no host read: bin means
+        NaN/Inf or past the dtype's range, a position past its chunk or repeated)."""
         out, parts = Sparse([], []), iter(payload.tensors)
         for g, (vp, pp) in zip(self.layout.groups, self._packers):
             levels, codes = next(parts), next(parts)
@@ -130,6 +133,8 @@ class ChunkTopKRows:
             _check(g, levels, codes, packed, vp, pp)
             pos = pp.unpack(packed).view(g.rows, g.k)
             values = code_values(levels, vp.unpack(codes).view(g.rows, g.k), self.config.bits)
+            if faults is not None:
+                faults += [beyond(levels, self.dtype), row_positions(pos, g.width)]
             if g.padded or g.width & (g.width - 1):  # a position may point past the data
                 values = torch.where(pos < g.device_limits(pos.device), values, 0.0)
                 pos = pos.clamp_(max=g.width - 1)

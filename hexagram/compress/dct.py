@@ -42,6 +42,7 @@ from hexagram.compress.base import (
 )
 from hexagram.compress.chunk_topk import check_chunk_payload, pack_positions, unpack_positions
 from hexagram.compress.chunks import padded_rows, work_dtype
+from hexagram.compress.faults import any_of, beyond, row_positions
 from hexagram.compress.packing import packed_nbytes
 from hexagram.config import check_choice, check_int
 
@@ -143,9 +144,22 @@ class DCTTopKCompressor(Compressor):
                             packed.numel() == packed_nbytes(g * k, b), g, c, k)
         wd = work_dtype(payload.dtype)
         spectrum = torch.zeros(g, c, dtype=wd, device=values.device)
-        spectrum.scatter_(1, unpack_positions(packed, b, g * k).view(g, k), values.to(wd))
+        pos = unpack_positions(packed, b, g * k).view(g, k)
+        vals = values.to(wd)
+        if c & (c - 1):  # ``b`` bits can name more than ``c``: clamped, their values zeroed
+            vals = torch.where(pos < c, vals, 0.0)
+            pos = pos.clamp_(max=c - 1)
+        spectrum.scatter_(1, pos, vals)
         dense = (spectrum @ dct_matrix(c, values.device, wd)).reshape(-1)[:n]
         return out.add_(dense.to(out.dtype)) if add else out.copy_(dense)
+
+    def payload_fault(self, payload: Payload) -> Tensor:
+        """Coefficients NaN/Inf, or large enough that ``k`` of them could overflow the
+        inverse transform; a position past its chunk or repeated in it (no host read)."""
+        c, g, k, b = dct_layout(self.config, payload.shape.numel())
+        values, packed = payload.tensors
+        pos = unpack_positions(packed, b, g * k).view(g, k)
+        return any_of([beyond(values, payload.dtype, factor=k), row_positions(pos, c)])
 
     def __repr__(self) -> str:
         return f"DCTTopKCompressor({self.config})"

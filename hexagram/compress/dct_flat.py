@@ -36,6 +36,7 @@ from hexagram.compress.chunk_rows import ChunkRows
 from hexagram.compress.chunk_topk_flat import PositionPacker, Sparse
 from hexagram.compress.chunks import work_dtype
 from hexagram.compress.dct import WIRE_DTYPES, DCTTopKConfig, dct_layout, dct_matrix
+from hexagram.compress.faults import beyond, row_positions
 
 __all__ = ["DCTTopKRows"]
 
@@ -73,10 +74,13 @@ class DCTTopKRows:
         return Payload(tensors=tuple(tensors), shape=torch.Size([self.layout.numel]),
                        dtype=flat.dtype), sent
 
-    def decode(self, payload: Payload) -> Sparse:
+    def decode(self, payload: Payload, faults: list[Tensor] | None = None) -> Sparse:
         """Positions and wire values of a payload of this layout (a peer's, say); positions
         past a row (``bit_length(c - 1)`` bits can name more than ``c``) are clamped and
-        their values zeroed, so no peer's bytes write outside the spectrum."""
+        their values zeroed, so no peer's bytes write outside the spectrum. ``faults``:
+        where the payload's malformed flags go (0-d bools, no host read: coefficients
+        NaN/Inf or large enough to overflow the inverse transform, a position past its
+        chunk or repeated in it)."""
         out, parts = Sparse([], []), iter(payload.tensors)
         for g, packer in zip(self.layout.groups, self._packers):
             values = next(parts)
@@ -87,6 +91,8 @@ class DCTTopKRows:
                                  "config or model?")
             pos = packer.unpack(packed).view(g.rows, g.k)
             vals = values.to(self.work)
+            if faults is not None:
+                faults += [beyond(values, self.work, factor=g.k), row_positions(pos, g.width)]
             if g.width & (g.width - 1):
                 vals = torch.where(pos < g.width, vals, 0.0)
                 pos = pos.clamp_(max=g.width - 1)

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["any_of", "beyond", "clamp_index", "duplicated", "no_fault", "out_of_range"]
+__all__ = ["any_of", "beyond", "clamp_index", "duplicated", "no_fault", "out_of_range",
+           "row_positions"]
 
 
 def no_fault(device: torch.device) -> Tensor:
@@ -75,3 +76,17 @@ def any_of(flags: Sequence[Tensor]) -> Tensor:
     if len(flags) == 1:
         return flags[0]
     return torch.stack([f.reshape(()) for f in flags]).any()
+
+
+def row_positions(pos: Tensor, width: int) -> Tensor:
+    """0-d bool: some of the (rows, k) positions (each row's, distinct in a valid payload:
+    a chunk's top-k) is past ``width`` or repeats in its row (one sort along the rows:
+    a repeat makes a scatter's result depend on the device's order, so ranks could
+    disagree bit for bit)."""
+    if pos.numel() == 0:
+        return no_fault(pos.device)
+    flags = [(pos >= width).any()]
+    if pos.shape[-1] > 1:
+        ordered = torch.sort(pos, dim=-1).values
+        flags.append((ordered[..., 1:] == ordered[..., :-1]).any())
+    return any_of(flags)
