@@ -6,6 +6,7 @@ import importlib
 from types import ModuleType
 
 __all__ = [
+    "MALFORMED",
     "CommError",
     "CommTimeoutError",
     "ConfigError",
@@ -16,6 +17,7 @@ __all__ = [
     "NonFiniteGradientError",
     "NotInitializedError",
     "require",
+    "step_error",
 ]
 
 
@@ -52,6 +54,24 @@ class MalformedPayloadError(NonFiniteGradientError):
     NaN/Inf): every rank raises it at the same step, naming the sending rank where the
     collective lets it be known. A :class:`NonFiniteGradientError` too: its values cannot
     be used."""
+
+
+#: how every explanation of a malformed payload begins
+MALFORMED = "malformed payload"
+
+
+def step_error(problem: str) -> NonFiniteGradientError:
+    """The error for a failed step check explained by ``problem``:
+    :class:`MalformedPayloadError` when it is a malformed payload's explanation (it begins
+    with :data:`MALFORMED`), else :class:`NonFiniteGradientError`.
+
+    Example:
+        >>> type(step_error("malformed payload: topk: rank 1 sent ...")).__name__
+        'MalformedPayloadError'
+    """
+    if problem.startswith(MALFORMED):
+        return MalformedPayloadError(problem)
+    return NonFiniteGradientError(problem)
 
 
 class MissingExtraError(HexagramError, ModuleNotFoundError):

@@ -36,13 +36,12 @@ from hexagram.algorithms.base import Algorithm, AlgorithmContext
 from hexagram.algorithms.layouts import BucketLayout, LayoutCache
 from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm.communicator import Handle
-from hexagram.comm.faults import MALFORMED
 from hexagram.comm.reduce import reduce_many
 from hexagram.compress.base import Compressor, Payload, all_finite
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.compress.segments import Segments
 from hexagram.config import check_choice, check_int
-from hexagram.errors import MalformedPayloadError, NonFiniteGradientError
+from hexagram.errors import step_error
 
 __all__ = [
     "GRANULARITIES",
@@ -53,7 +52,6 @@ __all__ = [
     "CompressorAlgorithm",
     "Segment",
     "check_finite",
-    "raised_for",
     "segments",
 ]
 
@@ -135,14 +133,6 @@ def check_finite(bucket: Bucket, step: int, who: str) -> str | None:
     return f"{who}: non-finite gradient at step {step}"  # pragma: no cover - unreachable
 
 
-def raised_for(problem: str) -> NonFiniteGradientError:
-    """The error of a failed step check: :class:`MalformedPayloadError` for a malformed
-    received payload (:mod:`hexagram.comm.faults`), else :class:`NonFiniteGradientError`."""
-    if problem.startswith(MALFORMED):
-        return MalformedPayloadError(problem)
-    return NonFiniteGradientError(problem)
-
-
 def _spans(segment: Segment) -> list[tuple[BucketEntry, int, int]]:
     """Each tensor of the segment with its [start, stop) inside the segment."""
     return [(e, e.offset - segment.start, e.offset - segment.start + e.numel)
@@ -220,7 +210,7 @@ class CompressedAlgorithm(Algorithm):
         self.step += 1
         problem = self.ctx.checks.due()  # the step's one host read (none if none queued)
         if problem is not None:
-            raise raised_for(problem)
+            raise step_error(problem)
 
     # -- helpers for subclasses ----------------------------------------------------------
     def _feedback(self) -> ErrorFeedback:

@@ -36,12 +36,10 @@ import torch
 from torch import Tensor
 
 from hexagram.compress.base import Compressor, Payload
+from hexagram.errors import MALFORMED
 
 __all__ = ["MALFORMED", "FaultSink", "check_gathered", "check_ranks", "check_summed", "poison"]
 
-#: how every explanation of a malformed payload begins (algorithms raise
-#: :class:`~hexagram.errors.MalformedPayloadError` for it)
-MALFORMED = "malformed payload"
 
 #: ``sink(flag, explain)``: queue a 0-d bool flag (True: malformed) and its explanation
 FaultSink = Callable[[Tensor, Callable[[], str]], None]

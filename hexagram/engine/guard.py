@@ -23,7 +23,7 @@ from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.device import CONTROL_DTYPE
 from hexagram.compress import kernels
-from hexagram.errors import NonFiniteGradientError
+from hexagram.errors import NonFiniteGradientError, step_error
 
 __all__ = ["FiniteGuard", "agree_finite_grads", "any_nonfinite", "read_step_checks"]
 
@@ -267,7 +267,7 @@ class FiniteGuard:
         if problem is None:
             return False
         if problem:  # an algorithm's own condition (the gradients may be finite)
-            raise NonFiniteGradientError(problem)
+            raise step_error(problem)
         if policy == "skip":
             grads = [p.grad for p in self._params if p.grad is not None]
             if grads:
@@ -316,7 +316,7 @@ def read_step_checks(guard: FiniteGuard | None, checks: StepChecks, step: int, p
         guard.drop()
     problem = checks.read()  # the algorithm's own conditions (fp16 range of a cast)
     if problem:
-        raise NonFiniteGradientError(problem)
+        raise step_error(problem)
     return False
 
 

@@ -188,6 +188,11 @@ class CorruptingCompressor(Compressor):
                                 finish: Any = None) -> Tensor:
         return self.inner.decompress_segments_sum(payloads, out, finish)
 
+    def payload_fault(self, payload: Payload) -> Tensor:
+        # the inner format's own check (indices, scales): the base class's would look at
+        # the floating tensors only, and the attacker would miss what its peers flag
+        return self.inner.payload_fault(payload)
+
     def wire_layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> Layout | None:
         return self.inner.wire_layout(shape, dtype)
 
