@@ -23,7 +23,7 @@ from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.device import CONTROL_DTYPE
 from hexagram.compress import kernels
-from hexagram.errors import NonFiniteGradientError, step_error
+from hexagram.errors import MALFORMED, NonFiniteGradientError, step_error
 
 __all__ = ["FiniteGuard", "agree_finite_grads", "any_nonfinite", "read_step_checks"]
 
@@ -251,7 +251,8 @@ class FiniteGuard:
         non-finite (``"skip"``: they are now zero); raises under ``"raise"``. Call once,
         before the optimizer step. ``checks`` (the algorithm's queued conditions, e.g.
         fp16's range) join the same host read; one of them that holds raises its own
-        explanation. Every rank reaches the same decision: the count is summed over
+        explanation, except a peer's malformed payload under ``"skip"``, which skips the
+        step on every rank like a non-finite one. Every rank reaches the same decision: the count is summed over
         ranks, and every rank decoded the same bytes."""
         arrived = self._arrival_bad()
         count = None if self._any is None else \
@@ -266,9 +267,9 @@ class FiniteGuard:
             problem = None if seen is None or not bool(seen) else ""
         if problem is None:
             return False
-        if problem:  # an algorithm's own condition (the gradients may be finite)
-            raise step_error(problem)
-        if policy == "skip":
+        if problem and not (policy == "skip" and problem.startswith(MALFORMED)):
+            raise step_error(problem)  # an algorithm's own condition (fp16's range...)
+        if policy == "skip":  # non-finite, or a peer's malformed payload: every rank skips
             grads = [p.grad for p in self._params if p.grad is not None]
             if grads:
                 torch._foreach_zero_(grads)
