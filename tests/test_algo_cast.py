@@ -90,7 +90,11 @@ def test_cast_allreduce_is_the_fp16_algorithm(ranks: list[dict[str, Any]]) -> No
         a, b = r["fp16"], r["allreduce+fp16"]
         for x, y in zip(a["grads"], b["grads"]):
             torch.testing.assert_close(x, y, rtol=2e-3, atol=1e-5)
-        assert a["bytes"] == b["bytes"] > 0
+        # the same gradient bytes; the fp16 algorithm (a compressor algorithm: its guard
+        # cleans and flags each rank's own gradient before encoding) adds the engine's
+        # one-int64 non-finite agreement per step (3 steps), the cast allreduce carries
+        # NaN/Inf in its sum and needs none
+        assert a["bytes"] - 3 * 8 == b["bytes"] > 0
 
 
 def test_every_castable_algorithm_trains_identically_on_every_rank(
@@ -108,8 +112,10 @@ def test_every_castable_algorithm_trains_identically_on_every_rank(
 
 def test_float_payloads_shrink_by_half(ranks: list[dict[str, Any]]) -> None:
     r = ranks[0]
-    # PowerSGD's payload is all factors (and the biases, sent dense): exactly half
-    assert r["powersgd+bf16"]["bytes"] * 2 == r["powersgd"]["bytes"]
+    # PowerSGD's payload is all factors (and the biases, sent dense): exactly half, beside
+    # the engine's one-int64 non-finite agreement per step (3 steps), which is not cast
+    flag = 3 * 8
+    assert (r["powersgd+bf16"]["bytes"] - flag) * 2 == r["powersgd"]["bytes"] - flag
     # top-k: 16-bit values next to unchanged indices
     assert r["topk+fp16"]["bytes"] < r["topk"]["bytes"]
 
