@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -53,18 +55,21 @@ _FP16_MAX = float(torch.finfo(torch.float16).max)
 
 def check_fp16_range(tensor: Tensor, scale: float, what: str,
                      checks: StepChecks | None = None) -> None:
-    """Raise :class:`NonFiniteGradientError` when ``tensor``'s largest magnitude times
-    ``scale`` passes fp16's 65504: ``1 / P`` where values are divided by the world size
+    """Raise :class:`NonFiniteGradientError` when ``tensor``'s largest finite magnitude
+    times ``scale`` passes fp16's 65504 (NaN/Inf are left to the check of what arrives): ``1 / P`` where values are divided by the world size
     before the cast (the ``fp16`` algorithm), ``P`` where P of them are summed in fp16
     (the cast wrapper). ``what`` opens the message. With ``checks`` nothing is read: the
     condition is queued there, and raised when the step's checks are read."""
     lo, hi = torch.aminmax(tensor)  # one pass, no |x| temporary
     peak = torch.maximum(-lo, hi)
     if checks is not None:
-        checks.add(peak.double() * scale > _FP16_MAX,
-                   lambda: _range_message(what, float(peak), scale))
+        # a finite value that the cast would turn into Inf; a NaN/Inf already there is not
+        # a range problem: the sum carries it to every rank, whose check of what arrives
+        # (or GradScaler) sees it at the same step
+        past = (peak.double() * scale > _FP16_MAX).logical_and_(peak.isfinite())
+        checks.add(past, lambda: _range_message(what, float(peak), scale))
         return
-    if float(peak) * scale > _FP16_MAX:
+    if math.isfinite(float(peak)) and float(peak) * scale > _FP16_MAX:
         raise NonFiniteGradientError(_range_message(what, float(peak), scale))
 
 

@@ -57,6 +57,10 @@ class Fp16Algorithm(CompressorAlgorithm):
 
     name = "fp16"
     encodes_buckets = True  # the range check before the division
+    #: a sum, as allreduce's: a NaN/Inf on one rank reaches every rank in the 16-bit sum,
+    #: so the engine checks only what arrives (no per-step agreement message: the bytes
+    #: are PyTorch's fp16_compress_hook's)
+    passes_nonfinite = True
 
     def __init__(self, config: Fp16Config | None = None) -> None:
         super().__init__(config or Fp16Config())
