@@ -7,6 +7,7 @@ from types import ModuleType
 
 __all__ = [
     "MALFORMED",
+    "NONFINITE_SUM",
     "CommError",
     "CommTimeoutError",
     "ConfigError",
@@ -16,6 +17,7 @@ __all__ = [
     "ModelMismatchError",
     "NonFiniteGradientError",
     "NotInitializedError",
+    "received",
     "require",
     "step_error",
 ]
@@ -58,6 +60,21 @@ class MalformedPayloadError(NonFiniteGradientError):
 
 #: how every explanation of a malformed payload begins
 MALFORMED = "malformed payload"
+#: how the explanation of a summed payload that holds NaN/Inf begins (an honest overflow
+#: and a corrupted payload look the same in a sum: a non-finite gradient, not "malformed")
+NONFINITE_SUM = "non-finite sum"
+
+
+def received(problem: str) -> bool:
+    """True when ``problem`` (a failed step check's explanation) is about what arrived from
+    the peers (a malformed payload, a non-finite sum) rather than this rank's own values:
+    under ``on_nonfinite="skip"`` every rank skips such a step.
+
+    Example:
+        >>> received("non-finite sum: fp16: ..."), received("fp16: gradient of ... passes")
+        (True, False)
+    """
+    return problem.startswith((MALFORMED, NONFINITE_SUM))
 
 
 def step_error(problem: str) -> NonFiniteGradientError:

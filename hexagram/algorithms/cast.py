@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import torch
@@ -56,10 +55,11 @@ _FP16_MAX = float(torch.finfo(torch.float16).max)
 def check_fp16_range(tensor: Tensor, scale: float, what: str,
                      checks: StepChecks | None = None) -> None:
     """Raise :class:`NonFiniteGradientError` when ``tensor``'s largest finite magnitude
-    times ``scale`` passes fp16's 65504 (NaN/Inf are left to the check of what arrives): ``1 / P`` where values are divided by the world size
-    before the cast (the ``fp16`` algorithm), ``P`` where P of them are summed in fp16
-    (the cast wrapper). ``what`` opens the message. With ``checks`` nothing is read: the
-    condition is queued there, and raised when the step's checks are read."""
+    times ``scale`` passes fp16's 65504 (NaN/Inf are left to the check of what arrives):
+    ``1 / P`` where values are divided by the world size before the cast (the ``fp16``
+    algorithm), ``P`` where P of them are summed in fp16 (the cast wrapper). ``what`` opens
+    the message. With ``checks`` nothing is read: the condition is queued there, and raised
+    when the step's checks are read."""
     lo, hi = torch.aminmax(tensor)  # one pass, no |x| temporary
     peak = torch.maximum(-lo, hi)
     if checks is not None:

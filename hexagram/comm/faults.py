@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from hexagram.compress.base import Compressor, Payload
-from hexagram.errors import MALFORMED
+from hexagram.errors import MALFORMED, NONFINITE_SUM
 
 __all__ = ["MALFORMED", "FaultSink", "check_gathered", "check_ranks", "check_summed", "poison"]
 
@@ -99,15 +99,19 @@ def check_ranks(sink: FaultSink, flags: Sequence[Tensor | None], name: str,
 
 def check_summed(sink: FaultSink | None, comp: Compressor, summed: Payload,
                  what: str) -> None:
-    """Queue the flag of a payload summed over the ranks (allreduce): a malformed sum. The
-    sender cannot be known from a sum, and the message says so."""
+    """Queue the flag of a payload summed over the ranks (allreduce): a sum that holds
+    NaN/Inf (a :data:`~hexagram.errors.NONFINITE_SUM`: an honest overflow and a corrupted
+    payload look the same there). The sender cannot be known from a sum, and the message
+    says so."""
     if sink is None:
         return
     flag = comp.payload_fault(summed)
     sink(flag, lambda: (
-        f"{MALFORMED}: {comp.name}: the sum over the ranks of the payloads for {what} is "
-        "malformed (NaN/Inf, or past the dtype's range); the sender cannot be known from a "
-        f"sum: one rank sent NaN/Inf or a value past the range. {_FIX}"))
+        f"{NONFINITE_SUM}: {comp.name}: the sum over the ranks of {what} holds NaN/Inf or "
+        "passes its dtype's range, and its values were not used: some rank's gradient held "
+        "NaN/Inf or overflowed the wire's dtype, or its payload was corrupted (a sum cannot "
+        "name the sender). Lower the learning rate, clip gradients, use bf16 or loss "
+        "scaling; or pass on_nonfinite='skip' to skip such steps"))
 
 
 def poison(payload: Payload, flags: Tensor) -> Payload:

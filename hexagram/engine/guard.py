@@ -23,7 +23,7 @@ from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.device import CONTROL_DTYPE
 from hexagram.compress import kernels
-from hexagram.errors import MALFORMED, NonFiniteGradientError, step_error
+from hexagram.errors import NonFiniteGradientError, received, step_error
 
 __all__ = ["FiniteGuard", "agree_finite_grads", "any_nonfinite", "read_step_checks"]
 
@@ -251,9 +251,10 @@ class FiniteGuard:
         non-finite (``"skip"``: they are now zero); raises under ``"raise"``. Call once,
         before the optimizer step. ``checks`` (the algorithm's queued conditions, e.g.
         fp16's range) join the same host read; one of them that holds raises its own
-        explanation, except a peer's malformed payload under ``"skip"``, which skips the
-        step on every rank like a non-finite one. Every rank reaches the same decision: the count is summed over
-        ranks, and every rank decoded the same bytes."""
+        explanation, except a problem with what arrived (a peer's malformed payload, a
+        non-finite sum) under ``"skip"``, which skips the
+        step on every rank like a non-finite one. Every rank reaches the same decision:
+        the count is summed over ranks, and every rank decoded the same bytes."""
         arrived = self._arrival_bad()
         count = None if self._any is None else \
             self._global if self._global is not None else self._any.wait()
@@ -267,7 +268,7 @@ class FiniteGuard:
             problem = None if seen is None or not bool(seen) else ""
         if problem is None:
             return False
-        if problem and not (policy == "skip" and problem.startswith(MALFORMED)):
+        if problem and not (policy == "skip" and received(problem)):
             raise step_error(problem)  # an algorithm's own condition (fp16's range...)
         if policy == "skip":  # non-finite, or a peer's malformed payload: every rank skips
             grads = [p.grad for p in self._params if p.grad is not None]
@@ -288,6 +289,13 @@ class FiniteGuard:
                 f"another rank ({ranks} of {self.comm.size} ranks)"
             return (f"non-finite gradient (NaN or Inf) at step {step}: {where}, detected "
                     f"before compression. {fix}")
+        if not self.local:  # a sum: no rank's own gradient was looked at before it
+            where = next((f"parameter '{n}'" for n, p in zip(self._names, self._params)
+                          if p.grad is not None and not bool(p.grad.isfinite().all())),
+                         "the reduced gradient")
+            return (f"non-finite gradient (NaN or Inf) at step {step}: {where} holds NaN/Inf "
+                    "after the sum over the ranks (some rank's gradient held NaN or Inf, "
+                    f"or its contribution arrived corrupted). {fix}")
         return (f"non-finite gradient (NaN or Inf) at step {step}: the reduced gradient "
                 "holds NaN/Inf although no rank's own gradient did, so a peer's "
                 "contribution arrived non-finite or malformed (a faulty or Byzantine "
