@@ -163,3 +163,47 @@ def test_async_rounds_stop_every_rank_on_a_nan_mean() -> None:
         assert out["finite"], f"NaN/Inf reached the weights of rank {out['rank']}: {out}"
     # the background threads stop at the same round: the same message on both ranks
     assert outcomes[0]["error"] == outcomes[1]["error"]
+
+
+def _attacked_dgc_worker(attack: str) -> dict[str, Any]:
+    import hexagram as hx
+    from hexagram.errors import HexagramError
+    from hexagram.testing.attacks import AttackConfig, AttackedAlgorithm
+
+    hx.init()
+    rank = hx.get_runtime().rank
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    algorithm = AttackedAlgorithm(hx.algorithms.get("dgc", density=0.1, warmup_steps=4),
+                                  AttackConfig(name=attack, ranks=(1,)))
+    model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algorithm)
+    outcome: dict[str, Any] = {"rank": rank, "error": None, "step": None}
+    try:
+        for step in range(3):
+            outcome["step"] = step
+            x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    except HexagramError as exc:
+        outcome["error"] = (type(exc).__name__, str(exc))
+    except Exception as exc:  # a raw torch error (the attacker's own residual) fails
+        outcome["error"] = ("raw " + type(exc).__name__, str(exc))
+    outcome["corrupted"] = [c.calls for c in algorithm.corrupting or []]
+    outcome["finite"] = all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    model.close()
+    return outcome
+
+
+@pytest.mark.parametrize("attack", ["index_out_of_range", "nan_scale", "malformed"])
+def test_dgc_under_a_byte_attack_stops_both_ranks_at_the_first_step(attack: str) -> None:
+    # DGC encodes with a top-k of the step's density (warm-up), not its ``compressor``:
+    # the attack harness corrupts what its encoder returns
+    outcomes = run_local(_attacked_dgc_worker, 2, args=(attack,), timeout=120)
+    for out in outcomes:
+        assert out["error"] is not None and out["error"][0] == "MalformedPayloadError", out
+        assert "rank 1 sent" in out["error"][1], out
+        assert out["step"] == 0 and out["finite"], out
+    assert outcomes[1]["corrupted"][0] >= 1, outcomes[1]  # the attacker's payload, on the wire
+    assert outcomes[0]["error"] == outcomes[1]["error"]
