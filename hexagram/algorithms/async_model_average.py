@@ -314,6 +314,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
         self._halt()
         with self._lock:
             self._pending, self._ready = pending, None
+        self._bad = False  # a flag of the replaced state's rounds
         self.rounds = int(state["rounds"])
         self._aborted = self._paused = bool(state["aborted"])
         if not self._aborted and not self._closed:

@@ -73,7 +73,8 @@ class DecentralizedConfig:
 
 @dataclass
 class _Exchange:
-    """A round in flight: own weights (one flat per bucket), their handles, join flags."""
+    """A round in flight: own weights (one flat per bucket), their handles, join flags,
+    the peers whose weights arrive."""
 
     own: list[Tensor]
     handles: list[Handle[Any]]
