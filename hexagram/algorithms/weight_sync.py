@@ -192,6 +192,10 @@ def flats_from_named(buckets: Sequence[Bucket], named: dict[str, Tensor], what: 
     return out
 
 
+#: a queued fault: 0-d flag, sender (-1: unknown), explanation (None: named by counts)
+_Fault = tuple[Tensor, int, "Callable[[], str] | None"]
+
+
 class RoundAlgorithm(Algorithm):
     """Base of weight algorithms that communicate in collective rounds (see module doc).
 
@@ -213,10 +217,9 @@ class RoundAlgorithm(Algorithm):
         self.step = 0
         self.rounds = 0
         self.dirty = False
-        self._faults: list[tuple[Tensor, int]] = []
-        # explanations of queued flags, and those of the flags in the control in flight
-        self._explained: list[tuple[Tensor, Callable[[], str]]] = []
-        self._explaining: list[tuple[Tensor, Callable[[], str]]] = []
+        # (flag, sender, explanation) queued, and those in the control in flight
+        self._faults: list[_Fault] = []
+        self._checking: list[_Fault] = []
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -266,25 +269,26 @@ class RoundAlgorithm(Algorithm):
         only on a failure) words it where every rank receives the same bytes (a sum, a
         gather): then every rank raises its words; else the rank is named from the
         control's counts."""
-        self._faults.append((flag.reshape(()), sender))
-        if explain is not None:
-            self._explained.append((flag.reshape(()), explain))
+        self._faults.append((flag.reshape(()), sender, explain))
 
     def _received_sink(self) -> Callable[[Tensor, Callable[[], str]], None]:
-        """A fault sink (:mod:`hexagram.comm.faults`) for collectives every rank decodes
-        alike (sums, gathers): queues the flag with its explanation."""
-        return lambda flag, explain: self._received(flag, -1, explain)
+        """A fault sink (:mod:`hexagram.comm.faults`) for a round's collectives: queues the
+        flag, sender unnamed. The collective's explanation would name the sender of a
+        gathered payload, but it holds the payloads received (up to a compressed copy of
+        the model per leg), which would then stay alive through the inner steps until the
+        next round's control: memory a round algorithm does not spend on a name."""
+        return lambda flag, _explain: self._received(flag, -1)
 
     def _fault_flags(self) -> tuple[Tensor | bool, Tensor | int]:
         """(something received since the last control is unusable, the first such
         sender's rank + 1, 0 if none or unknowable), on the device; empties the queue."""
         faults, self._faults = self._faults, []
-        self._explaining, self._explained = self._explained, []
+        self._checking = faults
         if not faults:
             return False, 0
-        bad = torch.stack([f for f, _ in faults])
+        bad = torch.stack([f for f, _, _ in faults])
         # the largest flagged sender (scalars: no tensor made from host data)
-        senders = torch.stack([torch.where(f, r + 1, 0) for f, r in faults])
+        senders = torch.stack([torch.where(f, r + 1, 0) for f, r, _ in faults])
         return bad.any(), senders.amax()
 
     def _raise_malformed(self, counts: Any) -> Any:
@@ -295,17 +299,17 @@ class RoundAlgorithm(Algorithm):
         else the sender named by the counts where the ranks agree. Where a rank found
         NaN/Inf in what it sent (``counts.nonfinite``), the counts are returned: the caller
         raises that."""
+        checking, self._checking = self._checking, []
         sent_nonfinite: int = getattr(counts, "nonfinite", 0)
         if not counts.malformed or sent_nonfinite:
             # a sender that found NaN/Inf in what it sent says so itself (the caller
             # raises on ``nonfinite``): more precise than its receivers' view of it
             return counts
-        explaining, self._explaining = self._explaining, []
-        if counts.malformed == self.ctx.comm.size:  # every rank received the same
-            for flag, explain in explaining:  # reads the device: only on the failure
-                if bool(flag):
-                    raise step_error(f"{explain()} (found before round {self.rounds} "
-                                     f"by {self.name})")
+        # the first flag queued that holds (reads the device: only on the failure)
+        explain = next((e for f, _, e in checking if bool(f)), None)
+        if explain is not None and counts.malformed == self.ctx.comm.size:
+            # every rank received the same (a sum, a gather): the same words everywhere
+            raise step_error(f"{explain()} (found before round {self.rounds} by {self.name})")
         sender, agreed = divmod(counts.culprit, counts.malformed)
         who = f"rank {sender - 1}" if not agreed and sender > 0 else "a rank"
         raise MalformedPayloadError(
