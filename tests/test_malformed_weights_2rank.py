@@ -7,8 +7,10 @@ with 8-bit min-max: NaN scales) or, where weights travel in full precision, the 
 sends (``decentralized``, to every rank or to its ring neighbour; ``local_sgd``; ``async``'s
 background rounds) holds NaN. Both ranks must raise the same
 :class:`~hexagram.errors.NonFiniteGradientError` (or its ``MalformedPayloadError``) at the
-same step, naming rank 1 where the collective lets it be known, with no raw torch error, no
-hang (every run has a deadline) and no NaN/Inf ever written into the model.
+same step, naming rank 1 where the collective lets it be known and the algorithm keeps what
+names it (DGC's step, a ring neighbour), with no raw torch error, no hang (every run has a
+deadline) and no NaN/Inf ever written into the model. DGC is also attacked through
+:class:`~hexagram.testing.attacks.AttackedAlgorithm`'s byte attacks.
 """
 
 from __future__ import annotations
