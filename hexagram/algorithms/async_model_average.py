@@ -4,10 +4,14 @@ BAGUA's asynchronous decentralized full-precision relaxation. Training never wai
 network: a thread, on its own process group and :class:`Communicator` (so it never
 interleaves with the main group's collectives), runs *rounds* every ``interval_ms``:
 
-1. a tiny allreduce of ``[active, stop]`` flags (the join/stop protocol);
+1. a tiny allreduce of ``[active, stop, nonfinite]`` flags (the join/stop protocol, and
+   whether a rank found NaN/Inf in the previous round's mean: then every thread stops at
+   this round and the training threads raise
+   :class:`~hexagram.errors.NonFiniteGradientError` at their next forward pass);
 2. snapshot ``s_i`` = my current weights + the correction not yet applied;
 3. allreduce-average the snapshots: ``a = mean_j s_j``;
-4. add ``a - s_i`` to my pending correction.
+4. add ``a - s_i`` to my pending correction (zero where ``a`` holds NaN/Inf: such a mean
+   never reaches the weights).
 
 The training thread adds the pending correction to the parameters at the start of each
 forward pass (``before_forward``), never during forward/backward/step, so autograd never sees
@@ -51,6 +55,7 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import Algorithm, AlgorithmContext
+from hexagram.algorithms.finite import non_finite
 from hexagram.algorithms.weight_sync import (
     average_weights,
     flats_from_named,
@@ -63,7 +68,7 @@ from hexagram.comm.control import count_flags
 from hexagram.comm.device import start_thread
 from hexagram.comm.streams import consume, mark, on_stream, side_stream
 from hexagram.config import check_float
-from hexagram.errors import CommError, ConfigError
+from hexagram.errors import CommError, ConfigError, NonFiniteGradientError
 
 __all__ = ["AsyncConfig", "AsyncModelAverageAlgorithm"]
 
@@ -119,6 +124,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
         self._closed = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        #: NaN/Inf found in the last round's means (device flag), sent with the next control
+        self._bad: Tensor | bool = False
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -162,7 +169,18 @@ class AsyncModelAverageAlgorithm(Algorithm):
 
     def _one_round(self) -> bool:
         """One collective round; False when every thread must stop (same on all ranks)."""
-        counts = count_flags(self.comm, active=self._active, stop=self._stop.is_set()).wait()
+        received, self._bad = self._bad, False
+        counts = count_flags(self.comm, active=self._active, stop=self._stop.is_set(),
+                             nonfinite=received).wait()
+        if counts.nonfinite > 0:  # the same count on every rank: every thread stops here
+            self._aborted = True
+            self._error = NonFiniteGradientError(
+                f"async: the average of the weights received at round {self.rounds} held "
+                f"NaN or Inf on {counts.nonfinite} rank(s) (a rank sent NaN/Inf weights; "
+                "the sender cannot be known from a sum); it was not applied. Lower the "
+                "learning rate, clip gradients or use loss scaling; if one rank is faulty "
+                "or hostile, check its host and network")
+            return False
         if counts.stop > 0:
             self._aborted = True  # a peer (or I) asked to stop: everyone stops here
             return False
@@ -180,7 +198,12 @@ class AsyncModelAverageAlgorithm(Algorithm):
                 consume(self._ready, pending)
                 snaps = [s + p for s, p in zip(snaps, pending)]
         handles = [primitives.allreduce(self.comm, s.clone(), average=True) for s in snaps]
-        deltas = [h.wait() - s for h, s in zip(handles, snaps)]
+        means = [h.wait() for h in handles]
+        # NaN/Inf in a mean never reaches the weights: its round's correction is dropped
+        # (device-side, no read) and the flag rides in the next round's control collective
+        bad = torch.stack([non_finite(m) for m in means]).any()
+        deltas = [(m - s).masked_fill_(bad, 0.0) for m, s in zip(means, snaps)]
+        self._bad = bad
         with self._lock:
             if self._pending is None:
                 self._pending = deltas
@@ -194,6 +217,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, NonFiniteGradientError):  # found alike by every rank
+                raise error
             raise CommError(f"async model averaging thread failed: {error}") from error
 
     def _apply_pending(self) -> None:
@@ -289,6 +314,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
         self._halt()
         with self._lock:
             self._pending, self._ready = pending, None
+        self._bad = False  # a flag of the replaced state's rounds
         self.rounds = int(state["rounds"])
         self._aborted = self._paused = bool(state["aborted"])
         if not self._aborted and not self._closed:

@@ -17,6 +17,13 @@ neighbour at world size 2), ``shift_one`` (one partner per round, round-robin to
 one rank out per round; it keeps its weights. Every round also carries the join flags (see
 :mod:`hexagram.algorithms.weight_sync`), so ranks with less data can stop early.
 
+What arrives is checked on the device, with no host read: weights received holding NaN or
+Inf (a neighbour's, naming it; or the allreduced mean, whose sender cannot be known) are not
+mixed in (the rank keeps its own weights that round), and their flag rides in the next
+round's control collective, which raises on every rank
+(:class:`~hexagram.errors.MalformedPayloadError` naming the neighbour, or
+:class:`~hexagram.errors.NonFiniteGradientError` for a mean).
+
 Example:
     >>> cfg = DecentralizedConfig(peers="ring", interval=2)
     >>> DecentralizedAlgorithm(cfg).config.peers
@@ -32,6 +39,7 @@ import torch
 from torch import Tensor
 
 from hexagram.algorithms.base import AlgorithmContext
+from hexagram.algorithms.finite import non_finite
 from hexagram.algorithms.weight_sync import RoundAlgorithm, read_weights, write_weights
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
@@ -65,12 +73,22 @@ class DecentralizedConfig:
 
 @dataclass
 class _Exchange:
-    """A round in flight: own weights (one flat per bucket), their handles, join flags."""
+    """A round in flight: own weights (one flat per bucket), their handles, join flags,
+    the peers whose weights arrive."""
 
     own: list[Tensor]
     handles: list[Handle[Any]]
     control: Handle[Any]
     npeers: int
+    peers: list[int]
+
+
+def _summed_nonfinite() -> str:
+    return ("decentralized: the average over the ranks of the weights holds NaN or Inf (a "
+            "rank sent NaN/Inf weights; the sender cannot be known from a sum); it was not "
+            "mixed in, each rank kept its own weights. Lower the learning rate, clip "
+            "gradients or use loss scaling; if one rank is faulty or hostile, check its host "
+            "and network")
 
 
 class DecentralizedAlgorithm(RoundAlgorithm):
@@ -78,6 +96,7 @@ class DecentralizedAlgorithm(RoundAlgorithm):
 
     name = "decentralized"
     exchange_overlap = "forward"  # the exchange starts before the forward pass
+    checks_received = True  # neighbours' weights: NaN/Inf flagged, raised next round
 
     def __init__(self, config: DecentralizedConfig | None = None) -> None:
         super().__init__(config or DecentralizedConfig())
@@ -112,16 +131,23 @@ class DecentralizedAlgorithm(RoundAlgorithm):
             handles = [primitives.allreduce(comm, w.clone(), average=True) for w in own]
         else:
             handles = [primitives.neighbor_exchange(comm, w, peers, peers) for w in own]
-        return _Exchange(own, handles, control, len(peers))
+        return _Exchange(own, handles, control, len(peers), list(peers))
 
     def _finish(self, ex: _Exchange) -> int:
         mixed = []
         for own, handle in zip(ex.own, ex.handles):
             got = handle.wait()
             if self.config.peers == "all":
-                mixed.append(got)
+                bad = non_finite(got)
+                self._received(bad, -1, _summed_nonfinite)
+                mixed.append(torch.where(bad, own, got))
             else:  # uniform weights 1/(k+1) over me and my k peers (k = 0: unchanged)
-                mixed.append(torch.stack([own, *got]).sum(0) / (ex.npeers + 1))
+                flags = [non_finite(w) for w in got]
+                for peer, flag in zip(ex.peers, flags):
+                    self._received(flag, peer)
+                mix = torch.stack([own, *got]).sum(0) / (ex.npeers + 1)
+                mixed.append(torch.where(torch.stack(flags).any(), own, mix) if flags
+                             else mix)
         write_weights(self.ctx.buckets, mixed)
         # host read (kept, weight algorithm: once per exchange, not per bucket): the count of
         # active ranks the engine's join and elastic checks need on the host

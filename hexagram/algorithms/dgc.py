@@ -141,6 +141,10 @@ class DGCAlgorithm(MomentumCorrection, CompressorAlgorithm):
 
     name = "dgc"
     encodes_buckets = True
+    #: the encoder picks its top-k per step (the density warm-up), not ``compressor``: a
+    #: byte attack (:func:`hexagram.testing.attacks.corrupt_compressors`) corrupts what
+    #: :meth:`encode_bucket` returns
+    picks_compressor = True
 
     def __init__(self, config: DGCConfig | None = None) -> None:
         super().__init__(config or DGCConfig())

@@ -46,12 +46,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from hexagram.algorithms.base import AlgorithmContext
-from hexagram.algorithms.flat_weights import Flat, FlatWeights, by_dtype_and_device
+from hexagram.algorithms.finite import non_finite
+from hexagram.algorithms.flat_weights import (
+    FlatWeights,
+    Named,
+    by_dtype_and_device,
+    named_copies,
+    split_groups,
+)
 from hexagram.algorithms.weight_sync import (
     RoundAlgorithm,
     as_compressor,
@@ -145,38 +153,11 @@ def _nbytes(comp: Compressor, shape: tuple[int, ...]) -> int:
     return sized if sized is not None else comp.compress(torch.zeros(shape)).nbytes
 
 
-Named = list[tuple[str, torch.nn.Parameter]]
-
-
-def _split(named: Named, parts: int) -> list[Named]:
-    """The tensors ``named`` in ``parts`` contiguous groups of similar size."""
-    if parts == 1:
-        return [named]
-    if len(named) < parts:
-        raise ConfigError(f"DiLoCoConfig.fragments={parts} but the model has only "
-                          f"{len(named)} trainable tensors; use fragments <= {len(named)}")
-    total, size = sum(p.numel() for _, p in named), 0
-    groups: list[Named] = []
-    current: Named = []
-    for i, (name, p) in enumerate(named):
-        current.append((name, p))
-        size += p.numel()
-        left_tensors, left_groups = len(named) - i - 1, parts - len(groups) - 1
-        if left_groups > 0 and (size * parts >= total * (len(groups) + 1)
-                                or left_tensors == left_groups):
-            groups.append(current)
-            current = []
-    groups.append(current)
-    return groups
-
-
-def _named(weights: Sequence[FlatWeights], flats: Sequence[Flat | torch.Tensor]
-           ) -> dict[str, torch.Tensor]:
-    """Per-parameter copies of one flat buffer per :class:`FlatWeights` (checkpoints)."""
-    out: dict[str, torch.Tensor] = {}
-    for w, flat in zip(weights, flats):
-        out.update(w.named(flat.flat if isinstance(flat, Flat) else flat))
-    return out
+def _nonfinite_update(name: str, fragment: int) -> str:
+    return (f"algorithm {name!r}: the averaged outer update of fragment {fragment} holds "
+            "NaN or Inf (a rank sent NaN/Inf; the sender cannot be known from a sum); the "
+            "shared weights were left unchanged. Lower the inner learning rate, clip "
+            "gradients or use loss scaling; if a rank is faulty or hostile, check its host")
 
 
 def any_flag(flags: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -196,6 +177,9 @@ class DiLoCoAlgorithm(RoundAlgorithm):
     name = "diloco"
     #: True where the exchange encodes itself (error feedback): no scatter-gather route
     exact_local = False
+    #: what arrives (malformed payloads, an outer update holding NaN/Inf) is checked on the
+    #: device and raised at the next round's control collective, on every rank
+    checks_received = True
 
     def __init__(self, config: DiLoCoConfig | None = None) -> None:
         super().__init__(config or DiLoCoConfig())
@@ -211,7 +195,7 @@ class DiLoCoAlgorithm(RoundAlgorithm):
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
         named = [(e.name, e.param) for b in ctx.buckets for e in b.entries]
-        self.fragments = [self._lay_out(g) for g in _split(named, self.outer.fragments)]
+        self.fragments = [self._lay_out(g) for g in split_groups(named, self.outer.fragments)]
         with_momentum = self.outer.outer_momentum > 0  # none at all for local SGD
         self.momentum = [[w.new() for w in f] if with_momentum else []
                          for f in self.fragments]
@@ -296,7 +280,8 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         if self.compressor is None:  # in place: the scratch is free again once it lands
             sums = [primitives.allreduce(self.ctx.comm, d, average=False) for d in deltas]
         else:
-            sums = [compressed_sum(self.ctx.comm, d, self.compressor, w.entries)
+            sums = [compressed_sum(self.ctx.comm, d, self.compressor, w.entries,
+                                   faults=self._received_sink())
                     for w, d in zip(self.fragments[f], deltas)]
         return _InFlight(f, self.step, self.step + self.outer.overlap_steps, n, sums)
 
@@ -307,7 +292,7 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         n = exchange.contributors
         for i, (a, h) in enumerate(zip(self.anchor[f], exchange.sums)):
             # x / 1 and 1.0 * x are exact: those passes over the buffer are skipped
-            d = h.wait() if n == 1 else h.wait() / n
+            d = self._usable(h.wait() if n == 1 else h.wait() / n, f)
             if mu > 0:
                 m = self.momentum[f][i].flat.mul_(mu).add_(d)
                 d = d + mu * m
@@ -321,6 +306,15 @@ class DiLoCoAlgorithm(RoundAlgorithm):
             else:
                 w.write(a)
         self.fresh[f] = late and mix > 0  # a merged fragment differs from the anchor
+
+    def _usable(self, d: torch.Tensor, f: int) -> torch.Tensor:
+        """The averaged outer update ``d``, zeroed in place where it holds NaN/Inf (a rank
+        sent NaN/Inf, or a malformed payload decoded so): the shared weights stay as they
+        were, and the flag rides in the next round's control collective, which raises on
+        every rank. No host read; bit for bit ``d`` where it is finite."""
+        bad = non_finite(d)
+        self._received(bad, -1, partial(_nonfinite_update, self.name, f))  # no cycle
+        return d.masked_fill_(bad, 0.0)
 
     def round_messages(self, shapes: Sequence[tuple[int, ...]], world: int
                        ) -> list[tuple[str, int]]:
@@ -360,11 +354,11 @@ class DiLoCoAlgorithm(RoundAlgorithm):
         state["schedule"] = self._schedule()
         state["anchor"], state["outer_momentum"] = {}, {}
         for f, weights in enumerate(self.fragments):
-            state["anchor"].update(_named(weights, self.anchor[f]))
-            state["outer_momentum"].update(_named(weights, self.momentum[f]))
+            state["anchor"].update(named_copies(weights, self.anchor[f]))
+            state["outer_momentum"].update(named_copies(weights, self.momentum[f]))
         state["inflight"] = [  # results awaited (identical on every rank), applied later
             {"fragment": x.fragment, "start": x.start, "due": x.due, "n": x.contributors,
-             "sums": _named(self.fragments[x.fragment], [h.wait() for h in x.sums])}
+             "sums": named_copies(self.fragments[x.fragment], [h.wait() for h in x.sums])}
             for x in self.inflight]
         if self.compressor is not None:  # after the waits: compression jobs have run
             state["compressor"] = self.compressor.state_dict()

@@ -29,8 +29,10 @@ import torch
 from torch import Tensor
 
 from hexagram.buckets import BucketEntry
+from hexagram.errors import ConfigError
 
-__all__ = ["Flat", "FlatWeights", "by_dtype_and_device"]
+__all__ = ["Flat", "FlatWeights", "Named", "by_dtype_and_device", "named_copies",
+           "split_groups"]
 
 
 @dataclass
@@ -113,3 +115,38 @@ class FlatWeights:
                                "was it saved from the same model and algorithm?")
             view.copy_(named[name])
         return out
+
+
+#: ``(name, parameter)`` pairs, in order
+Named = list[tuple[str, torch.nn.Parameter]]
+
+
+def split_groups(named: Named, parts: int) -> list[Named]:
+    """The tensors ``named`` in ``parts`` contiguous groups of similar size."""
+    if parts == 1:
+        return [named]
+    if len(named) < parts:
+        raise ConfigError(f"DiLoCoConfig.fragments={parts} but the model has only "
+                          f"{len(named)} trainable tensors; use fragments <= {len(named)}")
+    total, size = sum(p.numel() for _, p in named), 0
+    groups: list[Named] = []
+    current: Named = []
+    for i, (name, p) in enumerate(named):
+        current.append((name, p))
+        size += p.numel()
+        left_tensors, left_groups = len(named) - i - 1, parts - len(groups) - 1
+        if left_groups > 0 and (size * parts >= total * (len(groups) + 1)
+                                or left_tensors == left_groups):
+            groups.append(current)
+            current = []
+    groups.append(current)
+    return groups
+
+
+def named_copies(weights: Sequence[FlatWeights], flats: Sequence[Flat | Tensor]
+                 ) -> dict[str, Tensor]:
+    """Per-parameter copies of one flat buffer per :class:`FlatWeights` (checkpoints)."""
+    out: dict[str, Tensor] = {}
+    for w, flat in zip(weights, flats):
+        out.update(w.named(flat.flat if isinstance(flat, Flat) else flat))
+    return out

@@ -39,16 +39,8 @@ from typing import Any
 import torch
 
 from hexagram.algorithms.base import AlgorithmContext
-from hexagram.algorithms.diloco import (
-    DiLoCoAlgorithm,
-    DiLoCoConfig,
-    Named,
-    _InFlight,
-    _Local,
-    _named,
-    any_flag,
-)
-from hexagram.algorithms.flat_weights import FlatWeights, by_dtype_and_device
+from hexagram.algorithms.diloco import DiLoCoAlgorithm, DiLoCoConfig, _InFlight, _Local, any_flag
+from hexagram.algorithms.flat_weights import FlatWeights, Named, by_dtype_and_device, named_copies
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Handle
 from hexagram.compress.base import Payload
@@ -200,7 +192,7 @@ class SparseLoCoAlgorithm(DiLoCoAlgorithm):
         state = super().state_dict()
         residuals: dict[str, torch.Tensor] = {}
         for f, weights in enumerate(self.fragments):
-            residuals.update(_named(weights, self.errors[f]))
+            residuals.update(named_copies(weights, self.errors[f]))
         state["feedback"] = {"residuals": residuals}
         return state
 

@@ -29,7 +29,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -41,10 +41,10 @@ from hexagram.buckets import Bucket, BucketEntry
 from hexagram.comm import primitives
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.control import count_flags
-from hexagram.comm.faults import _FIX, MALFORMED
+from hexagram.comm.faults import _FIX, MALFORMED, FaultSink
 from hexagram.comm.reduce import Encoder, reduce, reduce_many
 from hexagram.compress.base import Compressor
-from hexagram.errors import ConfigError, MalformedPayloadError
+from hexagram.errors import ConfigError, MalformedPayloadError, step_error
 
 __all__ = [
     "RoundAlgorithm",
@@ -84,8 +84,8 @@ def check_compressor_spec(obj: Any, field: str, allow_none: bool) -> None:
 
 
 def compressed_sum(comm: Communicator, tensor: Tensor, compressor: Compressor | None,
-                   entries: Sequence[BucketEntry] = (), encode: Encoder | None = None
-                   ) -> Handle[Tensor]:
+                   entries: Sequence[BucketEntry] = (), encode: Encoder | None = None,
+                   faults: FaultSink | None = None) -> Handle[Tensor]:
     """Sum of ``tensor`` over the ranks of ``comm`` (a new tensor; input untouched).
 
     :func:`hexagram.comm.reduce.reduce_many` with ``reduction="sum"``: the collective follows
@@ -95,14 +95,18 @@ def compressed_sum(comm: Communicator, tensor: Tensor, compressor: Compressor | 
     (layer-wise scales and top-k), all in one message per leg. ``encode``: the caller's
     encoder of tensor ``i`` (error feedback; see :mod:`hexagram.comm.reduce`). Every rank
     receives the same result bit for bit (same payloads, same order of summation).
+    ``faults``: where the flags of malformed received payloads go
+    (:mod:`hexagram.comm.faults`; e.g. :meth:`RoundAlgorithm._received_sink`), queued when
+    the result is waited for.
     """
     flat = tensor.detach()
     if compressor is None or not entries:
-        return reduce(comm, flat, compressor, reduction="sum", encode=encode)
+        return reduce(comm, flat, compressor, reduction="sum", encode=encode, faults=faults)
     out = torch.empty_like(flat)
     parts = [slice(e.offset, e.offset + e.numel) for e in entries]
     return reduce_many(comm, [flat[p] for p in parts], compressor, reduction="sum",
-                       outs=[out[p] for p in parts], encode=encode).then(lambda _: out)
+                       outs=[out[p] for p in parts], encode=encode,
+                       faults=faults).then(lambda _: out)
 
 
 def require_optimizers(ctx: AlgorithmContext, name: str) -> torch.optim.Optimizer:
@@ -188,6 +192,10 @@ def flats_from_named(buckets: Sequence[Bucket], named: dict[str, Tensor], what: 
     return out
 
 
+#: a queued fault: 0-d flag, sender (-1: unknown), explanation (None: named by counts)
+_Fault = tuple[Tensor, int, "Callable[[], str] | None"]
+
+
 class RoundAlgorithm(Algorithm):
     """Base of weight algorithms that communicate in collective rounds (see module doc).
 
@@ -209,7 +217,9 @@ class RoundAlgorithm(Algorithm):
         self.step = 0
         self.rounds = 0
         self.dirty = False
-        self._faults: list[tuple[Tensor, int]] = []
+        # (flag, sender, explanation) queued, and those in the control in flight
+        self._faults: list[_Fault] = []
+        self._checking: list[_Fault] = []
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)
@@ -251,34 +261,61 @@ class RoundAlgorithm(Algorithm):
         flags["malformed"], flags["culprit"] = self._fault_flags()
         return count_flags(self.ctx.comm, **flags).then(self._raise_malformed)
 
-    def _received(self, flag: Tensor, sender: int) -> None:
-        """Queue the 0-d malformed flag of a payload ``sender`` sent (no host read): it
-        rides in the next control collective (:attr:`checks_received`)."""
-        self._faults.append((flag.reshape(()), sender))
+    def _received(self, flag: Tensor, sender: int,
+                  explain: Callable[[], str] | None = None) -> None:
+        """Queue the 0-d flag of something received from ``sender`` (-1: unknowable, a
+        sum) that cannot be used (a malformed payload, NaN/Inf weights), no host read: it
+        rides in the next control collective (:attr:`checks_received`). ``explain`` (read
+        only on a failure) words it where every rank receives the same bytes (a sum, a
+        gather): then every rank raises its words; else the rank is named from the
+        control's counts."""
+        self._faults.append((flag.reshape(()), sender, explain))
+
+    def _received_sink(self) -> Callable[[Tensor, Callable[[], str]], None]:
+        """A fault sink (:mod:`hexagram.comm.faults`) for a round's collectives: queues the
+        flag, sender unnamed. The collective's explanation would name the sender of a
+        gathered payload, but it holds the payloads received (up to a compressed copy of
+        the model per leg), which would then stay alive through the inner steps until the
+        next round's control: memory a round algorithm does not spend on a name."""
+        return lambda flag, _explain: self._received(flag, -1)
 
     def _fault_flags(self) -> tuple[Tensor | bool, Tensor | int]:
-        """(some payload received since the last control is malformed, the first such
-        sender's rank + 1, 0 if none), on the device; empties the queue."""
+        """(something received since the last control is unusable, the first such
+        sender's rank + 1, 0 if none or unknowable), on the device; empties the queue."""
         faults, self._faults = self._faults, []
+        self._checking = faults
         if not faults:
             return False, 0
-        bad = torch.stack([f for f, _ in faults])
+        bad = torch.stack([f for f, _, _ in faults])
         # the largest flagged sender (scalars: no tensor made from host data)
-        senders = torch.stack([torch.where(f, r + 1, 0) for f, r in faults])
+        senders = torch.stack([torch.where(f, r + 1, 0) for f, r, _ in faults])
         return bad.any(), senders.amax()
 
     def _raise_malformed(self, counts: Any) -> Any:
-        """The control's counts, unless a rank received a malformed payload: then
-        :class:`~hexagram.errors.MalformedPayloadError` on every rank (the same counts
-        everywhere, so the same message), naming the sender where the ranks agree."""
-        if not counts.malformed:
+        """The control's counts, unless a rank received something unusable: then
+        :class:`~hexagram.errors.MalformedPayloadError` (or, for NaN/Inf in a sum,
+        :class:`~hexagram.errors.NonFiniteGradientError`) on every rank, with the same
+        message everywhere: the explanation every rank queued, where every rank reported,
+        else the sender named by the counts where the ranks agree. Where a rank found
+        NaN/Inf in what it sent (``counts.nonfinite``), the counts are returned: the caller
+        raises that."""
+        checking, self._checking = self._checking, []
+        sent_nonfinite: int = getattr(counts, "nonfinite", 0)
+        if not counts.malformed or sent_nonfinite:
+            # a sender that found NaN/Inf in what it sent says so itself (the caller
+            # raises on ``nonfinite``): more precise than its receivers' view of it
             return counts
+        # the first flag queued that holds (reads the device: only on the failure)
+        explain = next((e for f, _, e in checking if bool(f)), None)
+        if explain is not None and counts.malformed == self.ctx.comm.size:
+            # every rank received the same (a sum, a gather): the same words everywhere
+            raise step_error(f"{explain()} (found before round {self.rounds} by {self.name})")
         sender, agreed = divmod(counts.culprit, counts.malformed)
         who = f"rank {sender - 1}" if not agreed and sender > 0 else "a rank"
         raise MalformedPayloadError(
             f"{MALFORMED}: {self.name}: {who} sent a malformed payload before round "
-            f"{self.rounds} (reported by {counts.malformed} rank(s), which received it; "
-            f"its values were not used); {_FIX}")
+            f"{self.rounds} (indices out of range or repeated, or values NaN/Inf; reported "
+            f"by {counts.malformed} rank(s), which received it); {_FIX}")
 
     def _sync_buffers(self) -> None:
         """End of a round: buffers (BatchNorm statistics) equal on every rank."""

@@ -204,4 +204,10 @@ def corrupt_compressors(algorithm: Algorithm, attack: str, seed: int
         wrapped.append(CorruptingCompressor(comp, attack, seed, device=device,
                                             keep_own=True))
         feedback.compressor = wrapped[1]
+    if getattr(inner, "picks_compressor", False):
+        # its encoder picks a compressor per step (DGC's density warm-up), not the one
+        # wrapped above: what the encoder returns is corrupted, after the algorithm kept
+        # its own residual from the real payload (as with bytes corrupted in transit)
+        encode, wire = inner.encode_bucket, wrapped[0]
+        inner.encode_bucket = lambda *args: wire.corrupt(encode(*args))
     return wrapped

@@ -149,6 +149,12 @@ class CorruptingCompressor(Compressor):
     def checks_finite(self, value: bool) -> None:
         self.inner.checks_finite = value
 
+    def corrupt(self, payload: Payload) -> Payload:
+        """``payload`` as this attacker puts it on the wire (for an algorithm that encodes
+        with compressors of its own: see
+        :func:`hexagram.testing.attacks.corrupt_compressors`)."""
+        return self._corrupt(payload)
+
     def _corrupt(self, payload: Payload) -> Payload:
         if threading.get_ident() != self._thread:
             return payload  # a relayed aggregate (second leg): see the module docstring
