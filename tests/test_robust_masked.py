@@ -122,3 +122,27 @@ def test_no_host_read_with_a_nonfinite_row(aggregator: str, pre: str | None,
         counter.uninstall()
     assert counter.sites == [], "\n".join(counter.sites)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pre", [None, "nnm", "bucketing"])
+@pytest.mark.parametrize("aggregator", [*DISTANCE, "median"])
+def test_no_sync_on_cuda(aggregator: str, pre: str | None) -> None:
+    """On CUDA, any synchronization inside the reduction raises (sync debug mode), a NaN row
+    included; the result is the CPU's."""
+    x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
+    x[4, 7] = float("nan")
+    spec = ReduceSpec(aggregator=aggregator, f=1, pre=pre)
+    center = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    xc, cc = x.cuda(), center.cuda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = reduce_rows(xc, spec, center=cc, generator=gen)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out).all()
+    if pre != "bucketing":  # bucketing draws its permutation on the device: another one
+        assert torch.allclose(out.cpu(), reduce_rows(x, spec, center=center), atol=1e-5)
