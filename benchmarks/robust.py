@@ -1,9 +1,11 @@
 """Robustness benchmark: final test accuracy of each algorithm under each attack.
 
 Runs ``hexagram train`` (loopback, Fashion-MNIST) once per attack with the same algorithm
-list, the last ``--byzantine`` ranks attacking, and writes a JSON with every run, a Markdown
-table (final accuracy per attack x algorithm, step time and MB sent per step) and a plot of
-the accuracy curves under the worst attack (the one with the lowest mean final accuracy).
+list, the last ``--byzantine`` ranks attacking, and writes a JSON with every run (and every
+rank's outcome: exit code, error class and step where it failed), a Markdown table (final
+accuracy per attack x algorithm, or the error every rank raised; step time and MB sent per
+step) and a plot of the accuracy curves under the worst attack (the one with the lowest
+mean final accuracy).
 
 Example (the reduced configuration of docs/benchmarks/robust.md):
     $ PYTHONPATH=. python benchmarks/robust.py --hosts 5 --byzantine 1 --partition iid \\
