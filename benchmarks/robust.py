@@ -81,7 +81,8 @@ def failure_cell(row: dict[str, Any]) -> str:
     ranks = row.get("ranks")
     if not ranks:
         return "failed"
-    what = [(r.get("error_class", "no error"), r.get("step"), r.get("exit")) for r in ranks]
+    what = [(r.get("error_class", r.get("error", "no error")), r.get("step"), r.get("exit"))
+            for r in ranks]
     if len(set(what)) == 1:
         cls, step, code = what[0]
         return f"{cls}, step {step}, every rank (exit {code})"
