@@ -1,9 +1,11 @@
 """Robustness benchmark: final test accuracy of each algorithm under each attack.
 
 Runs ``hexagram train`` (loopback, Fashion-MNIST) once per attack with the same algorithm
-list, the last ``--byzantine`` ranks attacking, and writes a JSON with every run, a Markdown
-table (final accuracy per attack x algorithm, step time and MB sent per step) and a plot of
-the accuracy curves under the worst attack (the one with the lowest mean final accuracy).
+list, the last ``--byzantine`` ranks attacking, and writes a JSON with every run (and every
+rank's outcome: exit code, error class and step where it failed), a Markdown table (final
+accuracy per attack x algorithm, or the error every rank raised; step time and MB sent per
+step) and a plot of the accuracy curves under the worst attack (the one with the lowest
+mean final accuracy).
 
 Example (the reduced configuration of docs/benchmarks/robust.md):
     $ PYTHONPATH=. python benchmarks/robust.py --hosts 5 --byzantine 1 --partition iid \\
@@ -19,6 +21,7 @@ import json
 import sys
 from typing import Any
 
+from hexagram.bench import robust as robust_bench
 from hexagram.bench import train
 
 ROBUST_ALGOS = ",".join(["allreduce"] + [f"robust:aggregator={a}" for a in (
@@ -57,12 +60,34 @@ def _train_args(opts: argparse.Namespace, attack: str) -> argparse.Namespace:
 
 
 def _row(attack: str, r: dict[str, Any]) -> dict[str, Any]:
+    ranks = {"ranks": r["ranks"]} if "ranks" in r else {}  # every rank's exit and error
     if "error" in r:
-        return {"attack": attack, "algorithm": r["algorithm"], "error": r["error"]}
+        return {"attack": attack, "algorithm": r["algorithm"], "error": r["error"], **ranks}
     steps = max(1, r["curve"][-1]["step"])
     return {"attack": attack, "algorithm": r["algorithm"], "final": r["final"],
             "curve": r["curve"], "step_ms": 1000 * r["time_s"] / steps,
-            "mb_per_step": r["bytes_per_step"] / 1e6}
+            "mb_per_step": r["bytes_per_step"] / 1e6, **ranks}
+
+
+def failure_cell(row: dict[str, Any]) -> str:
+    """A failed run's table cell from every rank's outcome: the error class and step when
+    every rank agrees, else each rank's.
+
+    Example:
+        >>> failure_cell({"error": "x", "ranks": [
+        ...     {"rank": r, "exit": 3, "error_class": "E", "step": 0} for r in range(2)]})
+        'E, step 0, every rank (exit 3)'
+    """
+    ranks = row.get("ranks")
+    if not ranks:
+        return "failed"
+    what = [(r.get("error_class", r.get("error", "no error")), r.get("step"), r.get("exit"))
+            for r in ranks]
+    if len(set(what)) == 1:
+        cls, step, code = what[0]
+        return f"{cls}, step {step}, every rank (exit {code})"
+    return "; ".join(f"rank {r['rank']}: {c}, step {s} (exit {e})"
+                     for r, (c, s, e) in zip(ranks, what))
 
 
 def run(opts: argparse.Namespace) -> dict[str, Any]:
@@ -70,7 +95,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"settings": vars(opts), "rows": []}
     for attack in opts.attacks.split(","):
         print(f"== attack {attack}", file=sys.stderr, flush=True)
-        report = train.run_train(_train_args(opts, attack))
+        report = robust_bench.run_train(_train_args(opts, attack))
         out["machine"] = report["machine"]
         out["rows"] += [_row(attack, r) for r in report["results"]]
         with open(opts.json, "w") as f:
@@ -96,7 +121,7 @@ def markdown(out: dict[str, Any]) -> str:
     for a in algos:
         vals = [cell.get((t, a)) for t in attacks]
         lines.append(f"| {a} | " + " | ".join(
-            "-" if v is None else ("failed" if "error" in v else f"{100 * v['final']:.1f}")
+            "-" if v is None else (failure_cell(v) if "error" in v else f"{100 * v['final']:.1f}")
             for v in vals) + " |")
     lines += ["", f"| algorithm | step (ms, {attacks[0]}) | MB sent/step/rank |", "|---|---|---|"]
     for a in algos:

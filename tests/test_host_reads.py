@@ -158,22 +158,27 @@ def _optimizer(kind: str, net: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9 if kind == "momentum" else 0)
 
 
-def _count(case: Case) -> tuple[list[list[str]], int]:
-    """Per counted step, the host reads made (their sites); and the number of buckets."""
+def _count(case: Case, attack: str | None = None) -> tuple[list[list[str]], int]:
+    """Per counted step, the host reads made (their sites); and the number of buckets.
+    ``attack``: the last rank sends that attack's vector instead of its own (``robust``)."""
     import warnings
 
     import hexagram as hx
+    from hexagram.bench.robust import SentAttacked
     from hexagram.compress import packing
+    from hexagram.testing.attacks import AttackConfig
 
     packing.CPU_FAST_PATHS = False
     torch.manual_seed(0)
     net = _Net()
     opt = _optimizer(case.optimizer, net)
+    algorithm = hx.algorithms.get(case.algorithm, **case.config)
+    if attack is not None:
+        last = hx.get_runtime().world_size - 1
+        algorithm = SentAttacked(algorithm, AttackConfig(name=attack, ranks=(last,)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # momentum taken over, lr notes
-        model = hx.DistributedDataParallel(net, optimizers=[opt],
-                                           algorithm=hx.algorithms.get(case.algorithm,
-                                                                       **case.config),
+        model = hx.DistributedDataParallel(net, optimizers=[opt], algorithm=algorithm,
                                            bucket_size_mb=0.1, first_bucket_mb=0.004)
     gen = torch.Generator().manual_seed(hx.get_runtime().rank)
     counter = _Counter()
@@ -277,9 +282,54 @@ def _worker() -> dict[str, Any]:
 NAN_CASES: dict[str, dict[str, Any]] = {"signsgd": {"scaled": False}, "qsgd": {}}
 
 
+#: ``robust`` with the aggregators and pre-aggregations that need the Gram matrix, on
+#: :data:`ROBUST_WORLD` ranks (Krum needs ``2f + 3``), with the last rank sending NaN where
+#: named (its row is then excluded on the device, no read): name -> (case, attack)
+ROBUST_WORLD = 3
+ROBUST_CASES: dict[str, tuple[Case, str | None]] = {
+    "krum": (Case("robust", {"aggregator": "krum", "f": 0}, "momentum"), None),
+    "krum+nan": (Case("robust", {"aggregator": "krum", "f": 0}, "momentum"), "nan"),
+    "multikrum+nan": (Case("robust", {"aggregator": "multikrum", "f": 0}), "nan"),
+    "geomed": (Case("robust", {"aggregator": "geomed", "f": 1}), "nan"),
+    "centered_clip": (Case("robust", {"aggregator": "centered_clip", "f": 1}, "momentum"),
+                      "nan"),
+    "nnm": (Case("robust", {"aggregator": "trimmed_mean", "f": 1, "pre": "nnm"}), "nan"),
+    "bucketing": (Case("robust", {"aggregator": "geomed", "f": 0, "pre": "bucketing"}),
+                  "nan"),
+    "krum+nnm+minmax8": (Case("robust", {"aggregator": "krum", "f": 0, "pre": "nnm",
+                                         "compressor": "minmax8"}), None),
+}
+
+
+def _robust_worker() -> dict[str, Any]:
+    import hexagram as hx
+
+    hx.init()
+    return {name: _count(case, attack) for name, (case, attack) in ROBUST_CASES.items()}
+
+
 @pytest.fixture(scope="module")
 def reads() -> list[dict[str, Any]]:
     return run_local(_worker, WORLD, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def robust_reads() -> list[dict[str, Any]]:
+    return run_local(_robust_worker, ROBUST_WORLD, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(ROBUST_CASES))
+def test_robust_reads_at_most_once_per_step(name: str, robust_reads: list[dict[str, Any]]
+                                            ) -> None:
+    # the distance-based aggregators and pre-aggregation once read the finite rows per
+    # bucket (a nonzero and the lowered f): now masked on the device, NaN rows included
+    for rank, per_rank in enumerate(robust_reads):
+        per_step, buckets = per_rank[name]
+        assert buckets >= 2, "the model must span several buckets for the count to mean much"
+        for step, sites in enumerate(per_step):
+            assert len(sites) <= 1, (
+                f"robust {name} on rank {rank}, counted step {step}: {len(sites)} host "
+                "reads:\n" + "\n".join(sites))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -173,9 +173,18 @@ def test_equals_byzfl(n: int, f: int) -> None:
              (agg.centered_clip(x, tau=2.0, iters=3),
               a.CenteredClipping(tau=2.0, L=3)(x.clone())),
              (agg.nnm(x, f), p.NNM(f=f)(x.clone()))]
+    # the algorithm's reduction (rows masked on the device) against the same references
+    pairs += [(reduce_rows(x, ReduceSpec(aggregator="geomed", f=f)),
+               a.GeometricMedian(nu=0.1, T=3)(x.clone())),
+              (reduce_rows(x, ReduceSpec(aggregator="centered_clip", f=f, tau=2.0,
+                                         clip_iters=3)),
+               a.CenteredClipping(tau=2.0, L=3)(x.clone()))]
     if n >= 2 * f + 3:
         pairs += [(agg.krum(x, f), a.Krum(f=f)(x.clone())),
-                  (agg.multikrum(x, f), a.MultiKrum(f=f)(x.clone()))]
+                  (agg.multikrum(x, f), a.MultiKrum(f=f)(x.clone())),
+                  (reduce_rows(x, ReduceSpec(aggregator="krum", f=f)), a.Krum(f=f)(x.clone())),
+                  (reduce_rows(x, ReduceSpec(aggregator="multikrum", f=f)),
+                   a.MultiKrum(f=f)(x.clone()))]
     for ours, theirs in pairs:
         assert torch.allclose(ours, torch.as_tensor(theirs), atol=1e-5)
 

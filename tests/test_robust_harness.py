@@ -59,3 +59,35 @@ def test_train_options_reach_the_spec() -> None:
                                  "alpha": 0.3}
     with pytest.raises(ValueError, match="valid attacks"):
         spec_fields(parser.parse_args(["--attack", "evil"]))
+
+
+def test_every_rank_outcome_is_kept(capsys: pytest.CaptureFixture[str]) -> None:
+    from hexagram.bench.robust import FAILED_STEP, rank_outcomes, report_failed_step
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    report_failed_step(opt, rank=2)
+    opt.step()  # a step that succeeds counts
+    opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(FloatingPointError("bad")))
+    with pytest.raises(FloatingPointError, match="bad"):  # re-raised as it was
+        opt.step()
+    assert f"{FAILED_STEP} 1 on rank 2: FloatingPointError" in capsys.readouterr().err
+    ranks = [{"rank": 0, "error": "MalformedPayloadError: rank 2 sent ..."},
+             {"rank": 1, "error": "NonFiniteGradientError: non-finite at step 7: ..."},
+             {"rank": 3, "metric": 0.5}]
+    logs = [f"noise\n{FAILED_STEP} 1 on rank 0: MalformedPayloadError\n", "", "", ""]
+    out = rank_outcomes(ranks, [3, 3, None, 0], logs)
+    assert [(r.get("error_class"), r.get("step"), r["exit"]) for r in out] == [
+        ("MalformedPayloadError", 1, 3), ("NonFiniteGradientError", 7, 3), (None, None, None),
+        (None, None, 0)]
+    assert out[2]["error"] == "wrote no result" and "error" not in out[3]
+
+
+def test_failure_cell_names_every_rank() -> None:
+    from robust import failure_cell
+
+    same = {"error": "x", "ranks": [{"rank": r, "exit": 3, "error_class": "E", "step": 0}
+                                    for r in range(3)]}
+    assert failure_cell(same) == "E, step 0, every rank (exit 3)"
+    same["ranks"][1] = {"rank": 1, "exit": None, "error": "wrote no result"}
+    assert failure_cell(same).split("; ")[1] == "rank 1: wrote no result, step None (exit None)"
+    assert failure_cell({"error": "x"}) == "failed"

@@ -15,9 +15,8 @@ default the optimizer's SGD momentum is taken over by the workers, as those pape
 leaves training unchanged for the mean and hands the aggregator vectors with far less noise
 to confuse with an attack. With ``compressor``
 both legs carry compressed payloads, decoded before aggregation (no error feedback).
-Coordinate-wise aggregators make no host read (:func:`hexagram.robust.shard_reduce.
-coordinate_wise`); distance-based ones and pre-aggregation still read which rows are finite,
-once per bucket.
+No aggregator makes a host read: rows with NaN/Inf are excluded on the device, with fixed
+shapes (:func:`hexagram.robust.shard_reduce.coordinate_wise`, :mod:`hexagram.robust.masked`).
 
 Example:
     >>> import hexagram as hx

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,8 @@ from hexagram.testing.attacks import (
     flip_labels,
 )
 
-__all__ = ["SentAttacked", "add_arguments", "attacked_wrap", "dirichlet_indices", "spec_fields",
-           "training_shard"]
+__all__ = ["SentAttacked", "add_arguments", "attacked_wrap", "dirichlet_indices", "rank_outcomes",
+           "report_failed_step", "run_train", "spec_fields", "training_shard"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,8 +120,34 @@ def attacked_wrap(spec: dict[str, Any], module: nn.Module, optimizer: torch.opti
     mb = spec.get("bucket_mb")
     kwargs = {} if mb is None else {"bucket_size_mb": mb, "first_bucket_mb": min(1.0, mb)}
     ddp = hx.DistributedDataParallel(module, optimizers=[optimizer], algorithm=algorithm, **kwargs)
+    report_failed_step(optimizer, hx.get_runtime().rank)
     return Wrapped(ddp, lambda: None, ddp.bytes_sent, estimated=False, close=ddp.close,
                    in_backward=True)
+
+
+#: how the line :func:`report_failed_step` prints begins (the harness reads it in the log)
+FAILED_STEP = "hexagram-bench: failed at step"
+
+
+def report_failed_step(optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """Print ``FAILED_STEP <n> on rank <r>: <error class>`` to stderr when
+    ``optimizer.step()`` raises (the step checks raise there: a peer's malformed or
+    non-finite contribution), then re-raise: every rank's log then says at which step it
+    failed, whether or not the error's message names it (:func:`rank_outcomes`)."""
+    original = optimizer.step
+    done = [0]  # optimizer steps completed: the failing one's index
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = original(*args, **kwargs)
+        except Exception as exc:
+            print(f"{FAILED_STEP} {done[0]} on rank {rank}: {type(exc).__name__}",
+                  file=sys.stderr, flush=True)
+            raise
+        done[0] += 1
+        return out
+
+    optimizer.step = step  # type: ignore[method-assign]
 
 
 class SentAttacked(AttackedAlgorithm):
@@ -147,3 +174,80 @@ class SentAttacked(AttackedAlgorithm):
             vec = corrupt(a.name, vec, honest, scale=a.scale, sigma=a.sigma, tau=a.tau,
                           generator=self._generator)  # a new tensor: its momentum stays
         return inner.send(bucket, vec)
+
+
+def rank_outcomes(ranks: list[dict[str, Any]], codes: list[int | None],
+                  logs: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every rank's outcome of one run (not only the first error): its exit code (None: it
+    missed the deadline), and where it failed the error's class, the step (from the
+    :data:`FAILED_STEP` line of its log ``logs[rank]``, else the ``step N`` its message
+    names, else None) and the message's first line.
+
+    Example:
+        >>> rank_outcomes([{"rank": 0, "error": "MalformedPayloadError: rank 4 sent ..."},
+        ...                {"rank": 1, "metric": 0.9}], [3, 0],
+        ...               [f"{FAILED_STEP} 0 on rank 0: MalformedPayloadError", ""])[0]
+        {'rank': 0, 'exit': 3, 'error_class': 'MalformedPayloadError', 'step': 0, \
+'error': 'MalformedPayloadError: rank 4 sent ...'}
+    """
+    import re
+
+    by_rank = {int(r["rank"]): r for r in ranks}
+    out: list[dict[str, Any]] = []
+    for rank, code in enumerate(codes):
+        r = by_rank.get(rank)
+        row: dict[str, Any] = {"rank": rank, "exit": code}
+        if r is None:
+            row["error"] = "wrote no result"
+        elif "error" in r:
+            text = str(r["error"])
+            log = logs[rank] if logs is not None and rank < len(logs) else ""
+            step = re.search(re.escape(FAILED_STEP) + r" (\d+)", log) \
+                or re.search(r"\bstep (\d+)", text)
+            row.update(error_class=text.split(":", 1)[0].strip(),
+                       step=None if step is None else int(step.group(1)),
+                       error=text.splitlines()[0][:300])
+        out.append(row)
+    return out
+
+
+class _Recording:
+    """A lab whose :meth:`run` keeps the last run's exit codes and log tails."""
+
+    def __init__(self, lab: Any) -> None:
+        self.lab, self.config = lab, lab.config
+        self.codes: list[int | None] = []
+        self.logs: list[str] = []
+
+    def run(self, argv: Any, **kwargs: Any) -> Any:
+        results = self.lab.run(argv, **kwargs)
+        self.codes = [r.returncode for r in results]
+        self.logs = [r.output for r in results]
+        return results
+
+
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`hexagram.bench.train.run_train` on loopback for the robustness benchmark,
+    keeping every rank's outcome in each result (``"ranks"``: :func:`rank_outcomes`), so a
+    failure reads "every rank raised X at step N", not only the first rank's error."""
+    from hexagram.bench import train
+    from hexagram.bench.cli import algorithm_list, parse_settings
+    from hexagram.bench.harness import LoopbackLab, machine_info, run_task
+    from hexagram.bench.lab import LabConfig
+
+    settings = parse_settings(args.set)
+    config = LabConfig(hosts=args.hosts, ranks_per_host=args.ranks_per_host,
+                       bandwidth="unshaped")
+    report: dict[str, Any] = {"machine": machine_info(), "settings": vars(args).copy(),
+                              "results": []}
+    with LoopbackLab(config) as inner:
+        lab = _Recording(inner)
+        for name in algorithm_list(args.algorithms):
+            print(f"training with {name} ...", file=sys.stderr, flush=True)
+            outcome = run_task(lab, train._spec(args, name, settings),  # type: ignore[arg-type]
+                               timeout=args.timeout, threads=args.threads)
+            summary = train._summary(name, outcome.ranks, outcome.error)
+            summary["ranks"] = rank_outcomes(outcome.ranks, lab.codes, lab.logs)
+            report["results"].append(summary)
+    report["machine"]["load_average_end"] = machine_info()["load_average"]
+    return report

@@ -7,10 +7,11 @@ a flag per row that holds NaN/Inf), one allreduce of ``P^2 + P`` numbers sums th
 every rank then derives the same coefficients and combines its own shard with them.
 
 Rows with NaN or Inf are Byzantine by definition: they are dropped and ``f`` is lowered by
-their number (a detected attacker no longer needs to be outvoted). Coordinate-wise
-aggregators do so without a host read: dropped rows sort last (as +Inf) and the rows kept
-are chosen by counts held on the device (:func:`coordinate_wise`). Distance-based ones and
-pre-aggregation select the finite rows on the host (a read per bucket).
+their number (a detected attacker no longer needs to be outvoted). None of it reads the
+host: shapes stay fixed and the counts live on the device. Coordinate-wise aggregators sort
+dropped rows last (as +Inf) and pick the rows kept by counts (:func:`coordinate_wise`);
+distance-based ones and pre-aggregation put dropped rows at +Inf distance or weight 0
+(:mod:`hexagram.robust.masked`).
 
 Example:
     >>> import torch
@@ -30,6 +31,7 @@ from torch import Tensor
 from hexagram.config import check_float, check_int
 from hexagram.errors import ConfigError
 from hexagram.robust import aggregators as agg
+from hexagram.robust import masked
 
 __all__ = ["AGGREGATORS", "COORDINATE_WISE", "DISTANCE_BASED", "PRE_AGGREGATORS", "ReduceSpec",
            "coordinate_wise", "min_world_size", "reduce_rows"]
@@ -125,7 +127,8 @@ def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
     """Robust aggregate ``(m,)`` of ``rows`` ``(P, m)``; ``sync`` sums a tensor over the ranks
     holding the other shards (identity when the rows are whole vectors); ``center`` is this
     shard of the previous aggregate (centered clipping; default zero); ``generator`` draws
-    bucketing's permutation and must be in the same state on every rank."""
+    bucketing's permutation and must be in the same state on every rank. No host read: the
+    rows non-finite on any shard are masked on the device (:mod:`hexagram.robust.masked`)."""
     n = rows.shape[0]
     if not _needs_gram(spec):
         return coordinate_wise(rows, spec.aggregator, spec.f)
@@ -134,20 +137,16 @@ def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
     if cc:  # the center rides along as an extra last row
         c0 = rows.new_zeros(rows.shape[1]) if center is None else center.to(rows.dtype)
         x = torch.cat([rows, c0[None]])
-    g, ok = _global_gram(x, sync or (lambda t: t))
+    g, ok, clean = _global_gram(x, sync or (lambda t: t))
     ok[n:] = True  # the center is ours, not a rank's: never dropped
-    # host read (kept, distance-based aggregators and pre-aggregation: per bucket): the
-    # rows finite on every shard decide the coefficients' shapes and the lowered f
-    keep = ok.nonzero().squeeze(1)
-    x, g = x[keep], g[keep][:, keep]
-    f = _lowered(spec.f, n, ok[:n])
+    f = masked.lowered(spec.f, ok[:n])
     if spec.pre is not None:
-        x, g = _pre(x, g, f, spec, cc, generator)
-    return _aggregate(x, g, f, spec, x.shape[0] - int(cc))
-
-
-def _lowered(f: int, n: int, ok: Tensor) -> int:
-    return max(0, f - (n - int(ok.sum())))  # host read: see reduce_rows
+        mixed, g, ok = _pre(clean, g, ok, f, spec, cc, generator)
+        mixed = mixed.to(rows.dtype)  # the rows the aggregator sees, as without masking
+        if spec.aggregator in COORDINATE_WISE:
+            return _coordinate(mixed, ok, f, spec.aggregator, spec.f)
+        clean = mixed.double()
+    return _aggregate(clean, g, ok, f, spec).to(rows.dtype)
 
 
 def coordinate_wise(rows: Tensor, aggregator: str, f: int) -> Tensor:
@@ -163,10 +162,15 @@ def coordinate_wise(rows: Tensor, aggregator: str, f: int) -> Tensor:
         >>> coordinate_wise(torch.tensor([[1.0], [2.0], [float("nan")], [9.0]]), "median", 1)
         tensor([2.])
     """
-    n = rows.shape[0]
     ok = agg.finite_rows(rows)
+    return _coordinate(rows, ok, masked.lowered(f, ok), aggregator, f)
+
+
+def _coordinate(rows: Tensor, ok: Tensor, lowered: Tensor, aggregator: str, f: int
+                ) -> Tensor:
+    """:func:`coordinate_wise` of the rows ``ok`` keeps, ``lowered`` the 0-d ``f`` left
+    (``f`` less the ranks dropped, before the cap)."""
     kept = ok.sum()  # 0-d, on the device
-    lowered = torch.clamp(f - (n - kept), min=0)
     f_eff = torch.minimum(lowered, torch.clamp((kept - 1) // 2, min=0))
     inf = torch.full_like(rows, float("inf"))
     s = agg.sort_rows(torch.where(ok[:, None], rows, inf))  # dropped rows last
@@ -185,7 +189,8 @@ def _trimmed(rows: Tensor, s: Tensor, ok: Tensor, kept: Tensor, f_eff: Tensor, f
     ``kept`` and ``f_eff`` device counts. Every row finite: the host's own sum of the rows
     kept (its order of summation depends on their number, known then); else the sum over
     the window ``[f_eff, kept - f_eff)`` of ``s`` (``f_eff == 0``: the kept rows in their
-    order), zero elsewhere, divided by its size."""
+    order), zero elsewhere, divided by its size. (After bucketing every bucket may be kept
+    while ``f`` was lowered by a dropped rank: the window then.)"""
     n = rows.shape[0]
     f_all = min(f, max(0, (n - 1) // 2))  # every row kept: no f lowered
     whole = rows.mean(dim=0) if f_all == 0 else s[f_all:n - f_all].mean(dim=0)
@@ -195,50 +200,53 @@ def _trimmed(rows: Tensor, s: Tensor, ok: Tensor, kept: Tensor, f_eff: Tensor, f
     trimmed = torch.where(window[:, None], s, torch.zeros_like(s)).sum(dim=0)
     count = (kept - 2 * f_eff).clamp(min=1).to(rows.dtype)
     dropped = torch.where(f_eff == 0, plain, trimmed) / count
-    return torch.where(kept == n, whole, dropped)
+    return torch.where((kept == n) & (f_eff == f_all), whole, dropped)
 
 
-def _global_gram(x: Tensor, sync: Sync) -> tuple[Tensor, Tensor]:
-    """Gram matrix of the whole vectors (float64) and the rows finite on every shard."""
+def _global_gram(x: Tensor, sync: Sync) -> tuple[Tensor, Tensor, Tensor]:
+    """Gram matrix of the whole vectors (float64), the rows finite on every shard, and
+    ``x`` in float64 with its non-finite rows zeroed (what the coefficients combine)."""
     n = x.shape[0]
     bad = ~agg.finite_rows(x)
     clean = x.to(torch.float64, copy=True)
     clean.masked_fill_(bad[:, None], 0.0)  # in place on the float64 copy: no second copy
     packed = torch.cat([(clean @ clean.T).reshape(-1), bad.double()])
     packed = sync(packed)
-    return packed[: n * n].view(n, n), packed[n * n:] == 0
+    return packed[: n * n].view(n, n), packed[n * n:] == 0, clean
 
 
-def _pre(x: Tensor, g: Tensor, f: int, spec: ReduceSpec, has_center: bool,
-         generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Mix the rank rows (not the center) with NNM or bucketing: ``W x``, ``W G W^T``."""
+def _pre(x: Tensor, g: Tensor, ok: Tensor, f: Tensor, spec: ReduceSpec, has_center: bool,
+         generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Mix the rank rows (not the center) of ``x`` (float64, excluded rows zero) with NNM
+    or bucketing: ``W x``, ``W G W^T`` and the mixed rows kept."""
     k = x.shape[0] - int(has_center)
     if spec.pre == "nnm":
-        w = agg.nnm_mixing(g[:k, :k], f)
+        w, kept = masked.nnm_mixing(g[:k, :k], ok[:k], f), ok[:k]
     else:
-        w = agg.bucketing_mixing(k, spec.bucket_size, generator, device=g.device)
+        drawn = agg.bucketing_mixing(k, spec.bucket_size, generator, device=g.device)
+        w, kept = masked.bucketing_mixing(drawn, ok[:k])
     if has_center:  # keep the center as the last row, untouched
         w = torch.block_diag(w, torch.ones(1, 1, dtype=w.dtype, device=w.device))
-    return (w @ x.double()).to(x.dtype), w @ g @ w.T
+        kept = torch.cat([kept, ok[k:]])
+    return w @ x, w @ g @ w.T, kept
 
 
-def _aggregate(x: Tensor, g: Tensor | None, f: int, spec: ReduceSpec, n: int) -> Tensor:
-    """``n``: rank rows in ``x`` (centered clipping's center is the extra last row)."""
-    if n == 0:  # every rank sent NaN/Inf: nothing to trust
-        return torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
-    f = min(f, max(0, (n - 1) // 2))
-    if spec.aggregator == "median":
-        return agg.median(x)
-    if spec.aggregator == "trimmed_mean":
-        return agg.trimmed_mean(x, f)
-    assert g is not None
+def _aggregate(x: Tensor, g: Tensor, ok: Tensor, f: Tensor, spec: ReduceSpec) -> Tensor:
+    """Distance-based aggregate (float64) of the float64 rows ``x`` (excluded rows zero;
+    centered clipping's center the extra last row), ``ok`` the rows kept, ``f`` the 0-d
+    lowered ``f``. No row kept: zeros."""
+    n = x.shape[0] - int(spec.aggregator == "centered_clip")
+    ok_r = ok[:n]
+    kept = ok_r.sum()
     if spec.aggregator in ("krum", "multikrum"):
-        f = min(f, max(0, (n - 3) // 2))
-        if n < 3:  # too few left after dropping NaN/Inf rows to score: their mean
-            return x[:n].mean(dim=0)
-        c = agg.krum_weights(g, f) if spec.aggregator == "krum" else agg.multikrum_weights(g, f)
+        f = torch.minimum(f, torch.clamp((kept - 3) // 2, min=0))
+        weights = masked.krum_weights if spec.aggregator == "krum" \
+            else masked.multikrum_weights
+        c = weights(g, ok_r, f)
+        few = ok_r.to(x.dtype) / kept.clamp(min=1).to(x.dtype)  # < 3 left: their mean
+        c = torch.where(kept < 3, few, c)
     elif spec.aggregator == "geomed":
-        c = agg.geomed_weights(g, spec.iters, spec.nu)
+        c = masked.geomed_weights(g, ok_r, spec.iters, spec.nu)
     else:
-        c = agg.centered_clip_weights(g, spec.tau, spec.clip_iters)
-    return (c @ x.double()).to(x.dtype)
+        c = masked.centered_clip_weights(g, ok_r, spec.tau, spec.clip_iters)
+    return torch.where(kept > 0, c, 0.0) @ x
