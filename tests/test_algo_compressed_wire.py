@@ -190,8 +190,11 @@ def _k(ccfg: dict[str, Any], numel: int) -> int:
 
 def expected_bytes(name: str, rank: int, world: int) -> int:
     """Bytes rank ``rank`` sends per step: payload sizes times each collective's formula,
-    plus the engine's agreement on non-finite gradients (a ring allreduce of one int64)."""
-    return _payload_bytes(name, rank, world) + 2 * (world - 1) * 8 // world
+    plus the engine's agreement on non-finite gradients (a ring allreduce of one int64),
+    which an algorithm whose sum carries NaN/Inf to every rank (fp16) does without."""
+    agreement = 0 if registry.get(name, **_config(name)).passes_nonfinite else \
+        2 * (world - 1) * 8 // world
+    return _payload_bytes(name, rank, world) + agreement
 
 
 def _payload_bytes(name: str, rank: int, world: int) -> int:
