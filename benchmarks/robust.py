@@ -21,8 +21,7 @@ import json
 import sys
 from typing import Any
 
-from hexagram.bench import robust as robust_bench
-from hexagram.bench import train
+from hexagram.bench import robust_run, train
 
 ROBUST_ALGOS = ",".join(["allreduce"] + [f"robust:aggregator={a}" for a in (
     "trimmed_mean", "median", "krum", "multikrum", "geomed", "centered_clip")])
@@ -95,7 +94,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"settings": vars(opts), "rows": []}
     for attack in opts.attacks.split(","):
         print(f"== attack {attack}", file=sys.stderr, flush=True)
-        report = robust_bench.run_train(_train_args(opts, attack))
+        report = robust_run.run_train(_train_args(opts, attack))
         out["machine"] = report["machine"]
         out["rows"] += [_row(attack, r) for r in report["results"]]
         with open(opts.json, "w") as f:

@@ -93,6 +93,7 @@ class _Plain:
     name, kind, config = "plain", "grad", None
     own_work = exchange_overlap = ""
     granularity = "layer"
+    passes_nonfinite = True  # an exact sum carries NaN/Inf: no per-step agreement
 
     def priced_as(self) -> _Plain:
         return self

@@ -67,7 +67,7 @@ from hexagram.config import check_float
 from hexagram.cost.facts import Shapes
 from hexagram.cost.own_work import gtopk_tree_cost
 from hexagram.cost.profile import TreeCost
-from hexagram.cost.schedule import Message, TensorSpec, payload_of, segment_shapes
+from hexagram.cost.schedule import Message, TensorSpec, payload_of, ring_sent, segment_shapes
 
 __all__ = ["GTopKAlgorithm", "GTopKConfig", "sparse_pairs"]
 
@@ -206,7 +206,8 @@ class GTopKAlgorithm(CompressedAlgorithm):
         """The bucket's pairs (every segment's together, one message per edge) up and down
         the tree: recursive doubling (P a power of two) takes ``log2 P`` exchanges;
         otherwise a binomial tree up and the result broadcast down it, ``2 ceil(log2 P)``
-        sequential rounds."""
+        sequential rounds; then the exchange's 8-byte fault allreduce (every rank learns of
+        a malformed message some rank received)."""
         depth = max(1, math.ceil(math.log2(world)))
         rounds = depth if butterfly(world) else 2 * depth
         values = [payload_of(self.compressor, s).tensors[0]
@@ -215,7 +216,8 @@ class GTopKAlgorithm(CompressedAlgorithm):
             return []
         up, down = gtopk_bytes(rank, world, sum(v.numel() for v in values),
                                values[0].element_size())
-        return [Message("pair", up + down, rounds=rounds)]
+        return [Message("pair", up + down, rounds=rounds),
+                Message("allreduce", ring_sent(8, world))]
 
     def own_work_cost(self, sizes: Shapes, device: torch.device | str = "cpu") -> TreeCost:
         """The tree's own CPU (:func:`hexagram.cost.own_work.gtopk_tree_cost`)."""
