@@ -188,6 +188,21 @@ class Quorum:
         return all(m in beats and (not t or beats[m] in ("", t))
                    for m, t in zip(epoch.members, tokens))
 
+    def wait_key(self, key: str, timeout: float) -> bool:
+        """True once ``key`` exists, False after ``timeout`` s. Polled with ``check``
+        (1 ms at first, then up to every ``_POLL`` s): ``store.wait`` with a timeout this
+        short cancels its wait on the server when it expires, and a key set during that
+        cancel left the waiter blocked for seconds (watchers missed an abort for 5 s,
+        torch 2.13)."""
+        end, pause = time.monotonic() + timeout, 0.001
+        while not self.store.check([key]):
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _POLL)
+        return True
+
     def joins(self) -> int:
         """How many times a replica asked to join (a counter on the store)."""
         return int(self.store.add("joins", 0))
@@ -358,13 +373,10 @@ class Quorum:
             if decided == proposal and index % _HINT_EVERY == 0:  # where fence() starts
                 self.store.set(f"e{epoch.number}/last", str(index))
         deadline = time.monotonic() + timeout
-        wait = timedelta(seconds=max(self.heartbeat_timeout / 4, 0.02))
+        wait = max(self.heartbeat_timeout / 4, 0.02)
         while True:
-            try:
-                self.store.wait([f"{key}decision"], wait)
+            if self.wait_key(f"{key}decision", wait):
                 return self.store.get(f"{key}decision").decode().partition(" ")[0]
-            except (RuntimeError, TimeoutError):  # DistStoreError on timeout
-                pass
             if not self.members_alive(epoch):
                 self.store.compare_set(f"{key}decision", "", "abort")
             elif time.monotonic() > deadline:
@@ -425,11 +437,9 @@ class Watcher:
 
     def _watch(self, epoch: Epoch, step: int) -> None:
         q, key = self.quorum, f"e{epoch.number}/v{step}/decision"
-        wait = timedelta(seconds=max(q.heartbeat_timeout / 4, 0.02))
+        wait = max(q.heartbeat_timeout / 4, 0.02)
         while self._armed == (epoch, step):
-            try:
-                q.store.wait([key], wait)
-            except (RuntimeError, TimeoutError):
+            if not q.wait_key(key, wait):
                 if not q.members_alive(epoch):
                     q.store.compare_set(key, "", "abort")
                 continue
