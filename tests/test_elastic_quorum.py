@@ -143,6 +143,31 @@ def test_holders_of_the_newest_state_that_stay_dead_are_given_up_after_the_grace
     assert quorums[0].vote(old, 1, 11, True, 5) == "abort"
 
 
+@pytest.mark.timeout(60)
+def test_the_grace_counts_from_the_holders_last_heartbeat() -> None:
+    """Holders 0 and 1 of step 11 beat for 1.5 s while 2 and 3 wait (past the 1 s
+    grace), then freeze: the grace counts from their last beat, so the epoch waits for
+    them instead of closing as soon as they look dead (and losing step 11)."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    quorums = _clients(store.port, range(4), behind_grace=1.0)
+    beating = _Beating(store.port)
+    beating.live |= {0, 1}
+    _epoch_of_two_at_step_10(store, quorums)
+    with ThreadPoolExecutor(4) as pool:
+        joiners = [pool.submit(q.form, 2, -1) for q in quorums[2:]]
+        time.sleep(1.5)  # 0 and 1 alive, not registered yet: nothing can close
+        beating.live = {2, 3}  # frozen: stale after the heartbeat timeout
+        time.sleep(0.3 + quorums[0].heartbeat_timeout)
+        assert not store.check(["e2/members"]), store.get("e2/members")
+        beating.live = {0, 1, 2, 3}
+        time.sleep(0.1)
+        back = [pool.submit(q.form, 2, 11) for q in quorums[:2]]
+        epochs = [f.result(timeout=20) for f in joiners + back]
+    beating.stop()
+    assert epochs[0] is not None and len(set(epochs)) == 1
+    assert epochs[0].steps == (11, 11, -1, -1)
+
+
 def test_the_epoch_number_never_moves_back() -> None:
     """A closer delayed between closing epoch 4 and recording it must not move the
     newest epoch back under 5 (a joiner would register for a closed epoch)."""

@@ -21,9 +21,10 @@ starved of CPU, so a new epoch may close without members of the previous one tha
 still training. Closing an epoch therefore first *fences* the previous one
 (:meth:`Quorum.fence`: its pending vote is decided ``abort``, so it commits nothing more
 and its members come back to register), and an epoch whose members all hold older state
-than the fenced epoch reached waits for a replica that holds it (``behind_grace`` s; then
-it is presumed dead). Without this, two memberships trained side by side from the same
-state and finished with different parameters. A replica left out of a closed epoch asks
+than the fenced epoch reached waits for a replica that holds it (until ``behind_grace`` s
+after the last heartbeat of the fenced epoch's members; then they are presumed dead).
+Without this, two memberships trained side by side from the same state and finished with
+different parameters. A replica left out of a closed epoch asks
 to join, so the training members open the next one for it.
 
 Heartbeats carry the sender's wall clock: replicas on different hosts need clocks in sync
@@ -156,6 +157,7 @@ class Quorum:
         self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
         self.behind_grace = 10 * heartbeat_timeout if behind_grace is None else behind_grace
         self._token = token or uuid.uuid4().hex  # tells this process from earlier ones
+        self._holders_seen = 0.0  # form(): when a member of the previous epoch last beat
 
     @property
     def token(self) -> str:
@@ -231,8 +233,9 @@ class Quorum:
         start = time.monotonic()
         deadline = start + self.join_timeout
         need = self.min_size if min_size is None else min_size
+        self._holders_seen = start  # the grace counts from the fenced members' last beat
         while not self.store.check([f"{base}members"]):
-            self._try_close(number, need, time.monotonic() - start > self.behind_grace)
+            self._try_close(number, need)
             if self.store.check([f"{base}members"]):
                 break
             if time.monotonic() > deadline:
@@ -249,13 +252,19 @@ class Quorum:
         # this process's registration, not an earlier incarnation's of the same replica
         return epoch if record["tokens"][epoch.rank_of(self.replica)] == self._token else None
 
-    def _try_close(self, number: int, need: int, past_grace: bool) -> None:
+    def _try_close(self, number: int, need: int) -> None:
         """Close the epoch if every live replica registered and there are enough, after
         fencing the previous epoch; not while its members all hold older state than the
-        previous epoch reached, unless ``past_grace`` (see the module doc)."""
+        previous epoch reached, until ``behind_grace`` s after the last heartbeat of the
+        previous epoch's members (see the module doc): counted from the start of the
+        wait, a holder frozen for 1 s late in a long wait could be given up at once, and
+        the step it held lost."""
         base = f"e{number}/"
         registered = {r for r in range(self.max_size) if self.store.check([f"{base}r{r}"])}
-        live = self.alive() | {self.replica}
+        beats = self._beats()
+        if self._previous_alive(number, beats):
+            self._holders_seen = time.monotonic()
+        live = set(beats) | {self.replica}
         if not live <= registered or len(registered & live) < need:
             return
         members = sorted(registered & live)
@@ -265,13 +274,24 @@ class Quorum:
         tokens = [token for _, token in registrations]
         head = self.fence(number - 1) if number > 1 else None
         if head is not None and max(steps) < head:
-            if not past_grace:
+            if time.monotonic() - self._holders_seen <= self.behind_grace:
                 return  # the replicas holding step `head` are starved or dead: wait
             self._check_not_left_behind(number - 1, head, max(steps))
         record = json.dumps({"members": members, "steps": steps, "joins": joins,
                              "tokens": tokens})
         self.store.compare_set(f"{base}members", "", record)
         self._raise_epoch(number)
+
+    def _previous_alive(self, number: int, beats: dict[int, str]) -> bool:
+        """Whether a member of epoch ``number - 1`` (the process registered for it, not a
+        restart of it) has a fresh heartbeat in ``beats``."""
+        key = f"e{number - 1}/members"
+        if number <= 1 or not self.store.check([key]):
+            return False
+        record = json.loads(self.store.get(key).decode())
+        tokens = record.get("tokens") or [""] * len(record["members"])
+        return any(m in beats and (not t or beats[m] in ("", t))
+                   for m, t in zip(record["members"], tokens))
 
     def leave(self, step: int) -> None:
         """Record that this replica finished at ``step`` (:meth:`LiveTrainer.close`)."""
