@@ -365,8 +365,8 @@ class LiveTrainer:
         # a member that dies while healing or re-centring leaves the others in a
         # collective: the watcher aborts it when the member's heartbeat goes stale, and
         # the set-up communicator's waits raise at once (collectives.py says why)
-        self._watcher.arm(epoch, _SETUP_VOTE)
         comm = self._setup_communicator(epoch)
+        self._watcher.arm(epoch, _SETUP_VOTE)
         # the wrapper's own model check and first broadcast (init_sync) are blocking
         # collectives no abort ends: live mode runs them here, on the set-up communicator
         init_sync = bool(self._wrapper_kwargs.get("init_sync", True))
@@ -405,8 +405,9 @@ class LiveTrainer:
             "source": epoch.members[source] if healed else None})
 
     def _setup_communicator(self, epoch: Epoch) -> Any:
-        """The communicator of ``epoch``'s set-up collectives; :class:`CommError` when the
-        watcher aborted the epoch already (abort_all ran before it existed)."""
+        """The communicator of ``epoch``'s set-up collectives (made before the watcher is
+        armed for the set-up, so an abort reaches it); :class:`CommError` when the epoch
+        was aborted already."""
         with self._abort_lock:
             if self._aborted == epoch.number:
                 raise CommError(f"live mode: a member of epoch {epoch.number} failed")
