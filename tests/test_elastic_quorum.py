@@ -168,6 +168,30 @@ def test_the_grace_counts_from_the_holders_last_heartbeat() -> None:
     assert epochs[0].steps == (11, 11, -1, -1)
 
 
+@pytest.mark.timeout(60)
+def test_members_that_were_to_be_healed_are_not_waited_for() -> None:
+    """Epoch 1 closes with 0 holding step 10 and 1 just restarted (-1, to be healed); 0
+    dies before healing it. 1 (alive: it was a member of epoch 1) and 2 form epoch 2:
+    they hold nothing newer than 1 does, so after the grace they start without 0's state,
+    instead of waiting for 1 to bring it until ``join_timeout`` (20 s here)."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    quorums = _clients(store.port, range(4), behind_grace=0.5)
+    beating = _Beating(store.port)
+    beating.live |= {0, 1}
+    with ThreadPoolExecutor(2) as pool:
+        first = list(pool.map(lambda a: quorums[a[0]].form(1, a[1], min_size=2),
+                              [(0, 10), (1, -1)]))
+    assert first[0] is not None and first[0].steps == (10, -1)
+    beating.live = {1, 2}  # 0 died while healing 1
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        epochs = list(pool.map(lambda q: q.form(2, -1), quorums[1:3]))
+    beating.stop()
+    assert time.monotonic() - started < 10
+    assert epochs[0] == epochs[1] and epochs[0] is not None
+    assert epochs[0].members == (1, 2) and epochs[0].steps == (-1, -1)
+
+
 def test_the_epoch_number_never_moves_back() -> None:
     """A closer delayed between closing epoch 4 and recording it must not move the
     newest epoch back under 5 (a joiner would register for a closed epoch)."""

@@ -283,15 +283,19 @@ class Quorum:
         self._raise_epoch(number)
 
     def _previous_alive(self, number: int, beats: dict[int, str]) -> bool:
-        """Whether a member of epoch ``number - 1`` (the process registered for it, not a
-        restart of it) has a fresh heartbeat in ``beats``."""
+        """Whether a holder of epoch ``number - 1``'s newest state has a fresh heartbeat
+        in ``beats``: a member that was up to date when it closed (the process registered
+        for it, not a restart of it). Members it was to heal do not count: if its set-up
+        failed (its source died) they hold nothing newer, and waiting on them held the
+        next epoch until ``join_timeout``; if it committed, they register that state."""
         key = f"e{number - 1}/members"
         if number <= 1 or not self.store.check([key]):
             return False
         record = json.loads(self.store.get(key).decode())
         tokens = record.get("tokens") or [""] * len(record["members"])
+        top = max(record["steps"])
         return any(m in beats and (not t or beats[m] in ("", t))
-                   for m, t in zip(record["members"], tokens))
+                   for m, t, s in zip(record["members"], tokens, record["steps"]) if s == top)
 
     def leave(self, step: int) -> None:
         """Record that this replica finished at ``step`` (:meth:`LiveTrainer.close`)."""

@@ -382,19 +382,25 @@ class LiveTrainer:
                 self.module, optimizers=self.optimizers,
                 algorithm=registry.get(name, **config),
                 **{**self._wrapper_kwargs, "init_sync": False})
+            # the step is this replica's only once the set-up succeeded: a replica healed
+            # in a set-up that then failed registered the healed step for the next one,
+            # was not healed again and kept a fresh algorithm state beside the healed
+            # model (the chaos soak saw its set-up digest differ, then a collective of
+            # its own off the members' outer-step schedule)
+            step = self.step
             if own is not None:
                 apply_rank_state(own, self.model, self.optimizers, restore_rng=False)
-                self.step = int(own["step"])
+                step = int(own["step"])
             elif newest < 0:
                 if init_sync:  # a fresh job: every member starts from rank 0's model
                     collectives.broadcast_tensors(
                         comm, [*self.module.parameters(), *self.module.buffers()], 0)
-                self.step = self._load_durable()
+                step = self._load_durable()
             recenter(self.model, epoch, self.replica, self._members, self._residuals, comm)
         finally:
             self._watcher.disarm()
             comm.close()
-        self._members, self._vote = epoch.members, 0
+        self.step, self._members, self._vote = step, epoch.members, 0
         source = epoch.steps.index(newest)
         healed = min(epoch.steps) < newest
         if healed:
