@@ -32,10 +32,12 @@ CONFIGS: dict[str, dict[str, Any]] = {"powersgd": {}, "sparseloco": {"period": 1
 
 def _row(algorithm: str, args: argparse.Namespace, failures: int, steps: int = 0
          ) -> dict[str, Any]:
+    keep = f"{args.keep}/{algorithm}_{failures}" if args.keep else None
     cfg = ChaosConfig(algorithm=algorithm, config=CONFIGS.get(algorithm, {}),
                       failures=failures, every=args.every, seed=args.seed, steps=steps,
                       tail=args.tail, min_size=args.min_size,
-                      heartbeat_timeout=args.heartbeat_timeout, deadline=args.deadline)
+                      heartbeat_timeout=args.heartbeat_timeout, deadline=args.deadline,
+                      keep=keep)
     return run_chaos(cfg)
 
 
@@ -50,6 +52,7 @@ def main() -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=0.25)
     parser.add_argument("--deadline", type=float, default=7200.0)
     parser.add_argument("--json")
+    parser.add_argument("--keep", help="a folder for the raw ledgers and events of each run")
     args = parser.parse_args()
     rows = []
     for algorithm in args.algorithms.split(","):

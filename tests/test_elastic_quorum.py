@@ -143,6 +143,55 @@ def test_holders_of_the_newest_state_that_stay_dead_are_given_up_after_the_grace
     assert quorums[0].vote(old, 1, 11, True, 5) == "abort"
 
 
+@pytest.mark.timeout(60)
+def test_the_grace_counts_from_the_holders_last_heartbeat() -> None:
+    """Holders 0 and 1 of step 11 beat for 1.5 s while 2 and 3 wait (past the 1 s
+    grace), then freeze: the grace counts from their last beat, so the epoch waits for
+    them instead of closing as soon as they look dead (and losing step 11)."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    quorums = _clients(store.port, range(4), behind_grace=1.0)
+    beating = _Beating(store.port)
+    beating.live |= {0, 1}
+    _epoch_of_two_at_step_10(store, quorums)
+    with ThreadPoolExecutor(4) as pool:
+        joiners = [pool.submit(q.form, 2, -1) for q in quorums[2:]]
+        time.sleep(1.5)  # 0 and 1 alive, not registered yet: nothing can close
+        beating.live = {2, 3}  # frozen: stale after the heartbeat timeout
+        time.sleep(0.3 + quorums[0].heartbeat_timeout)
+        assert not store.check(["e2/members"]), store.get("e2/members")
+        beating.live = {0, 1, 2, 3}
+        time.sleep(0.1)
+        back = [pool.submit(q.form, 2, 11) for q in quorums[:2]]
+        epochs = [f.result(timeout=20) for f in joiners + back]
+    beating.stop()
+    assert epochs[0] is not None and len(set(epochs)) == 1
+    assert epochs[0].steps == (11, 11, -1, -1)
+
+
+@pytest.mark.timeout(60)
+def test_members_that_were_to_be_healed_are_not_waited_for() -> None:
+    """Epoch 1 closes with 0 holding step 10 and 1 just restarted (-1, to be healed); 0
+    dies before healing it. 1 (alive: it was a member of epoch 1) and 2 form epoch 2:
+    they hold nothing newer than 1 does, so after the grace they start without 0's state,
+    instead of waiting for 1 to bring it until ``join_timeout`` (20 s here)."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    quorums = _clients(store.port, range(4), behind_grace=0.5)
+    beating = _Beating(store.port)
+    beating.live |= {0, 1}
+    with ThreadPoolExecutor(2) as pool:
+        first = list(pool.map(lambda a: quorums[a[0]].form(1, a[1], min_size=2),
+                              [(0, 10), (1, -1)]))
+    assert first[0] is not None and first[0].steps == (10, -1)
+    beating.live = {1, 2}  # 0 died while healing 1
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        epochs = list(pool.map(lambda q: q.form(2, -1), quorums[1:3]))
+    beating.stop()
+    assert time.monotonic() - started < 10
+    assert epochs[0] == epochs[1] and epochs[0] is not None
+    assert epochs[0].members == (1, 2) and epochs[0].steps == (-1, -1)
+
+
 def test_the_epoch_number_never_moves_back() -> None:
     """A closer delayed between closing epoch 4 and recording it must not move the
     newest epoch back under 5 (a joiner would register for a closed epoch)."""

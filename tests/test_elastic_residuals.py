@@ -40,6 +40,7 @@ def _rank(algo: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import hexagram as hx
+    from hexagram.elastic.collectives import setup_communicator
     from hexagram.elastic.residuals import recenter
 
     hx.init()
@@ -59,10 +60,12 @@ def _rank(algo: str) -> dict[str, Any]:
              "mean_after_loss": (ALL, {r: (0, 1, 2, 3) for r in range(3)}, "mean"),
              "reset_after_loss": (ALL, {r: (0, 1, 2, 3) for r in range(3)}, "reset"),
              "own": (JOIN, {0: (0, 1), 1: (0, 1), 2: None}, "own")}
+    comm = setup_communicator(60.0)
     for name, (epoch, previous, policy) in cases.items():
         model.load_algorithm_state_dict(saved)
-        recenter(model, epoch, rank, previous[rank], policy)
+        recenter(model, epoch, rank, previous[rank], policy, comm)
         out[name] = _flat(model)
+    comm.close()
     model.close()
     return {"before": before, **out}
 

@@ -219,6 +219,7 @@ def run_chaos(cfg: ChaosConfig | None = None, **overrides: Any) -> dict[str, Any
     if not cfg.steps:
         last = schedule[-1].step if schedule else 0
         cfg.steps = last + cfg.tail
+    _start_fork_server()  # it imports torch and hexagram while this process loads the data
     data = _data(cfg.dataset)
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
@@ -243,6 +244,15 @@ def run_chaos(cfg: ChaosConfig | None = None, **overrides: Any) -> dict[str, Any
     report.update(settings=asdict(cfg), scheduled_events=len(schedule), wall_s=wall,
                   crashes=ctl.crashes)
     return report
+
+
+def _start_fork_server() -> None:
+    """Start the fork server the replicas come from (:func:`clean_context`) now: its
+    imports (seconds on a loaded machine) overlap the data set's loading here."""
+    if clean_context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def _is_weight(algorithm: str) -> bool:

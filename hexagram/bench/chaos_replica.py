@@ -115,14 +115,14 @@ class _Ledger:
         self.file.write(" ".join(str(f) for f in fields) + f" {time.time():.6f}\n")
 
 
-def _kill_inside(names: tuple[str, ...], replica: int, when: str,
+def _kill_inside(owner: Any, names: tuple[str, ...], replica: int, when: str,
                  on_fire: Callable[[], None]) -> contextlib.ExitStack:
-    """SIGKILL this process at its first call of any ``torch.distributed`` function of
+    """SIGKILL this process at its first call of any function of ``owner`` (a module) in
     ``names`` (``when`` it: before or after issuing it); never unarmed (it dies)."""
     stack = contextlib.ExitStack()
     injector = FaultInjector([], replica)
     for name in names:
-        stack.enter_context(injector.inside(dist, name, rank=replica, action="sigkill",
+        stack.enter_context(injector.inside(owner, name, rank=replica, action="sigkill",
                                             when=when, on_fire=on_fire))  # type: ignore[arg-type]
     return stack
 
@@ -157,8 +157,10 @@ def replica_main(replica: int, world: int, port: int, cfg: dict[str, Any], incar
 
     stack = contextlib.ExitStack()
     if heal_kill:  # the healing broadcast is the first thing a restarted replica receives
-        stack.enter_context(_kill_inside(("broadcast_object_list",), replica, "before",
-                                         fired("heal_kill", -1)))
+        from hexagram.elastic import collectives
+
+        stack.enter_context(_kill_inside(collectives, ("broadcast_object",), replica,
+                                         "before", fired("heal_kill", -1)))
     model = model_for(data, seed=cfg["seed"])
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     try:
@@ -188,8 +190,9 @@ def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any], board: Boar
             sleep = order[1]
             fired("slow", trainer.step)()
         elif order is not None and order[0] == "collective_kill":
-            stack.enter_context(_kill_inside(("all_reduce", "all_gather"), trainer.replica,
-                                             "after", fired("collective_kill", trainer.step)))
+            stack.enter_context(_kill_inside(dist, ("all_reduce", "all_gather"),
+                                             trainer.replica, "after",
+                                             fired("collective_kill", trainer.step)))
         x, y = global_batch(data, trainer.step, trainer.rank, trainer.size, world,
                             cfg["batch"], cfg["seed"])
         before, epoch, votes = trainer.step, trainer.epoch, trainer.stats["votes"]

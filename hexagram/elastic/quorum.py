@@ -21,9 +21,10 @@ starved of CPU, so a new epoch may close without members of the previous one tha
 still training. Closing an epoch therefore first *fences* the previous one
 (:meth:`Quorum.fence`: its pending vote is decided ``abort``, so it commits nothing more
 and its members come back to register), and an epoch whose members all hold older state
-than the fenced epoch reached waits for a replica that holds it (``behind_grace`` s; then
-it is presumed dead). Without this, two memberships trained side by side from the same
-state and finished with different parameters. A replica left out of a closed epoch asks
+than the fenced epoch reached waits for a replica that holds it (until ``behind_grace`` s
+after the last heartbeat of the fenced epoch's members; then they are presumed dead).
+Without this, two memberships trained side by side from the same state and finished with
+different parameters. A replica left out of a closed epoch asks
 to join, so the training members open the next one for it.
 
 Heartbeats carry the sender's wall clock: replicas on different hosts need clocks in sync
@@ -156,6 +157,7 @@ class Quorum:
         self.heartbeat_timeout, self.join_timeout = heartbeat_timeout, join_timeout
         self.behind_grace = 10 * heartbeat_timeout if behind_grace is None else behind_grace
         self._token = token or uuid.uuid4().hex  # tells this process from earlier ones
+        self._holders_seen = 0.0  # form(): when a member of the previous epoch last beat
 
     @property
     def token(self) -> str:
@@ -188,6 +190,21 @@ class Quorum:
         return all(m in beats and (not t or beats[m] in ("", t))
                    for m, t in zip(epoch.members, tokens))
 
+    def wait_key(self, key: str, timeout: float) -> bool:
+        """True once ``key`` exists, False after ``timeout`` s. Polled with ``check``
+        (1 ms at first, then up to every ``_POLL`` s): ``store.wait`` with a timeout this
+        short cancels its wait on the server when it expires, and a key set during that
+        cancel left the waiter blocked for seconds (watchers missed an abort for 5 s,
+        torch 2.13)."""
+        end, pause = time.monotonic() + timeout, 0.001
+        while not self.store.check([key]):
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _POLL)
+        return True
+
     def joins(self) -> int:
         """How many times a replica asked to join (a counter on the store)."""
         return int(self.store.add("joins", 0))
@@ -216,8 +233,9 @@ class Quorum:
         start = time.monotonic()
         deadline = start + self.join_timeout
         need = self.min_size if min_size is None else min_size
+        self._holders_seen = start  # the grace counts from the fenced members' last beat
         while not self.store.check([f"{base}members"]):
-            self._try_close(number, need, time.monotonic() - start > self.behind_grace)
+            self._try_close(number, need)
             if self.store.check([f"{base}members"]):
                 break
             if time.monotonic() > deadline:
@@ -234,13 +252,19 @@ class Quorum:
         # this process's registration, not an earlier incarnation's of the same replica
         return epoch if record["tokens"][epoch.rank_of(self.replica)] == self._token else None
 
-    def _try_close(self, number: int, need: int, past_grace: bool) -> None:
+    def _try_close(self, number: int, need: int) -> None:
         """Close the epoch if every live replica registered and there are enough, after
         fencing the previous epoch; not while its members all hold older state than the
-        previous epoch reached, unless ``past_grace`` (see the module doc)."""
+        previous epoch reached, until ``behind_grace`` s after the last heartbeat of the
+        previous epoch's members (see the module doc): counted from the start of the
+        wait, a holder frozen for 1 s late in a long wait could be given up at once, and
+        the step it held lost."""
         base = f"e{number}/"
         registered = {r for r in range(self.max_size) if self.store.check([f"{base}r{r}"])}
-        live = self.alive() | {self.replica}
+        beats = self._beats()
+        if self._previous_alive(number, beats):
+            self._holders_seen = time.monotonic()
+        live = set(beats) | {self.replica}
         if not live <= registered or len(registered & live) < need:
             return
         members = sorted(registered & live)
@@ -250,13 +274,28 @@ class Quorum:
         tokens = [token for _, token in registrations]
         head = self.fence(number - 1) if number > 1 else None
         if head is not None and max(steps) < head:
-            if not past_grace:
+            if time.monotonic() - self._holders_seen <= self.behind_grace:
                 return  # the replicas holding step `head` are starved or dead: wait
             self._check_not_left_behind(number - 1, head, max(steps))
         record = json.dumps({"members": members, "steps": steps, "joins": joins,
                              "tokens": tokens})
         self.store.compare_set(f"{base}members", "", record)
         self._raise_epoch(number)
+
+    def _previous_alive(self, number: int, beats: dict[int, str]) -> bool:
+        """Whether a holder of epoch ``number - 1``'s newest state has a fresh heartbeat
+        in ``beats``: a member that was up to date when it closed (the process registered
+        for it, not a restart of it). Members it was to heal do not count: if its set-up
+        failed (its source died) they hold nothing newer, and waiting on them held the
+        next epoch until ``join_timeout``; if it committed, they register that state."""
+        key = f"e{number - 1}/members"
+        if number <= 1 or not self.store.check([key]):
+            return False
+        record = json.loads(self.store.get(key).decode())
+        tokens = record.get("tokens") or [""] * len(record["members"])
+        top = max(record["steps"])
+        return any(m in beats and (not t or beats[m] in ("", t))
+                   for m, t, s in zip(record["members"], tokens, record["steps"]) if s == top)
 
     def leave(self, step: int) -> None:
         """Record that this replica finished at ``step`` (:meth:`LiveTrainer.close`)."""
@@ -358,13 +397,10 @@ class Quorum:
             if decided == proposal and index % _HINT_EVERY == 0:  # where fence() starts
                 self.store.set(f"e{epoch.number}/last", str(index))
         deadline = time.monotonic() + timeout
-        wait = timedelta(seconds=max(self.heartbeat_timeout / 4, 0.02))
+        wait = max(self.heartbeat_timeout / 4, 0.02)
         while True:
-            try:
-                self.store.wait([f"{key}decision"], wait)
+            if self.wait_key(f"{key}decision", wait):
                 return self.store.get(f"{key}decision").decode().partition(" ")[0]
-            except (RuntimeError, TimeoutError):  # DistStoreError on timeout
-                pass
             if not self.members_alive(epoch):
                 self.store.compare_set(f"{key}decision", "", "abort")
             elif time.monotonic() > deadline:
@@ -425,11 +461,9 @@ class Watcher:
 
     def _watch(self, epoch: Epoch, step: int) -> None:
         q, key = self.quorum, f"e{epoch.number}/v{step}/decision"
-        wait = timedelta(seconds=max(q.heartbeat_timeout / 4, 0.02))
+        wait = max(q.heartbeat_timeout / 4, 0.02)
         while self._armed == (epoch, step):
-            try:
-                q.store.wait([key], wait)
-            except (RuntimeError, TimeoutError):
+            if not q.wait_key(key, wait):
                 if not q.members_alive(epoch):
                     q.store.compare_set(key, "", "abort")
                 continue

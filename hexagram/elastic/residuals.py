@@ -23,7 +23,7 @@ residuals), with one of three policies:
   the source's debt: copied, they would be applied twice).
 
 Example:
-    >>> recenter(model, epoch, replica=0, previous=(0, 1, 2), policy="reset")
+    >>> recenter(model, epoch, replica=0, previous=(0, 1, 2), policy="reset", comm=comm)
     ... # doctest: +SKIP
 """
 
@@ -32,9 +32,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from hexagram.elastic.quorum import Epoch, peer_failure
+from hexagram.comm.communicator import Communicator
+from hexagram.elastic.collectives import all_gather_object, all_reduce
+from hexagram.elastic.quorum import Epoch
 from hexagram.elastic.state import residual_tensors
 from hexagram.errors import ConfigError
 
@@ -62,9 +63,10 @@ def lost_member(epoch: Epoch, previous: tuple[int, ...] | None) -> bool:
 
 
 def recenter(model: Any, epoch: Epoch, replica: int, previous: tuple[int, ...] | None,
-             policy: str) -> None:
+             policy: str, comm: Communicator) -> None:
     """Apply ``policy`` (see the module doc) to ``model``'s residuals; collective over the
-    epoch's process group (the default group), called by every member at set-up.
+    epoch's process group (the default group, ``comm``: its set-up communicator, whose
+    abort ends a wait on a failed member), called by every member at set-up.
 
     Raises:
         RuntimeError: the members hold residuals of different keys or shapes (a bug:
@@ -75,9 +77,8 @@ def recenter(model: Any, epoch: Epoch, replica: int, previous: tuple[int, ...] |
     state = model.algorithm_state_dict()
     residuals = residual_tensors(state)
     signature = [(k, tuple(t.shape), str(t.dtype)) for k, t in residuals.items()]
-    seen: list[Any] = [None] * len(epoch.members)
-    with peer_failure("re-centring the residuals"):
-        dist.all_gather_object(seen, (signature, lost_member(epoch, previous)))
+    seen = all_gather_object(comm, (signature, lost_member(epoch, previous)),
+                             "re-centring the residuals")
     if any(s != signature for s, _ in seen):
         raise RuntimeError(f"epoch {epoch.number}: the members' error-feedback residuals "
                            "differ in keys or shapes; they cannot be re-centred")
@@ -87,8 +88,7 @@ def recenter(model: Any, epoch: Epoch, replica: int, previous: tuple[int, ...] |
     flat = torch.cat([t.reshape(-1).double() for t in residuals.values()])
     if epoch.steps[epoch.rank_of(replica)] != newest:
         flat.zero_()  # healed: its residuals are not its own (zeroed by the healing)
-    with peer_failure("re-centring the residuals"):
-        dist.all_reduce(flat)
+    all_reduce(comm, flat, "re-centring the residuals")
     flat /= epoch.steps.count(newest)
     if policy == "reset" and any(lost for _, lost in seen):
         flat.zero_()

@@ -55,15 +55,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.comm.communicator import abort_all
+from hexagram.elastic import collectives
 from hexagram.elastic.job_token import check_token
-from hexagram.elastic.quorum import (
-    Epoch,
-    Heartbeat,
-    Quorum,
-    QuorumError,
-    Watcher,
-    peer_failure,
-)
+from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError, Watcher
 from hexagram.elastic.residuals import check_policy, recenter
 from hexagram.elastic.service import LiveAddress, live_address
 from hexagram.elastic.state import (
@@ -368,33 +362,46 @@ class LiveTrainer:
         adopt_group(self.timeout, device=self.device)  # gloo with CUDA tensors on a GPU
         healed_at = time.monotonic()
         newest = max(epoch.steps)
-        source = epoch.steps.index(newest)
         # a member that dies while healing or re-centring leaves the others in a
-        # collective: the watcher aborts it when the member's heartbeat goes stale
+        # collective: the watcher aborts it when the member's heartbeat goes stale, and
+        # the set-up communicator's waits raise at once (collectives.py says why)
+        comm = self._setup_communicator(epoch)
         self._watcher.arm(epoch, _SETUP_VOTE)
+        # the wrapper's own model check and first broadcast (init_sync) are blocking
+        # collectives no abort ends: live mode runs them here, on the set-up communicator
+        init_sync = bool(self._wrapper_kwargs.get("init_sync", True))
         try:
-            if newest >= 0 and min(epoch.steps) < newest:
-                box = [own if epoch.rank_of(self.replica) == source else None]
-                with peer_failure("healing"):
-                    dist.broadcast_object_list(box, src=source)
-                if self.step < newest and box[0] is not None:  # healed from the source:
-                    own = without_residuals(box[0])  # its residuals are its own debt
+            if init_sync:
+                collectives.check_same_model(comm, self.module)
+            own = self._heal(comm, epoch, own)
             # the wrapper's subgroups meet in a store rendezvous that no abort ends: a
             # member that died while healing would hold the others there 30 s
             self.quorum.assemble(epoch, self.timeout, stage="healed")
             name, config = self.algorithm
             self.model = DistributedDataParallel(
                 self.module, optimizers=self.optimizers,
-                algorithm=registry.get(name, **config), **self._wrapper_kwargs)
+                algorithm=registry.get(name, **config),
+                **{**self._wrapper_kwargs, "init_sync": False})
+            # the step is this replica's only once the set-up succeeded: a replica healed
+            # in a set-up that then failed registered the healed step for the next one,
+            # was not healed again and kept a fresh algorithm state beside the healed
+            # model (the chaos soak saw its set-up digest differ, then a collective of
+            # its own off the members' outer-step schedule)
+            step = self.step
             if own is not None:
                 apply_rank_state(own, self.model, self.optimizers, restore_rng=False)
-                self.step = int(own["step"])
+                step = int(own["step"])
             elif newest < 0:
-                self.step = self._load_durable()
-            recenter(self.model, epoch, self.replica, self._members, self._residuals)
+                if init_sync:  # a fresh job: every member starts from rank 0's model
+                    collectives.broadcast_tensors(
+                        comm, [*self.module.parameters(), *self.module.buffers()], 0)
+                step = self._load_durable()
+            recenter(self.model, epoch, self.replica, self._members, self._residuals, comm)
         finally:
             self._watcher.disarm()
-        self._members, self._vote = epoch.members, 0
+            comm.close()
+        self.step, self._members, self._vote = step, epoch.members, 0
+        source = epoch.steps.index(newest)
         healed = min(epoch.steps) < newest
         if healed:
             self.stats["heal_s"].append(time.monotonic() - healed_at)
@@ -402,6 +409,30 @@ class LiveTrainer:
             "epoch": epoch.number, "members": list(epoch.members),
             "steps": list(epoch.steps), "step": self.step,
             "source": epoch.members[source] if healed else None})
+
+    def _setup_communicator(self, epoch: Epoch) -> Any:
+        """The communicator of ``epoch``'s set-up collectives (made before the watcher is
+        armed for the set-up, so an abort reaches it); :class:`CommError` when the epoch
+        was aborted already."""
+        with self._abort_lock:
+            if self._aborted == epoch.number:
+                raise CommError(f"live mode: a member of epoch {epoch.number} failed")
+            return collectives.setup_communicator(self.timeout)
+
+    def _heal(self, comm: Any, epoch: Epoch, own: dict[str, Any] | None
+              ) -> dict[str, Any] | None:
+        """Send the newest member's state to the members behind it; returns the state this
+        replica applies (``own`` when it is up to date)."""
+        newest = max(epoch.steps)
+        if newest < 0 or min(epoch.steps) == newest:
+            return own
+        source = epoch.steps.index(newest)
+        state = collectives.broadcast_object(
+            comm, own if epoch.rank_of(self.replica) == source else None, source,
+            self.device)
+        if self.step < newest and state is not None:  # healed from the source:
+            return without_residuals(state)  # its residuals are its own debt
+        return own
 
     def _load_durable(self) -> int:
         """Nobody has training state: the newest durable checkpoint, or step 0."""
