@@ -65,9 +65,12 @@ def test_gtopk_rounds_priced_as_one_partner_exchanges() -> None:
         Fit(0.001, 6e6)
     gtopk = hx.algorithms.get("gtopk")
     p = predict(gtopk, one_tensor(200_000), net)
-    [[msg]] = p.schedule
+    [[msg, fault]] = p.schedule
     assert (msg.op, msg.sent, msg.rounds) == ("pair", 160_000, 2)
-    assert p.step_s == pytest.approx(0.005 + 0.010 + 2 * 0.001 + 160_000 / 6e6 + 0.002)
+    # then the exchange's fault allreduce: one int64 on the ring (12 bytes sent on 4 ranks)
+    assert (fault.op, fault.sent) == ("allreduce", 12)
+    assert p.step_s == pytest.approx(0.005 + 0.010 + 2 * 0.001 + 160_000 / 6e6 + 0.002
+                                     + 0.006 + 12 / 1e7)
 
 
 def test_exchange_cpu_from_the_ring_and_p2p_cpu_fits() -> None:
