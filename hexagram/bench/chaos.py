@@ -74,7 +74,8 @@ class ChaosConfig:
     join_timeout: float = 20.0
     residuals: str = "reset"
     deadline: float = 3600.0
-    keep: str | None = None  # a folder for the raw ledgers and events
+    keep: str | None = None  # a folder for the raw ledgers, events and stacks
+    stall_dump: float = 5.0  # a stall this long: every replica's stacks (see keep)
 
 
 class _Replica:
@@ -100,10 +101,12 @@ class _Controller:
         self.crashes: list[str] = []
         self.top = -1
         self.done = False
+        self.stall_top, self.stall_since, self.dumped = -1, time.monotonic(), False
 
     def note(self, event: str, r: int, **extra: Any) -> None:
         self.events.append({"t": time.time(), "event": event, "replica": r,
-                            "incarnation": self.replicas[r].incarnation, "step": self.top,
+                            "incarnation": self.replicas[r].incarnation if r >= 0 else -1,
+                            "step": self.top,
                             **extra})
 
     def start(self, r: int) -> None:
@@ -192,11 +195,27 @@ class _Controller:
             if i < len(schedule) and self.top >= schedule[i].step and not self.done \
                     and self.inject(schedule[i], now):
                 i += 1
+            self.dump_if_stalled(now)
             if all(rep.proc is None and (rep.restart_at is None or self.done)
                    for rep in self.replicas):
                 return True
             time.sleep(0.005)
         return False
+
+    def dump_if_stalled(self, now: float) -> None:
+        """Once per stall of ``stall_dump`` s (the newest step not moving), have every
+        running replica write its threads' stacks (SIGUSR1: faulthandler) next to its
+        ledger: where a stall is spent, seen from every side."""
+        if self.top != self.stall_top:
+            self.stall_top, self.stall_since, self.dumped = self.top, now, False
+        elif not self.dumped and now - self.stall_since > self.cfg.stall_dump \
+                and not self.done:
+            self.dumped = True
+            self.note("stacks", -1, stalled_s=round(now - self.stall_since, 3))
+            for rep in self.replicas:
+                if rep.proc is not None and rep.proc.exitcode is None \
+                        and rep.frozen_until is None:
+                    os.kill(rep.proc.pid, signal.SIGUSR1)
 
     def stop(self) -> None:
         for rep in self.replicas:
@@ -233,10 +252,12 @@ def run_chaos(cfg: ChaosConfig | None = None, **overrides: Any) -> dict[str, Any
         del store
         ledgers = {f.stem[6:]: f.read_text().splitlines()
                    for f in sorted(Path(out).glob("ledger*.txt"))}
+        stacks = {f.stem[6:]: f.read_text() for f in sorted(Path(out).glob("stacks*.txt"))
+                  if f.stat().st_size}
     if cfg.keep:  # the raw ledgers and events, to study a run
         Path(cfg.keep).mkdir(parents=True, exist_ok=True)
         (Path(cfg.keep) / "ledgers.json").write_text(json.dumps(
-            {"ledgers": ledgers, "events": ctl.events}))
+            {"ledgers": ledgers, "events": ctl.events, "stacks": stacks}))
     wall = time.perf_counter() - started
     if not in_time:
         ctl.crashes.append(f"the run overran its deadline of {cfg.deadline:.0f} s")

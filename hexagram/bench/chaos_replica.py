@@ -132,6 +132,8 @@ def _setup_record(ledger: _Ledger, trainer: Any, weight: bool, before: int) -> N
     digest = state_digest(trainer, model=not weight, optimizers=not weight, residuals=True)
     members = ",".join(map(str, trainer.epoch.members))
     ledger.write("S", trainer.epoch.number, members, digest, before, trainer.step)
+    phases = trainer.stats["memberships"][-1]["phases"]
+    ledger.write("P", trainer.epoch.number, ",".join(f"{k}={v}" for k, v in phases.items()))
 
 
 def replica_main(replica: int, world: int, port: int, cfg: dict[str, Any], incarnation: int,
@@ -144,10 +146,11 @@ def replica_main(replica: int, world: int, port: int, cfg: dict[str, Any], incar
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(replica),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where is it stuck?
     board = Board(array, replica)
     board["pid"], board["phase"], board["step"] = os.getpid(), STARTING, -1
     ledger = _Ledger(Path(out) / f"ledger{replica}_{incarnation}.txt")
+    stacks = (Path(out) / f"stacks{replica}_{incarnation}.txt").open("w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # a stall's why
 
     def fired(kind: str, step: int) -> Callable[[], None]:
         def note() -> None:
@@ -202,7 +205,10 @@ def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any], board: Boar
                 time.sleep(sleep)  # a straggler: alive (its heartbeat beats), slow
             F.cross_entropy(model(x), y).backward()
 
+        stalls = len(trainer.stats["stall_s"])
         committed = trainer.run_step(closure)
+        if len(trainer.stats["stall_s"]) > stalls:  # aborted: how long the rebuild took
+            ledger.write("A", before, round(trainer.stats["stall_s"][-1], 4))
         voted = trainer.stats["votes"] > votes
         if committed:
             digest = state_digest(trainer, model=True, optimizers=not weight,

@@ -153,6 +153,19 @@ def _abort_all_groups() -> None:
             dist.destroy_process_group()
 
 
+class _Marks:
+    """Seconds between successive calls, recorded into ``phases`` by name (where a
+    membership's set-up spends its time: ``stats["memberships"][i]["phases"]``)."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        self.phases, self.last = phases, time.monotonic()
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = now - self.last
+        self.last = now
+
+
 class LiveTrainer:
     """State of one replica in live mode; create it with :func:`live`.
 
@@ -180,6 +193,8 @@ class LiveTrainer:
         self._residuals = residuals
         self._wrapper_kwargs = wrapper_kwargs
         self._members: tuple[int, ...] | None = None  # of the last epoch set up
+        self._phases: dict[str, float] = {}  # of the set-up in progress
+        self._left_s = 0.0  # how long leaving the last membership took
         self.stats: dict[str, Any] = {"failures": 0, "stall_s": [], "heal_s": [],
                                       "epochs": 0, "votes": 0, "memberships": []}
         address = address or live_address(timeout=join_timeout)
@@ -292,7 +307,9 @@ class LiveTrainer:
     # -- membership ----------------------------------------------------------------------
     def _rebuild(self, own: dict[str, Any]) -> None:
         """Leave the current epoch (its group is broken or too small) and join the next."""
+        began = time.monotonic()
         self._teardown()
+        self._left_s = time.monotonic() - began
         self._join(own, first_size=None)
 
     def _abort_epoch(self, epoch: Epoch) -> None:
@@ -330,8 +347,11 @@ class LiveTrainer:
             first = number == 1 and first_size is not None
             if left_out and not first:  # the training members open an epoch for us
                 self.quorum.ask_to_join()
+            formed = time.monotonic()
             epoch = self.quorum.form(number, self.step,
                                      min_size=first_size if first else None)
+            self._phases = {"teardown": self._left_s, "form": time.monotonic() - formed}
+            self._left_s = 0.0
             left_out = epoch is None  # closed without this replica (it looked dead)
             if epoch is not None:
                 self.epoch = epoch
@@ -352,7 +372,9 @@ class LiveTrainer:
         from hexagram.engine.ddp import DistributedDataParallel
         from hexagram.runtime import adopt_group
 
+        mark = _Marks(self._phases)
         self.quorum.assemble(epoch, self.timeout)  # a member lost here: the next epoch
+        mark("assemble")
         store = dist.PrefixStore(f"e{epoch.number}/pg/", self._store)
         dist.init_process_group("gloo", store=store, rank=epoch.rank_of(self.replica),
                                 world_size=len(epoch.members),
@@ -360,6 +382,7 @@ class LiveTrainer:
         if self.device.type == "cuda":  # the thread's current device, as hexagram.init()
             torch.cuda.set_device(self.device)
         adopt_group(self.timeout, device=self.device)  # gloo with CUDA tensors on a GPU
+        mark("group")
         healed_at = time.monotonic()
         newest = max(epoch.steps)
         # a member that dies while healing or re-centring leaves the others in a
@@ -373,15 +396,19 @@ class LiveTrainer:
         try:
             if init_sync:
                 collectives.check_same_model(comm, self.module)
+            mark("check")
             own = self._heal(comm, epoch, own)
+            mark("heal")
             # the wrapper's subgroups meet in a store rendezvous that no abort ends: a
             # member that died while healing would hold the others there 30 s
             self.quorum.assemble(epoch, self.timeout, stage="healed")
+            mark("healed")
             name, config = self.algorithm
             self.model = DistributedDataParallel(
                 self.module, optimizers=self.optimizers,
                 algorithm=registry.get(name, **config),
                 **{**self._wrapper_kwargs, "init_sync": False})
+            mark("wrapper")
             # the step is this replica's only once the set-up succeeded: a replica healed
             # in a set-up that then failed registered the healed step for the next one,
             # was not healed again and kept a fresh algorithm state beside the healed
@@ -397,6 +424,7 @@ class LiveTrainer:
                         comm, [*self.module.parameters(), *self.module.buffers()], 0)
                 step = self._load_durable()
             recenter(self.model, epoch, self.replica, self._members, self._residuals, comm)
+            mark("recenter")
         finally:
             self._watcher.disarm()
             comm.close()
@@ -408,7 +436,8 @@ class LiveTrainer:
         self.stats["memberships"].append({
             "epoch": epoch.number, "members": list(epoch.members),
             "steps": list(epoch.steps), "step": self.step,
-            "source": epoch.members[source] if healed else None})
+            "source": epoch.members[source] if healed else None,
+            "phases": {k: round(v, 4) for k, v in self._phases.items()}})
 
     def _setup_communicator(self, epoch: Epoch) -> Any:
         """The communicator of ``epoch``'s set-up collectives (made before the watcher is
