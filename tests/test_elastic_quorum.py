@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch.distributed as dist
 
-from hexagram.elastic.quorum import Epoch, Quorum, QuorumError, Watcher
+from hexagram.elastic.liveness import Watcher
+from hexagram.elastic.quorum import Epoch, Quorum, QuorumError
 from hexagram.errors import CommError
 from hexagram.launch import free_port
 

@@ -209,12 +209,13 @@ class _Controller:
         if self.top != self.stall_top:
             self.stall_top, self.stall_since, self.dumped = self.top, now, False
         elif not self.dumped and now - self.stall_since > self.cfg.stall_dump \
-                and not self.done:
+                and not self.done and self.top >= 1:
             self.dumped = True
             self.note("stacks", -1, stalled_s=round(now - self.stall_since, 3))
-            for rep in self.replicas:
+            for r, rep in enumerate(self.replicas):  # those whose handler is in place
                 if rep.proc is not None and rep.proc.exitcode is None \
-                        and rep.frozen_until is None:
+                        and rep.frozen_until is None \
+                        and Board(self.array, r)["pid"] == rep.proc.pid:
                     os.kill(rep.proc.pid, signal.SIGUSR1)
 
     def stop(self) -> None:

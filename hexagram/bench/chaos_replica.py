@@ -146,11 +146,11 @@ def replica_main(replica: int, world: int, port: int, cfg: dict[str, Any], incar
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(replica),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    board = Board(array, replica)
-    board["pid"], board["phase"], board["step"] = os.getpid(), STARTING, -1
-    ledger = _Ledger(Path(out) / f"ledger{replica}_{incarnation}.txt")
     stacks = (Path(out) / f"stacks{replica}_{incarnation}.txt").open("w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # a stall's why
+    board = Board(array, replica)  # its pid there: ready for SIGUSR1
+    board["pid"], board["phase"], board["step"] = os.getpid(), STARTING, -1
+    ledger = _Ledger(Path(out) / f"ledger{replica}_{incarnation}.txt")
 
     def fired(kind: str, step: int) -> Callable[[], None]:
         def note() -> None:

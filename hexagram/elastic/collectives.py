@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.comm.communicator import Communicator
-from hexagram.elastic.quorum import peer_failure
+from hexagram.elastic.liveness import peer_failure
 from hexagram.engine.checks import model_signature
 from hexagram.errors import ModelMismatchError
 

@@ -55,25 +55,16 @@ import torch.distributed as dist
 from torch import nn
 
 from hexagram.comm.communicator import abort_all
-from hexagram.elastic import collectives
 from hexagram.elastic.job_token import check_token
-from hexagram.elastic.quorum import Epoch, Heartbeat, Quorum, QuorumError, Watcher
-from hexagram.elastic.residuals import check_policy, recenter
+from hexagram.elastic.liveness import Heartbeat, Watcher
+from hexagram.elastic.membership import FAILURES, MembershipSetup
+from hexagram.elastic.quorum import Epoch, Quorum, QuorumError
+from hexagram.elastic.residuals import check_policy
 from hexagram.elastic.service import LiveAddress, live_address
-from hexagram.elastic.state import (
-    CheckpointError,
-    apply_rank_state,
-    collect_rank_state,
-    replica_device,
-    without_residuals,
-)
-from hexagram.errors import CommError, ConfigError
+from hexagram.elastic.state import collect_rank_state, replica_device
+from hexagram.errors import ConfigError
 
 __all__ = ["LiveTrainer", "QuorumError", "live"]
-
-_FAILURES = (CommError, CheckpointError, dist.DistError)
-#: The watcher's key while a membership is set up (commit votes count from 0).
-_SETUP_VOTE = -1
 
 
 def live(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -153,20 +144,7 @@ def _abort_all_groups() -> None:
             dist.destroy_process_group()
 
 
-class _Marks:
-    """Seconds between successive calls, recorded into ``phases`` by name (where a
-    membership's set-up spends its time: ``stats["memberships"][i]["phases"]``)."""
-
-    def __init__(self, phases: dict[str, float]) -> None:
-        self.phases, self.last = phases, time.monotonic()
-
-    def __call__(self, name: str) -> None:
-        now = time.monotonic()
-        self.phases[name] = now - self.last
-        self.last = now
-
-
-class LiveTrainer:
+class LiveTrainer(MembershipSetup):
     """State of one replica in live mode; create it with :func:`live`.
 
     Attributes:
@@ -280,7 +258,7 @@ class LiveTrainer:
             if weight:
                 for opt in self.optimizers:
                     opt.step()
-        except _FAILURES:
+        except FAILURES:
             return False
         return True
 
@@ -301,7 +279,7 @@ class LiveTrainer:
         try:
             save_checkpoint(self.checkpoint_dir, self.model, self.optimizers, step=self.step,
                             keep=2)
-        except _FAILURES:  # a member died while saving: nothing was committed
+        except FAILURES:  # a member died while saving: nothing was committed
             self._rebuild(self._capture())
 
     # -- membership ----------------------------------------------------------------------
@@ -337,141 +315,6 @@ class LiveTrainer:
                 except Exception:  # a broken communicator; the wrapper is discarded
                     pass
                 self.model = None
-
-    def _join(self, own: dict[str, Any] | None, first_size: int | None) -> None:
-        """Form the next epoch with this replica in it, then set up and heal."""
-        number = self.epoch.number + 1 if self.epoch is not None \
-            else self.quorum.last_epoch() + 1
-        left_out = self.epoch is None
-        while True:
-            first = number == 1 and first_size is not None
-            if left_out and not first:  # the training members open an epoch for us
-                self.quorum.ask_to_join()
-            formed = time.monotonic()
-            epoch = self.quorum.form(number, self.step,
-                                     min_size=first_size if first else None)
-            self._phases = {"teardown": self._left_s, "form": time.monotonic() - formed}
-            self._left_s = 0.0
-            left_out = epoch is None  # closed without this replica (it looked dead)
-            if epoch is not None:
-                self.epoch = epoch
-                self.stats["epochs"] += 1
-                try:
-                    self._setup(epoch, own)
-                    return
-                except Exception as exc:  # a member died while the group was set up or
-                    if not isinstance(exc, _FAILURES) and self._aborted != epoch.number:
-                        raise  # healed (the watcher aborted it: any error then), else a bug
-                    self.stats["failures"] += 1
-                    self._teardown()
-            number = max(number, self.quorum.last_epoch()) + 1
-
-    def _setup(self, epoch: Epoch, own: dict[str, Any] | None) -> None:
-        """The epoch's process group and wrapper; heal members that are behind."""
-        from hexagram.algorithms import registry
-        from hexagram.engine.ddp import DistributedDataParallel
-        from hexagram.runtime import adopt_group
-
-        mark = _Marks(self._phases)
-        self.quorum.assemble(epoch, self.timeout)  # a member lost here: the next epoch
-        mark("assemble")
-        store = dist.PrefixStore(f"e{epoch.number}/pg/", self._store)
-        dist.init_process_group("gloo", store=store, rank=epoch.rank_of(self.replica),
-                                world_size=len(epoch.members),
-                                timeout=timedelta(seconds=self.timeout))
-        if self.device.type == "cuda":  # the thread's current device, as hexagram.init()
-            torch.cuda.set_device(self.device)
-        adopt_group(self.timeout, device=self.device)  # gloo with CUDA tensors on a GPU
-        mark("group")
-        healed_at = time.monotonic()
-        newest = max(epoch.steps)
-        # a member that dies while healing or re-centring leaves the others in a
-        # collective: the watcher aborts it when the member's heartbeat goes stale, and
-        # the set-up communicator's waits raise at once (collectives.py says why)
-        comm = self._setup_communicator(epoch)
-        self._watcher.arm(epoch, _SETUP_VOTE)
-        # the wrapper's own model check and first broadcast (init_sync) are blocking
-        # collectives no abort ends: live mode runs them here, on the set-up communicator
-        init_sync = bool(self._wrapper_kwargs.get("init_sync", True))
-        try:
-            if init_sync:
-                collectives.check_same_model(comm, self.module)
-            mark("check")
-            own = self._heal(comm, epoch, own)
-            mark("heal")
-            # the wrapper's subgroups meet in a store rendezvous that no abort ends: a
-            # member that died while healing would hold the others there 30 s
-            self.quorum.assemble(epoch, self.timeout, stage="healed")
-            mark("healed")
-            name, config = self.algorithm
-            self.model = DistributedDataParallel(
-                self.module, optimizers=self.optimizers,
-                algorithm=registry.get(name, **config),
-                **{**self._wrapper_kwargs, "init_sync": False})
-            mark("wrapper")
-            # the step is this replica's only once the set-up succeeded: a replica healed
-            # in a set-up that then failed registered the healed step for the next one,
-            # was not healed again and kept a fresh algorithm state beside the healed
-            # model (the chaos soak saw its set-up digest differ, then a collective of
-            # its own off the members' outer-step schedule)
-            step = self.step
-            if own is not None:
-                apply_rank_state(own, self.model, self.optimizers, restore_rng=False)
-                step = int(own["step"])
-            elif newest < 0:
-                if init_sync:  # a fresh job: every member starts from rank 0's model
-                    collectives.broadcast_tensors(
-                        comm, [*self.module.parameters(), *self.module.buffers()], 0)
-                step = self._load_durable()
-            recenter(self.model, epoch, self.replica, self._members, self._residuals, comm)
-            mark("recenter")
-        finally:
-            self._watcher.disarm()
-            comm.close()
-        self.step, self._members, self._vote = step, epoch.members, 0
-        source = epoch.steps.index(newest)
-        healed = min(epoch.steps) < newest
-        if healed:
-            self.stats["heal_s"].append(time.monotonic() - healed_at)
-        self.stats["memberships"].append({
-            "epoch": epoch.number, "members": list(epoch.members),
-            "steps": list(epoch.steps), "step": self.step,
-            "source": epoch.members[source] if healed else None,
-            "phases": {k: round(v, 4) for k, v in self._phases.items()}})
-
-    def _setup_communicator(self, epoch: Epoch) -> Any:
-        """The communicator of ``epoch``'s set-up collectives (made before the watcher is
-        armed for the set-up, so an abort reaches it); :class:`CommError` when the epoch
-        was aborted already."""
-        with self._abort_lock:
-            if self._aborted == epoch.number:
-                raise CommError(f"live mode: a member of epoch {epoch.number} failed")
-            return collectives.setup_communicator(self.timeout)
-
-    def _heal(self, comm: Any, epoch: Epoch, own: dict[str, Any] | None
-              ) -> dict[str, Any] | None:
-        """Send the newest member's state to the members behind it; returns the state this
-        replica applies (``own`` when it is up to date)."""
-        newest = max(epoch.steps)
-        if newest < 0 or min(epoch.steps) == newest:
-            return own
-        source = epoch.steps.index(newest)
-        state = collectives.broadcast_object(
-            comm, own if epoch.rank_of(self.replica) == source else None, source,
-            self.device)
-        if self.step < newest and state is not None:  # healed from the source:
-            return without_residuals(state)  # its residuals are its own debt
-        return own
-
-    def _load_durable(self) -> int:
-        """Nobody has training state: the newest durable checkpoint, or step 0."""
-        if not self.checkpoint_dir:
-            return 0
-        from hexagram.elastic.checkpoint import load_checkpoint
-
-        step = load_checkpoint(self.checkpoint_dir, self.model, self.optimizers,
-                               restore_rng=False, allow_world_size_change=True)
-        return 0 if step is None else step
 
     def close(self) -> None:
         """Leave the job: record the step this replica finished at (a membership that
