@@ -44,7 +44,13 @@ from hexagram.comm.control import count_flags
 from hexagram.comm.faults import _FIX, MALFORMED, FaultSink
 from hexagram.comm.reduce import Encoder, reduce, reduce_many
 from hexagram.compress.base import Compressor
-from hexagram.errors import ConfigError, MalformedPayloadError, step_error
+from hexagram.errors import (
+    NONFINITE_SUM,
+    ConfigError,
+    MalformedPayloadError,
+    NonFiniteGradientError,
+    step_error,
+)
 
 __all__ = [
     "RoundAlgorithm",
@@ -134,12 +140,26 @@ def write_weights(buckets: Sequence[Bucket], flats: Sequence[Tensor]) -> None:
 
 
 def average_weights(comm: Communicator, buckets: Sequence[Bucket]) -> None:
-    """Replace the weights of ``buckets`` by their mean over the ranks (collective)."""
+    """Replace the weights of ``buckets`` by their mean over the ranks (collective).
+
+    The mean is checked before it is written (one host read: this runs once, at the end):
+    NaN/Inf in it means some rank's weights held them, and every rank holds the same
+    mean, so every rank raises the same :class:`~hexagram.errors.NonFiniteGradientError`
+    (no sender can be named from a sum) and keeps its own weights rather than write the
+    poisoned mean into the model.
+    """
     if comm.size == 1:
         return
     flats = read_weights(buckets)
     handles = [primitives.allreduce(comm, flat, average=True) for flat in flats]
-    write_weights(buckets, [h.wait() for h in handles])
+    means = [h.wait() for h in handles]
+    if means and not bool(torch.stack([m.isfinite().all() for m in means]).all()):
+        raise NonFiniteGradientError(
+            f"{NONFINITE_SUM} in the final average of the weights (synchronize()): a rank's "
+            "weights hold NaN/Inf, so their mean does on every rank; the model keeps this "
+            "rank's weights. Find the diverging rank (lower the learning rate, or train "
+            "with algorithm='robust' against a faulty peer)")
+    write_weights(buckets, means)
 
 
 def sync_buffers(comm: Communicator, module: torch.nn.Module) -> None:
@@ -337,11 +357,18 @@ class RoundAlgorithm(Algorithm):
 
         Collective: every rank calls it once it has no more data (ranks may arrive after
         different numbers of steps). Afterwards every rank holds the same weights.
+
+        Raises:
+            NonFiniteGradientError: the last round received NaN/Inf or a malformed payload
+                (:attr:`checks_received`), or the final mean holds NaN/Inf
+                (:func:`average_weights`): the same error on every rank.
         """
         self._finish_pending()
         if self.ctx.comm.size > 1:
             while self._round(active=False) > 0:
                 pass
+            if self.checks_received:  # what the last round received, checked on every
+                self._control(False, False).wait()  # rank (it raises), before the mean
             average_weights(self.ctx.comm, self.ctx.buckets)
             self._sync_buffers()
         self.dirty = False
