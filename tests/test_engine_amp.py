@@ -7,7 +7,9 @@ applied), lower its scale together with the other, take the other steps, and end
 finite weights; the algorithms with step hooks (local SGD, DiLoCo, decentralized, QAdam's
 and robust's momentum takeover) stay in step. The async averager's ranks are independent
 by design (time-driven rounds, no step hooks): only the overflowing rank skips and lowers
-its scale there.
+its scale there. ``robust`` treats the overflowing rank as Byzantine instead: its row is
+dropped, and every rank steps on the others' aggregate with its scale unchanged (the same
+decision on every rank, and the honest ranks lose no step).
 """
 
 from __future__ import annotations
@@ -92,7 +94,9 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(
         assert run["error"] is None, f"rank {rank}: {run['error']}"
         assert run["finite"], f"rank {rank}: non-finite weights"
         scales = run["scales"]
-        if name != "async" or rank == BAD_RANK:
+        if name == "robust":  # the overflowing row dropped: every rank steps on
+            assert BAD_STEP in run["taken"] and scales[BAD_STEP] == scales[BAD_STEP - 1], run
+        elif name != "async" or rank == BAD_RANK:
             assert BAD_STEP not in run["taken"], f"rank {rank} stepped on Inf: {run}"
             assert scales[BAD_STEP] == scales[BAD_STEP - 1] / 2, run  # lowered (backoff 0.5)
         assert len(run["taken"]) >= STEPS - 1, run

@@ -94,6 +94,11 @@ class Algorithm:
     #: step around ``bucket_ready`` (:class:`hexagram.engine.checks.FiniteGuard`) and the
     #: algorithm never sees a non-finite value
     passes_nonfinite: ClassVar[bool] = False
+    #: True where the reduction itself treats a rank whose contribution holds NaN/Inf as
+    #: Byzantine and leaves it out (``robust``): the engine then neither checks nor cleans
+    #: gradients before it nor shares a per-step flag (a flag a Byzantine rank could lie
+    #: in); it checks only what arrives, and the algorithm keeps its own state finite
+    drops_nonfinite: ClassVar[bool] = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
@@ -228,6 +233,11 @@ class Forwarding(Algorithm):
     def passes_nonfinite(self) -> bool:  # type: ignore[override]
         """The inner algorithm's: a wrapper sends what its inner algorithm reduces."""
         return self.inner.passes_nonfinite
+
+    @property  # type: ignore[misc]
+    def drops_nonfinite(self) -> bool:  # type: ignore[override]
+        """The inner algorithm's (see :attr:`Algorithm.drops_nonfinite`)."""
+        return self.inner.drops_nonfinite
 
     def setup(self, ctx: AlgorithmContext) -> None:
         super().setup(ctx)

@@ -6,7 +6,10 @@ returns the full aggregate to everyone (:func:`hexagram.comm.shards.shard_map`):
 ``2 d`` bytes sent per rank, like a ring allreduce, not ``P d``. Coordinate-wise aggregators
 (median, trimmed mean) need nothing more; distance-based ones (Krum, Multi-Krum, geometric
 median, centered clipping) and pre-aggregation (NNM, bucketing) add one allreduce of the
-``P x P`` Gram matrix summed from the shards. Rows with NaN/Inf are treated as Byzantine.
+``P x P`` Gram matrix summed from the shards. Rows with NaN/Inf are treated as Byzantine,
+this rank's own included: a rank whose gradient holds NaN/Inf sends a NaN row this step
+(:meth:`RobustAlgorithm.outgoing`), so a local overflow is dropped, not shared with a
+per-step flag that every rank would have to obey (and a Byzantine rank could forge).
 
 The aggregate replaces the mean, so the result is on the scale of one gradient. Centered
 clipping starts from the previous aggregate (its "history", Karimireddy et al. 2021).
@@ -92,6 +95,9 @@ class RobustAlgorithm(Algorithm):
 
     name = "robust"
     kind = "grad"
+    #: a rank whose gradient holds NaN/Inf sends a NaN row, which the aggregators drop as
+    #: Byzantine (:meth:`outgoing`): the engine adds no check or flag of its own
+    drops_nonfinite = True
 
     def __init__(self, config: RobustConfig | None = None) -> None:
         super().__init__(config or RobustConfig())
@@ -127,8 +133,24 @@ class RobustAlgorithm(Algorithm):
 
     def outgoing(self, bucket: Bucket) -> Tensor:
         """What this rank sends for ``bucket``: its worker momentum (updated now) or the
-        gradient itself. An attack harness may replace it before :meth:`send`."""
-        return self.worker.apply(bucket)
+        gradient itself. An attack harness may replace it before :meth:`send`.
+
+        A gradient holding NaN/Inf (an overflow, a faulty rank) is cleaned (NaN/Inf -> 0)
+        before the momentum takes it, so this rank's state stays finite, and the row it
+        sends this step is all NaN: every aggregator drops it as Byzantine and training
+        goes on without it (no host read; no flag for a Byzantine peer to lie in). Where
+        every rank's row is dropped the aggregate is NaN, which the engine's check of
+        what arrives (and a ``GradScaler``) see on every rank."""
+        flat = bucket.flat
+        bad = torch.aminmax(flat.detach()) if flat.numel() else None
+        if bad is None:
+            return self.worker.apply(bucket)
+        nonfinite = torch.stack(bad).isfinite().all().logical_not()
+        torch.nan_to_num_(flat, nan=0.0, posinf=0.0, neginf=0.0)
+        row = self.worker.apply(bucket)
+        # NaN where this rank's gradient was not finite, else + 0 (a new tensor: the row
+        # may be the worker's momentum buffer, which must stay finite)
+        return row + torch.where(nonfinite, float("nan"), 0.0).to(row.dtype)
 
     def send(self, bucket: Bucket, flat: Tensor) -> Handle[Tensor]:
         """Aggregate every rank's ``flat`` for ``bucket`` robustly; the handle's result is

@@ -145,6 +145,7 @@ class AutoAlgorithm(Algorithm):
         non-finite check: allreduce needs none)."""
         vars(self)["kind"] = self.delegate.kind
         vars(self)["passes_nonfinite"] = self.delegate.passes_nonfinite
+        vars(self)["drops_nonfinite"] = self.delegate.drops_nonfinite
 
     def _flag_lr(self, ctx: AlgorithmContext) -> None:
         """Candidates that are not drop-ins with the user's optimizers are excluded."""

@@ -244,11 +244,12 @@ def step_schedule(algorithm: Priced, layout: Layout, world: int, step: int = 10*
                   hosts: int = 1, rank: int = 0) -> list[list[Message]]:
     """:func:`bucket_schedule` of every bucket, in launch order; after the last one, the
     engine's once-per-step agreement on non-finite gradients (an allreduce of one int64,
-    :class:`hexagram.engine.guard.FiniteGuard`) where the algorithm's reduction does not
-    carry a NaN/Inf to every rank itself."""
+    :class:`hexagram.engine.guard.FiniteGuard`) where the algorithm's reduction neither
+    carries a NaN/Inf to every rank nor drops its sender itself."""
     out = [bucket_schedule(algorithm, b, world, step, hosts, rank) for b in layout]
     if out and world > 1 and algorithm.kind == "grad" \
-            and not getattr(algorithm, "passes_nonfinite", False):
+            and not getattr(algorithm, "passes_nonfinite", False) \
+            and not getattr(algorithm, "drops_nonfinite", False):
         out[-1] = [*out[-1], Message("allreduce", ring_sent(8, world))]
     return out
 

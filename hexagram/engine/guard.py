@@ -294,8 +294,9 @@ class FiniteGuard:
                           if p.grad is not None and not bool(p.grad.isfinite().all())),
                          "the reduced gradient")
             return (f"non-finite gradient (NaN or Inf) at step {step}: {where} holds NaN/Inf "
-                    "after the sum over the ranks (some rank's gradient held NaN or Inf, "
-                    f"or its contribution arrived corrupted). {fix}")
+                    "after the reduction over the ranks (a sum: some rank's gradient held "
+                    "NaN or Inf, or its contribution arrived corrupted; a robust "
+                    f"aggregate: every rank's contribution did). {fix}")
         return (f"non-finite gradient (NaN or Inf) at step {step}: the reduced gradient "
                 "holds NaN/Inf although no rank's own gradient did, so a peer's "
                 "contribution arrived non-finite or malformed (a faulty or Byzantine "

@@ -69,15 +69,16 @@ class Reducer:
         self.on_backward_end: Callable[[], None] | None = None
 
     def match_guard(self) -> None:
-        """Build the non-finite check to match ``algorithm.passes_nonfinite`` now: every
-        gradient algorithm's reduced buckets are checked (what arrives); only those whose
-        reduction would not carry a NaN/Inf to every rank also check (and clean) their
-        gradients before it (``guard.local``).
+        """Build the non-finite check to match ``algorithm.passes_nonfinite`` and
+        ``drops_nonfinite`` now: every gradient algorithm's reduced buckets are checked
+        (what arrives); only those whose reduction would neither carry a NaN/Inf to every
+        rank nor drop its sender also check (and clean) their gradients before it
+        (``guard.local``).
 
         An algorithm that delegates (``auto``) declares what its current choice declares;
         the engine calls this before every forward, so a switch to or from allreduce adds
         or removes the check (and its cost) from the next step on."""
-        local = not self.algorithm.passes_nonfinite
+        local = not (self.algorithm.passes_nonfinite or self.algorithm.drops_nonfinite)
         if self.guard is None or self.guard.local != local:
             self.guard = FiniteGuard(self.buckets, self.comm, local=local)
 

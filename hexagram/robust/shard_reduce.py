@@ -151,9 +151,11 @@ def reduce_rows(rows: Tensor, spec: ReduceSpec, sync: Sync | None = None,
 
 def coordinate_wise(rows: Tensor, aggregator: str, f: int) -> Tensor:
     """``median`` or ``trimmed_mean`` of the finite rows of ``rows`` ``(n, m)``, ``f``
-    lowered by the number of dropped rows and capped at ``(kept - 1) // 2``; zeros when no
-    row is finite. No host read: the dropped rows sort last (as +Inf) and the rows
-    averaged are picked by counts on the device. With every row finite, the result is
+    lowered by the number of dropped rows and capped at ``(kept - 1) // 2``; NaN when no
+    row is finite (no contribution is left: the engine's check of what arrives, and a
+    ``GradScaler``, must see it, not a zero gradient that an optimizer would step on).
+    No host read: the dropped rows sort last (as +Inf) and the rows averaged are picked by
+    counts on the device. With every row finite, the result is
     :func:`~hexagram.robust.aggregators.median` / ``trimmed_mean`` of ``rows``, bit for bit
     (with rows dropped the median still is; the trimmed mean is the same up to the order of
     its float sum).
@@ -180,7 +182,7 @@ def _coordinate(rows: Tensor, ok: Tensor, lowered: Tensor, aggregator: str, f: i
         out = torch.where(kept % 2 == 1, lo, (lo + hi) / 2)
     else:
         out = _trimmed(rows, s, ok, kept, f_eff, f)
-    return torch.where(kept > 0, out, torch.zeros_like(out))
+    return torch.where(kept > 0, out, float("nan"))
 
 
 def _trimmed(rows: Tensor, s: Tensor, ok: Tensor, kept: Tensor, f_eff: Tensor, f: int
@@ -234,7 +236,7 @@ def _pre(x: Tensor, g: Tensor, ok: Tensor, f: Tensor, spec: ReduceSpec, has_cent
 def _aggregate(x: Tensor, g: Tensor, ok: Tensor, f: Tensor, spec: ReduceSpec) -> Tensor:
     """Distance-based aggregate (float64) of the float64 rows ``x`` (excluded rows zero;
     centered clipping's center the extra last row), ``ok`` the rows kept, ``f`` the 0-d
-    lowered ``f``. No row kept: zeros."""
+    lowered ``f``. No row kept: NaN (as :func:`coordinate_wise`)."""
     n = x.shape[0] - int(spec.aggregator == "centered_clip")
     ok_r = ok[:n]
     kept = ok_r.sum()
@@ -249,4 +251,4 @@ def _aggregate(x: Tensor, g: Tensor, ok: Tensor, f: Tensor, spec: ReduceSpec) ->
         c = masked.geomed_weights(g, ok_r, spec.iters, spec.nu)
     else:
         c = masked.centered_clip_weights(g, ok_r, spec.tau, spec.clip_iters)
-    return torch.where(kept > 0, c, 0.0) @ x
+    return torch.where(kept > 0, c, 0.0) @ x + torch.where(kept > 0, 0.0, float("nan"))
