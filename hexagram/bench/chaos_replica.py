@@ -15,7 +15,11 @@ once (a SIGKILLed replica leaves its ledger up to its last event):
   algorithms) and algorithm state without the residuals, which every member of the epoch
   holds alike after a vote;
 - ``F kind step t``: a fault fired inside this process (``slow``, ``collective_kill``,
-  ``heal_kill``); ``END step digest t`` or ``ERR message t`` when it stops.
+  ``heal_kill``); ``END step digest t`` or ``ERR message t`` when it stops;
+- ``P epoch phases t``: where the set-up of a membership spent its time; ``A step
+  seconds t``: a step aborted and the rebuild that followed; ``X epoch members phases
+  seconds error t``: a set-up a failure cut short (see
+  :mod:`hexagram.elastic.membership`).
 
 Orders come from the controller through a shared array (:class:`Board`): the replica reads
 its slot between steps (no system call, nothing on the store).
@@ -127,6 +131,14 @@ def _kill_inside(owner: Any, names: tuple[str, ...], replica: int, when: str,
     return stack
 
 
+def _failed_setups(ledger: _Ledger, failed: list[dict[str, Any]]) -> None:
+    """``X epoch members phases seconds error`` per set-up a failure cut short."""
+    for f in failed:
+        phases = ",".join(f"{k}={v}" for k, v in f["phases"].items())
+        ledger.write("X", f["epoch"], ",".join(map(str, f["members"])), phases,
+                     f["failed_after_s"], f["error"].replace("\n", " ").replace(" ", "_"))
+
+
 def _setup_record(ledger: _Ledger, trainer: Any, weight: bool, before: int) -> None:
     assert trainer.epoch is not None
     digest = state_digest(trainer, model=not weight, optimizers=not weight, residuals=True)
@@ -185,6 +197,7 @@ def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any], board: Boar
     from hexagram.bench.soak import global_batch
 
     weight = trainer.model.algorithm.kind == "weight"
+    _failed_setups(ledger, trainer.stats.setdefault("failed_setups", []))
     _setup_record(ledger, trainer, weight, -1)
     while trainer.step < cfg["steps"]:
         board["step"], board["phase"] = trainer.step, TRAINING
@@ -205,10 +218,12 @@ def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any], board: Boar
                 time.sleep(sleep)  # a straggler: alive (its heartbeat beats), slow
             F.cross_entropy(model(x), y).backward()
 
-        stalls = len(trainer.stats["stall_s"])
+        failures = trainer.stats.setdefault("failed_setups", [])
+        stalls, failed = len(trainer.stats["stall_s"]), len(failures)
         committed = trainer.run_step(closure)
         if len(trainer.stats["stall_s"]) > stalls:  # aborted: how long the rebuild took
             ledger.write("A", before, round(trainer.stats["stall_s"][-1], 4))
+        _failed_setups(ledger, failures[failed:])
         voted = trainer.stats["votes"] > votes
         if committed:
             digest = state_digest(trainer, model=True, optimizers=not weight,

@@ -12,7 +12,8 @@ runs between two epochs (the trainer keeps the step loop, the teardown and the a
 
 Where the time goes is recorded per membership in ``stats["memberships"][i]["phases"]``
 (seconds): ``teardown`` (leaving the last one), ``form``, ``assemble``, ``group``,
-``check``, ``heal``, ``healed``, ``wrapper``, ``recenter``.
+``check``, ``heal``, ``healed``, ``wrapper``, ``recenter``; a set-up that failed (a member
+died or froze in it) in ``stats["failed_setups"]``, with the phases it got through.
 
 Example:
     >>> trainer = hexagram.elastic.live(net, [opt], "powersgd")  # doctest: +SKIP
@@ -85,6 +86,7 @@ class MembershipSetup:
     _vote: int
     _phases: dict[str, float]
     _left_s: float
+    _setup_began: float
     _teardown: Callable[[], None]  # the trainer's: leave the current membership
 
     def _join(self, own: dict[str, Any] | None, first_size: int | None) -> None:
@@ -112,12 +114,23 @@ class MembershipSetup:
                     if not isinstance(exc, FAILURES) and self._aborted != epoch.number:
                         raise  # healed (the watcher aborted it: any error then), else a bug
                     self.stats["failures"] += 1
+                    self._record_failed_setup(epoch, exc)
                     self._teardown()
             number = max(number, self.quorum.last_epoch()) + 1
+
+    def _record_failed_setup(self, epoch: Epoch, exc: BaseException) -> None:
+        """``stats["failed_setups"]``: the epoch, its members, the phases it got through
+        (seconds; the last one is where it failed) and the error."""
+        self.stats["failed_setups"].append({
+            "epoch": epoch.number, "members": list(epoch.members),
+            "phases": {k: round(v, 4) for k, v in self._phases.items()},
+            "failed_after_s": round(time.monotonic() - self._setup_began, 4),
+            "error": f"{type(exc).__name__}: {exc}"[:300]})
 
     def _setup(self, epoch: Epoch, own: dict[str, Any] | None) -> None:
         """The epoch's process group and wrapper; heal members that are behind."""
         mark = _Marks(self._phases)
+        self._setup_began = mark.last
         self._build_group(epoch, mark)
         healed_at = time.monotonic()
         # a member that dies while healing or re-centring leaves the others in a

@@ -155,7 +155,8 @@ class LiveTrainer(MembershipSetup):
         stats: ``failures``, ``stall_s`` (per recovery), ``heal_s``, ``epochs``, ``votes``
             (commit votes taken: every step for gradient algorithms, rounds for weight
             algorithms), ``memberships`` (per epoch set up: its number, members, their
-            registered steps, this replica's step after set-up and the heal source).
+            registered steps, this replica's step after set-up, the heal source and the
+            set-up's phases), ``failed_setups`` (set-ups a failure cut short: where).
     """
 
     def __init__(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -174,7 +175,9 @@ class LiveTrainer(MembershipSetup):
         self._phases: dict[str, float] = {}  # of the set-up in progress
         self._left_s = 0.0  # how long leaving the last membership took
         self.stats: dict[str, Any] = {"failures": 0, "stall_s": [], "heal_s": [],
-                                      "epochs": 0, "votes": 0, "memberships": []}
+                                      "epochs": 0, "votes": 0, "memberships": [],
+                                      "failed_setups": []}
+        self._setup_began = time.monotonic()
         address = address or live_address(timeout=join_timeout)
         host, port, prefix = address.host, address.port, address.prefix
         self._root = dist.TCPStore(host, port, is_master=False,
