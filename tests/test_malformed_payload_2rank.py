@@ -18,12 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from _malformed import BAD_STEP, corrupt_buffers, train, wrap
 
 from hexagram.launch import run_local
-
-BAD_STEP = 2
-STEPS = 5
 
 
 def _corrupt(payload: Any, how: str) -> Any:
@@ -44,8 +41,6 @@ def _sabotage(how: str, armed: list[bool]) -> None:
     """Rank 1's bytes on the wire: every payload it packs for a collective is corrupted
     once ``armed[0]`` holds (its own error-feedback residuals see the honest payload, as
     with bytes corrupted in transit)."""
-    from hexagram.compress.base import Payload
-
     if how == "pairs":  # gTop-k's (value, index) messages: every index the same
         from hexagram.comm import gtopk_tree
 
@@ -56,46 +51,16 @@ def _sabotage(how: str, armed: list[bool]) -> None:
 
         gtopk_tree._pack = bad_pack
         return
-    honest = Payload.to_buffer
-
-    def to_buffer(self: Payload) -> torch.Tensor:
-        return honest(_corrupt(self, how) if armed[0] else self)
-
-    Payload.to_buffer = to_buffer  # type: ignore[method-assign]
+    corrupt_buffers(lambda payload: _corrupt(payload, how), armed)
 
 
 def _worker(algorithm: str, how: str) -> dict[str, Any]:
-    import hexagram as hx
-    from hexagram.errors import HexagramError
-
-    hx.init()
-    rank = hx.get_runtime().rank
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
     config = {"sparseloco": {"period": 1}, "gtopk": {"density": 0.1}}.get(algorithm, {})
-    model = hx.DistributedDataParallel(net, optimizers=[opt],
-                                       algorithm=hx.algorithms.get(algorithm, **config),
-                                       bucket_size_mb=25.0)
+    run = wrap(algorithm, config)
     armed = [False]
-    if rank == 1:
+    if run.rank == 1:
         _sabotage(how, armed)
-    gen = torch.Generator().manual_seed(rank)
-    outcome: dict[str, Any] = {"rank": rank, "error": None, "step": None}
-    try:
-        for step in range(STEPS):
-            armed[0] = step >= BAD_STEP
-            x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-            outcome["step"] = step
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    except HexagramError as exc:
-        outcome["error"] = (type(exc).__name__, str(exc))
-    except Exception as exc:  # a raw torch error is a failure of the test
-        outcome["error"] = ("raw " + type(exc).__name__, str(exc))
-    model.close()
-    return outcome
+    return train(run, armed)
 
 
 #: a weight algorithm's rounds raise at the control collective after the one that received
