@@ -6,10 +6,11 @@ pairs with error feedback; ``qsgd``: scatter-gather of per-chunk norms and codes
 per bucket; ``sparseloco``: allgathered chunked top-k (bin means NaN);
 ``low_precision_decentralized``: payloads to ring neighbours only, the fault carried by the
 round's control collective). From step ``BAD_STEP`` on, the bytes rank 1 puts on the wire
-are those of a corrupted payload: every index past the end (top-k), a NaN norm (QSGD).
-Both ranks must raise the same :class:`~hexagram.errors.NonFiniteGradientError` (or its
-``MalformedPayloadError``) at that step, naming rank 1, with no raw torch error and no hang
-(the run has a deadline); gTop-k agrees on the fault once a step, not once per bucket, and under
+are those of a corrupted payload: every index past the end (top-k), a NaN norm or every
+byte random (QSGD). Both ranks must raise the same
+:class:`~hexagram.errors.NonFiniteGradientError` (or its ``MalformedPayloadError``) at that
+step, naming rank 1 and the same tensor, with no raw torch error and no hang (the run has
+a deadline); gTop-k agrees on the fault once a step, not once per bucket, and under
 ``on_nonfinite="skip"`` skips those steps on both ranks.
 """
 
@@ -27,6 +28,10 @@ from hexagram.launch import run_local
 
 def _corrupt(payload: Any, how: str) -> Any:
     tensors = list(payload.tensors)
+    if how == "malformed":  # the byte attack: every tensor's bytes random
+        from hexagram.testing.byte_attacks import corrupt_payload
+
+        return corrupt_payload("malformed", payload, RANDOM)
     if how == "nan":  # every floating tensor (scales, bin means) NaN
         tensors = [t.new_full(t.shape, float("nan")) if t.is_floating_point() else t
                    for t in tensors]
@@ -37,6 +42,9 @@ def _corrupt(payload: Any, how: str) -> Any:
         norms[0] = float("nan")
         tensors[0] = norms
     return replace(payload, tensors=tuple(tensors))
+
+
+RANDOM = torch.Generator().manual_seed(1)  # the malformed bytes, the same every run
 
 
 def _sabotage(how: str, armed: list[bool]) -> None:
@@ -87,8 +95,8 @@ LATE = {"sparseloco": 1}
 
 
 @pytest.mark.parametrize(("algorithm", "how"), [
-    ("topk", "index"), ("qsgd", "norm"), ("gtopk", "pairs"), ("sparseloco", "nan"),
-    ("low_precision_decentralized", "nan")])
+    ("topk", "index"), ("qsgd", "norm"), ("qsgd", "malformed"), ("gtopk", "pairs"),
+    ("sparseloco", "nan"), ("low_precision_decentralized", "nan")])
 def test_both_ranks_raise_the_same_named_error_naming_rank_1(algorithm: str,
                                                              how: str) -> None:
     outcomes = run_local(_worker, 2, args=(algorithm, how), timeout=180)
