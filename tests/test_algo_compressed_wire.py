@@ -211,7 +211,7 @@ def _payload_bytes(name: str, rank: int, world: int) -> int:
         ks = [_k(CASES[name][2], n) for n in sizes]  # (or one per round of recursive doubling)
         edges = world.bit_length() - 1 if butterfly(world) else \
             (rank != 0) + len(tree_children(rank, world))
-        # and the exchange's 8-byte fault allreduce (max), one per bucket
+        # and the step's 8-byte fault allreduce (min), one per step after the last bucket
         return sum(8 * k * edges for k in ks) + 2 * (world - 1) * 8 // world
     if name == "randomk":  # shared positions: one ring allreduce of the k float32 values
         return 2 * (world - 1) * 4 * sum(_k(CASES[name][2], n) for n in sizes) // world

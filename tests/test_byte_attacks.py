@@ -175,6 +175,9 @@ _BAD_INDICES = {"index_out_of_range/topk", "malformed/topk"}
 def test_without_robust_every_rank_raises_the_named_error(
         key: str, plain: list[dict[str, Any]]) -> None:
     _named_error_everywhere(plain, key)
+    # the message too: the same sender and the same tensor of the message on every rank
+    # (qsgd's scatter-gather named the first tensor each rank's own checks flagged)
+    assert plain[0][key]["error"] == plain[1][key]["error"]
 
 
 @pytest.mark.parametrize("key", sorted(_BAD_INDICES))

@@ -10,7 +10,7 @@ from hexagram.cost.model import predict
 from hexagram.cost.own_work import gtopk_tree_cost
 from hexagram.cost.probe import COLLECTIVES, Fit, NetworkProfile, exchange_fit
 from hexagram.cost.profile import CompressorCost, ComputeProfile, TreeCost
-from hexagram.cost.schedule import TensorSpec, bucket_schedule
+from hexagram.cost.schedule import TensorSpec, bucket_schedule, step_schedule
 
 
 def one_tensor(n: int, ready: float = 0.010) -> ComputeProfile:
@@ -67,10 +67,25 @@ def test_gtopk_rounds_priced_as_one_partner_exchanges() -> None:
     p = predict(gtopk, one_tensor(200_000), net)
     [[msg, fault]] = p.schedule
     assert (msg.op, msg.sent, msg.rounds) == ("pair", 160_000, 2)
-    # then the exchange's fault allreduce: one int64 on the ring (12 bytes sent on 4 ranks)
+    # then the step's one fault allreduce: one int64 on the ring (12 bytes sent on 4 ranks)
     assert (fault.op, fault.sent) == ("allreduce", 12)
     assert p.step_s == pytest.approx(0.005 + 0.010 + 2 * 0.001 + 160_000 / 6e6 + 0.002
                                      + 0.006 + 12 / 1e7)
+
+
+def test_gtopk_agrees_on_faults_once_per_step_after_the_last_bucket() -> None:
+    # three buckets (one tensor each): three pair exchanges, then ONE 8-byte allreduce
+    gtopk = hx.algorithms.get("gtopk")
+    specs = [TensorSpec(name, (1 << 20,)) for name in "abc"]
+    compute = ComputeProfile(0.005, 0.010, 0.002, specs, [0.004, 0.007, 0.010])
+    p = predict(gtopk, compute, fast_net(), bucket_bytes=4 << 20, first_bucket_bytes=4 << 20)
+    assert [[m.op for m in msgs] for msgs in p.schedule] == \
+        [["pair"], ["pair"], ["pair", "allreduce"]]
+    assert p.schedule[-1][-1].sent == 12
+    layout = [[spec] for spec in specs]
+    ops = [[m.op for m in msgs] for msgs in step_schedule(gtopk, layout, 4)]
+    assert ops == [["pair"], ["pair"], ["pair", "allreduce", "allreduce"]]  # the guard's
+    assert step_schedule(gtopk, layout, 1) == [[], [], []]  # alone: nothing to agree on
 
 
 def test_exchange_cpu_from_the_ring_and_p2p_cpu_fits() -> None:

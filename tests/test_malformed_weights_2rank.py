@@ -22,12 +22,10 @@ from typing import Any
 
 import pytest
 import torch
+from _malformed import BAD_STEP, STEPS, corrupt_buffers, train, wrap
 from torch import nn
 
 from hexagram.launch import run_local
-
-BAD_STEP = 2
-STEPS = 5
 
 
 def _corrupt(payload: Any, how: str) -> Any:
@@ -38,18 +36,6 @@ def _corrupt(payload: Any, how: str) -> Any:
         tensors = [t.new_full(t.shape, float("nan")) if t.is_floating_point() else t
                    for t in tensors]
     return replace(payload, tensors=tuple(tensors))
-
-
-def _sabotage_payloads(how: str, armed: list[bool]) -> None:
-    """Every payload rank 1 packs for a collective is corrupted once ``armed[0]`` holds."""
-    from hexagram.compress.base import Payload
-
-    honest = Payload.to_buffer
-
-    def to_buffer(self: Payload) -> torch.Tensor:
-        return honest(_corrupt(self, how) if armed[0] else self)
-
-    Payload.to_buffer = to_buffer  # type: ignore[method-assign]
 
 
 def _sabotage_weights(module: Any, armed: list[bool]) -> None:
@@ -77,50 +63,20 @@ def _sabotage(algorithm: str, how: str, armed: list[bool]) -> None:
     import hexagram.algorithms.diloco as diloco
 
     if how != "weights":
-        _sabotage_payloads(how, armed)
+        corrupt_buffers(lambda payload: _corrupt(payload, how), armed)
     else:
         _sabotage_weights({"decentralized": decentralized, "async": asynchronous}.get(
             algorithm, diloco), armed)
 
 
 def _worker(algorithm: str, config: dict[str, Any], how: str) -> dict[str, Any]:
-    import hexagram as hx
-    from hexagram.errors import HexagramError
-
-    hx.init()
-    rank = hx.get_runtime().rank
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    model = hx.DistributedDataParallel(net, optimizers=[opt],
-                                       algorithm=hx.algorithms.get(algorithm, **config),
-                                       bucket_size_mb=25.0)
+    run = wrap(algorithm, config)
     armed = [False]
-    if rank == 1:
+    if run.rank == 1:
         _sabotage(algorithm, how, armed)
-    gen = torch.Generator().manual_seed(rank)
-    outcome: dict[str, Any] = {"rank": rank, "error": None, "step": None}
-    try:
-        for step in range(STEPS if algorithm != "async" else 60):
-            armed[0] = step >= BAD_STEP
-            x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-            outcome["step"] = step
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if algorithm == "async":
-                time.sleep(0.02)  # rounds every 5 ms run in the background meanwhile
-        model.synchronize()
-    except HexagramError as exc:
-        outcome["error"] = (type(exc).__name__, str(exc))
-    except Exception as exc:  # a raw torch error is a failure of the test
-        outcome["error"] = ("raw " + type(exc).__name__, str(exc))
-    outcome["finite"] = all(bool(torch.isfinite(p).all()) for p in net.parameters())
-    try:
-        model.close()
-    except HexagramError:
-        pass
-    return outcome
+    if algorithm == "async":  # rounds every 5 ms run in the background meanwhile
+        return train(run, armed, 60, after_step=lambda _: time.sleep(0.02), synchronize=True)
+    return train(run, armed, STEPS, synchronize=True)
 
 
 #: (algorithm, its config, corruption, how the error begins, steps after BAD_STEP at which

@@ -106,7 +106,7 @@ def test_topk_grows_linearly_in_p_gtopk_with_log_p() -> None:
     for p, b in zip(worlds, topk):
         assert b == pytest.approx(topk[0] * (p - 1) / 7, rel=1e-9)  # (P-1) payloads
     for p, b in zip(worlds, gtopk):  # butterfly: log2 P rounds of k pairs (and an 8-byte
-        # fault allreduce per bucket: tens of bytes beside megabytes, within rel 1e-4)
+        # fault allreduce per step: bytes beside megabytes, within rel 1e-4)
         assert b == pytest.approx(gtopk[0] * math.log2(p) / 3, rel=1e-4)
     assert gtopk[-1] < topk[-1] / 100
 

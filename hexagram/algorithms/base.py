@@ -201,6 +201,11 @@ class Algorithm:
         own; ``None`` (the default): derived from its compressor's aggregation."""
         return None
 
+    def step_messages(self, world: int, rank: int) -> list[Message]:
+        """Messages of its own sent once per step, after the last bucket's (gTop-k's
+        fault agreement); none by default."""
+        return []
+
     def own_work_cost(self, sizes: Shapes, device: torch.device | str = "cpu"
                       ) -> TreeCost | None:
         """Its own CPU outside the compressor (:attr:`own_work`), timed at ``sizes``."""

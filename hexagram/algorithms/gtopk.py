@@ -26,9 +26,11 @@ tensor, :meth:`GTopKAlgorithm.reduce_segment`.)
 No host reads per segment: the selections are fixed-size (``k`` pairs in and out, masks
 applied by ``torch.where`` and scatters), and the range check of this rank's indices and
 the checks of every message received (a peer's bytes: a malformed one is made harmless,
-and the ranks agree on it, :mod:`hexagram.comm.gtopk_tree`) join the step's one read
-(``ctx.checks``): every rank raises :class:`~hexagram.errors.MalformedPayloadError` at the
-same step, naming the sender.
+:mod:`hexagram.comm.gtopk_tree`) join the step's one read (``ctx.checks``). The ranks
+agree on a malformed message with one 8-byte allreduce per step, after the last bucket's
+exchange (:class:`~hexagram.comm.gtopk_tree.StepFaults`, closed in :meth:`after_backward`),
+not one per bucket: every rank raises :class:`~hexagram.errors.MalformedPayloadError` at
+the same step, naming the sender (or skips it under ``on_nonfinite="skip"``).
 
 Example:
     >>> import hexagram as hx
@@ -61,6 +63,7 @@ from hexagram.comm.gtopk import (
     sparse_pairs,
 )
 from hexagram.comm.gtopk_segments import SegmentPlan, gtopk_allreduce_segments
+from hexagram.comm.gtopk_tree import StepFaults
 from hexagram.compress.feedback import ErrorFeedback
 from hexagram.compress.segments import Segments
 from hexagram.config import check_float
@@ -124,6 +127,23 @@ class GTopKAlgorithm(CompressedAlgorithm):
         if self.config.error_feedback:
             self.error_feedback = ErrorFeedback(self.compressor)
         self._layouts: LayoutCache[_Layout] = LayoutCache()
+        self._faults: StepFaults | None = None  # this step's exchanges' (see the module doc)
+
+    def _step_faults(self) -> StepFaults | None:
+        """This step's :class:`StepFaults` (made at its first exchange); None alone."""
+        if self.ctx.comm.size == 1:
+            return None
+        if self._faults is None:
+            self._faults = StepFaults(self.ctx.comm, self.ctx.checks.add)
+        return self._faults
+
+    def after_backward(self) -> None:
+        """The step's one agreement on the messages received (submitted after its last
+        exchange; its flag joins the step's checks), then the checks as every algorithm."""
+        faults, self._faults = self._faults, None
+        if faults is not None:
+            faults.close()
+        super().after_backward()
 
     def reduce_bucket(self, bucket: Bucket) -> Handle[Tensor]:
         """The bucket's tensors in one exchange (see the module doc), into ``bucket.flat``;
@@ -139,7 +159,7 @@ class GTopKAlgorithm(CompressedAlgorithm):
         values, indices = sparse_pairs(payload)
         checks, size = self.ctx.checks, self.ctx.comm.size
         handle = gtopk_allreduce_segments(self.ctx.comm, values, indices, plan,
-                                          checks=checks.add)
+                                          checks=checks.add, step=self._step_faults())
 
         def finish(result: tuple[Tensor, Tensor, Tensor]) -> Tensor:
             gvalues, gindices, included = result
@@ -173,7 +193,7 @@ class GTopKAlgorithm(CompressedAlgorithm):
         values, indices = sparse_pairs(self.compressor.compress(tensor, self.generator))
         checks = self.ctx.checks
         handle = gtopk_allreduce_tracked(self.ctx.comm, values, indices, segment.numel,
-                                         checks=checks.add)
+                                         checks=checks.add, step=self._step_faults())
         size, numel = self.ctx.comm.size, segment.numel
 
         def finish(results: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
@@ -206,8 +226,7 @@ class GTopKAlgorithm(CompressedAlgorithm):
         """The bucket's pairs (every segment's together, one message per edge) up and down
         the tree: recursive doubling (P a power of two) takes ``log2 P`` exchanges;
         otherwise a binomial tree up and the result broadcast down it, ``2 ceil(log2 P)``
-        sequential rounds; then the exchange's 8-byte fault allreduce (every rank learns of
-        a malformed message some rank received)."""
+        sequential rounds (the step's 8-byte fault allreduce: :meth:`step_messages`)."""
         depth = max(1, math.ceil(math.log2(world)))
         rounds = depth if butterfly(world) else 2 * depth
         values = [payload_of(self.compressor, s).tensors[0]
@@ -216,8 +235,12 @@ class GTopKAlgorithm(CompressedAlgorithm):
             return []
         up, down = gtopk_bytes(rank, world, sum(v.numel() for v in values),
                                values[0].element_size())
-        return [Message("pair", up + down, rounds=rounds),
-                Message("allreduce", ring_sent(8, world))]
+        return [Message("pair", up + down, rounds=rounds)]
+
+    def step_messages(self, world: int, rank: int) -> list[Message]:
+        """After the last bucket: the step's one 8-byte fault allreduce (every rank learns
+        of a malformed message some rank received, :class:`StepFaults`)."""
+        return [Message("allreduce", ring_sent(8, world))]
 
     def own_work_cost(self, sizes: Shapes, device: torch.device | str = "cpu") -> TreeCost:
         """The tree's own CPU (:func:`hexagram.cost.own_work.gtopk_tree_cost`)."""

@@ -3,7 +3,7 @@
 Per matrix ``M`` (n x m: a weight's gradient plus its error-feedback residual, viewed as
 ``shape[0]`` rows) and warm-started factor ``Q`` (m x r)::
 
-    P = M Q          allreduce-mean P (n x r), then orthonormalize its columns
+    P = M orth(Q)    allreduce-mean P (n x r), then orthonormalize its columns
     Q = M^T P        allreduce-mean Q (m x r), kept for next step (warm start)
     approx = P Q^T   the update every rank applies; residual = M - approx
 
@@ -15,6 +15,14 @@ allreduce's handle and run on a thread of their own with a process group of thei
 the Q allreduces, so later buckets' collectives never queue behind this compute and the
 compute overlaps backward; P's of the same shape are orthogonalized by one batched QR.
 The first ``start_iter`` steps are plain allreduce, as the paper's warm-up.
+
+``orth(Q)``: the warm start's columns orthonormalized before ``P = M Q``, as PyTorch's
+``powerSGD_hook`` does. The column space, hence the result in exact arithmetic, is the
+same; but a warm start is ``M^T P`` of the last step, of the order of M's singular values,
+so ``M Q`` from it is of the order of their squares: for a small gradient (singular values
+near 1e-3) fp16's subnormals, where 16-bit factors on the wire keep a few bits (measured:
+fp16 factors 100x further from float32 than PyTorch's fp16 hook; with ``orth``, no
+further, ``tests/test_dropin_comm_hooks.py``).
 
 With ``granularity="bucket"`` the whole bucket is one ``ceil(sqrt(N))``-row matrix (zero
 padded): one pair of factors for the model instead of one per layer.

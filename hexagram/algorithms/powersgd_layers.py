@@ -140,8 +140,9 @@ def warm_starts(batch: Batch, compressor: PowerSGDCompressor, like: Tensor) -> T
 
 def first_stage(layout: LayerLayout, flat: Tensor, compressor: PowerSGDCompressor,
                 ef: ErrorFeedback | None) -> tuple[Stage, Tensor]:
-    """Residuals added, each batch's P = M Q; returns the stage and P's allreduce buffer
-    (every P, then the uncompressed entries, in the work dtype)."""
+    """Residuals added, each batch's P = M Q (Q orthonormalized: one batched QR); returns
+    the stage and P's allreduce buffer (every P, then the uncompressed entries, in the
+    work dtype)."""
     work = work_dtype(flat.dtype)
     residual = None if ef is None else \
         ef.bind_flat(layout, layout.keys, layout.lengths, flat).buffer
@@ -154,7 +155,8 @@ def first_stage(layout: LayerLayout, flat: Tensor, compressor: PowerSGDCompresso
         if residual is not None:
             m.add_(residual[offset:offset + m.numel()].view_as(m))
         m = m.view(len(b.members), b.rows, b.cols)
-        q = warm_starts(b, compressor, m)
+        # Q's columns orthonormalized first, as PyTorch's hook (PowerSGDCompressor.compute_p)
+        q = compressor.orthonormal(warm_starts(b, compressor, m))
         ps.append(torch.bmm(m, q))
         ms.append(m)
         in_place.append(own)

@@ -16,7 +16,9 @@ Who learns of a fault:
 - scatter-gather: only the owner of a chunk decodes the copies the ranks sent of it; an
   owner that found one malformed sends its re-encoded chunk *poisoned* (:func:`poison`:
   NaN in its floating tensors, the culprit's rank in the NaN's bits), so every rank's
-  decode of the allgathered chunks flags it and names the culprit.
+  decode of the allgathered chunks flags it and names the culprit. The allgathered
+  chunks' flags are queued before the owner's own (which differ from rank to rank), so
+  the first fault of a step, the one raised, names the same tensor on every rank.
 
 Example:
     >>> import torch, hexagram.compress as hc
@@ -38,7 +40,8 @@ from torch import Tensor
 from hexagram.compress.base import Compressor, Payload
 from hexagram.errors import MALFORMED, NONFINITE_SUM
 
-__all__ = ["MALFORMED", "FaultSink", "check_gathered", "check_ranks", "check_summed", "poison"]
+__all__ = ["MALFORMED", "FaultSink", "check_gathered", "check_ranks", "check_summed",
+           "payload_flags", "poison"]
 
 
 #: ``sink(flag, explain)``: queue a 0-d bool flag (True: malformed) and its explanation
@@ -54,14 +57,21 @@ _QUIET_NAN = {torch.float32: (torch.int32, 0x7FC00000),
 _RANK_BITS = 1 << 20
 
 
+def payload_flags(comp: Compressor, payloads: Sequence[Payload]) -> Tensor:
+    """(P,) bool: which of ``payloads`` are malformed (no read of the device)."""
+    return torch.stack([comp.payload_fault(p).reshape(()) for p in payloads])
+
+
 def check_gathered(sink: FaultSink | None, comp: Compressor, payloads: Sequence[Payload],
-                   what: str) -> Tensor | None:
+                   what: str, flags: Tensor | None = None) -> Tensor | None:
     """Queue one flag for ``payloads`` (rank ``r``'s at index ``r``): some is malformed.
     The explanation names the first malformed one's rank, or the culprit a poisoned chunk
-    names. Returns the per-rank flags ((P,) bool), or None without a sink."""
+    names. ``flags``: their :func:`payload_flags`, where already known. Returns the
+    per-rank flags ((P,) bool), or None without a sink."""
     if sink is None:
         return None
-    flags = torch.stack([comp.payload_fault(p).reshape(()) for p in payloads])
+    if flags is None:
+        flags = payload_flags(comp, payloads)
 
     def explain() -> str:  # runs only on a failure: reads freely
         r = int(flags.int().argmax())

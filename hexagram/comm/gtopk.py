@@ -34,8 +34,9 @@ staged by the helper behind :func:`hexagram.comm.primitives.neighbor_exchange` (
 point-to-point ops read host memory only).
 
 Received pairs are not trusted: each message is checked on the device, a malformed one is
-merged as harmless pairs, and the ranks agree on the fault with one 8-byte allreduce at the
-end of the exchange (:mod:`hexagram.comm.gtopk_tree`), so every rank raises the same
+merged as harmless pairs, and the ranks agree on the fault with one 8-byte allreduce: at
+the end of the exchange, or, in a training step, once after the step's last exchange
+(``step``: :class:`~hexagram.comm.gtopk_tree.StepFaults`), so every rank raises the same
 :class:`~hexagram.errors.MalformedPayloadError` at the same step, naming the sender.
 
 No host reads on the device path: every size is known on the host (``k`` pairs in, ``k``
@@ -63,6 +64,7 @@ from hexagram.comm.gtopk_tree import (  # noqa: F401 (re-exported: tests, cost m
     Merge,
     Merger,
     Receipts,
+    StepFaults,
     _broadcast_down_tracked,
     _included,
     _isin,
@@ -218,7 +220,7 @@ def gtopk_allreduce(comm: Communicator, values: Tensor, indices: Tensor, numel: 
 
 
 def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor, numel: int,
-                            checks: FlagSink | None = None
+                            checks: FlagSink | None = None, step: StepFaults | None = None
                             ) -> Handle[tuple[Tensor, Tensor, Tensor]]:
     """:func:`gtopk_allreduce`, also saying which of this rank's pairs the result includes.
 
@@ -232,7 +234,9 @@ def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor,
 
     ``checks``: where the range check of ``indices`` goes, as a device flag read with the
     step's other checks (no host read here); None: checked now, a host read, raising
-    ValueError.
+    ValueError. ``step``: the training step's :class:`~hexagram.comm.gtopk_tree.StepFaults`,
+    which agrees on the faults of the messages received once for all its exchanges (None:
+    this exchange agrees on its own, and its flag goes to ``checks``).
 
     Returns:
         Handle of (values (k,), indices (k,) int64, included (k,) bool over ``indices``).
@@ -247,12 +251,12 @@ def gtopk_allreduce_tracked(comm: Communicator, values: Tensor, indices: Tensor,
                          lambda va, ia, vb, ib: merge_topk(va, ia, vb, ib, k),
                          bounds=lambda device: (0, numel),
                          fallback=lambda device: torch.arange(k, device=device),
-                         faults=checks, what=f"a tensor of {numel} elements")
+                         faults=checks, what=f"a tensor of {numel} elements", step=step)
 
 
 def start_tracked(comm: Communicator, values: Tensor, indices: Tensor, merge: Merger, *,
                   bounds: Bounds, fallback: Callable[[torch.device], Tensor],
-                  faults: FlagSink | None, what: str
+                  faults: FlagSink | None, what: str, step: StepFaults | None = None
                   ) -> Handle[tuple[Tensor, Tensor, Tensor]]:
     """The exchange of :func:`gtopk_allreduce_tracked` (inputs checked), every merge by
     ``merge``: the ``k`` pairs of one tensor, or of several tensors at once (bucket
@@ -261,13 +265,15 @@ def start_tracked(comm: Communicator, values: Tensor, indices: Tensor, merge: Me
     Each message received is checked (:class:`~hexagram.comm.gtopk_tree.Receipts`:
     ``bounds`` of each pair's index, ``fallback`` indices for a malformed message); the
     ranks agree on the fault, whose flag goes to ``faults`` (None: read here, raising
-    :class:`~hexagram.errors.MalformedPayloadError` on every rank)."""
+    :class:`~hexagram.errors.MalformedPayloadError` on every rank), or, with ``step``,
+    agree on it with the step's other exchanges (:class:`StepFaults`: one allreduce)."""
     k = values.numel()
     values, indices = values.detach().clone(), indices.detach().long().clone()
     if comm.size == 1:
         return Handle.completed((values, indices, torch.ones(k, dtype=torch.bool,
                                                              device=values.device)), "gtopk")
     up, down = gtopk_bytes(comm.rank, comm.size, k, values.element_size())
+    slot = None if step is None else step.open(what)
 
     def job() -> tuple[Tensor, Tensor, Tensor, Receipts]:
         receipts = Receipts(comm, bounds, fallback(values.device))
@@ -282,13 +288,18 @@ def start_tracked(comm: Communicator, values: Tensor, indices: Tensor, merge: Me
             mine = _included(indices if order is None else indices[order], merges, counted)
         if order is not None:  # ``included`` is over the caller's order of its pairs
             mine = torch.empty_like(mine).scatter_(0, order, mine)
-        receipts.agree()  # a fault any rank found, on every rank
+        if step is None or slot is None:
+            receipts.agree()  # a fault any rank found, on every rank
+        else:  # agreed on with the step's other exchanges, after the last one
+            step.record(slot, receipts)
         return gv, gi, mine, receipts
 
     def report(result: tuple[Tensor, Tensor, Tensor, Receipts]
                ) -> tuple[Tensor, Tensor, Tensor]:
         gv, gi, mine, receipts = result
-        if faults is not None:
+        if step is not None:
+            step.settle()
+        elif faults is not None:
             faults(receipts.fault > 0, lambda: receipts.explain(what))
         elif bool(receipts.fault > 0):  # host read: a caller without a step to join
             raise MalformedPayloadError(receipts.explain(what))

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.gtopk import FlagSink, _check, _unused, start_tracked
+from hexagram.comm.gtopk_tree import StepFaults
 
 __all__ = ["SegmentPlan", "gtopk_allreduce_segments", "merge_segments"]
 
@@ -149,12 +150,14 @@ def merge_segments(values_a: Tensor, indices_a: Tensor, values_b: Tensor, indice
 
 
 def gtopk_allreduce_segments(comm: Communicator, values: Tensor, indices: Tensor,
-                             plan: SegmentPlan, checks: FlagSink | None = None
+                             plan: SegmentPlan, checks: FlagSink | None = None,
+                             step: StepFaults | None = None
                              ) -> Handle[tuple[Tensor, Tensor, Tensor]]:
     """:func:`hexagram.comm.gtopk.gtopk_allreduce_tracked` of every tensor of ``plan`` at
     once: ``values``/``indices`` hold ``ks[t]`` pairs of each tensor ``t`` (bucket
     positions, any order); each tensor gets its own global top-``ks[t]``, and every round
     sends one message of ``plan.total`` pairs (the bytes of the per-tensor messages).
+    ``checks`` and ``step`` as there.
 
     Returns:
         Handle of (values (total,), indices (total,) int64 in position order: ``ks[t]``
@@ -169,4 +172,5 @@ def gtopk_allreduce_segments(comm: Communicator, values: Tensor, indices: Tensor
     return start_tracked(comm, values, indices,
                          lambda va, ia, vb, ib: merge_segments(va, ia, vb, ib, plan),
                          bounds=plan.bounds, fallback=plan.fallback, faults=checks,
-                         what=f"a bucket of {len(plan.ks)} tensor(s), {plan.numel} elements")
+                         what=f"a bucket of {len(plan.ks)} tensor(s), {plan.numel} elements",
+                         step=step)

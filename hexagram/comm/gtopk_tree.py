@@ -7,9 +7,12 @@ their tensor's range and strictly increasing, as every honest message is; values
 replaces a malformed one by harmless pairs (zero values at valid, distinct positions: the
 merge keeps its fixed sizes, so no peer waits on a message of another size), and keeps
 the first culprit. A malformed message reaches only the ranks downstream of it (the
-culprit itself never learns), so the exchange ends with one 8-byte allreduce (max) of the
-culprit's code (:meth:`Receipts.agree`): every rank then holds the same fault, raised
-at the same step naming the same sender. Nothing here reads the device.
+culprit itself never learns), so the ranks must agree on it: alone, an exchange ends with
+one 8-byte allreduce (max) of the culprit's code (:meth:`Receipts.agree`); within a
+training step, :class:`StepFaults` collects the faults of all the step's exchanges and
+agrees on them with ONE 8-byte allreduce (min) after the last one, so a step of many
+buckets pays one latency, not one per bucket. Either way every rank then holds the same
+fault, raised at the same step naming the same sender. Nothing here reads the device.
 
 Example:
     >>> tree_parent(6, 8), tree_children(0, 8)
@@ -18,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,13 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hexagram.comm.communicator import Communicator
+from hexagram.comm.communicator import Communicator, Handle
 from hexagram.comm.device import needs_host_staging
 from hexagram.comm.primitives import _exchange_works as exchange_works
 from hexagram.compress.faults import any_of, beyond
 from hexagram.compress.packing import cpu_fast
 
-__all__ = ["Bounds", "Merge", "Merger", "Receipts", "tree_children", "tree_parent"]
+__all__ = ["Bounds", "Merge", "Merger", "Receipts", "StepFaults", "tree_children",
+           "tree_parent"]
 
 #: one merge a rank performed: (the peer's pairs' indices it merged in, the kept indices)
 Merge = tuple[Tensor, Tensor]
@@ -81,27 +86,119 @@ class Receipts:
     def agree(self) -> Tensor:
         """Every rank's :attr:`fault`, the largest (one 8-byte allreduce on the issuing
         thread, counted as ``gtopk.fault``); returns it (and keeps it)."""
-        fault = self.fault.reshape(1).clone()
-        staged = fault.device.type == "cuda" and needs_host_staging(fault, self.comm)
-        wire = fault.cpu() if staged else fault
-        work = dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=self.comm.group,
-                               async_op=True)
-        assert work is not None
-        self.comm.counter.add("gtopk.fault", self.comm.ring_allreduce_bytes(wire))
-        self.comm.await_work(work)
-        self.fault = (wire.to(fault.device) if staged else wire).reshape(())
+        self.fault = _agree_code(self.comm, self.fault, lowest=False)
         return self.fault
 
     def explain(self, what: str) -> str:
         """The message of a fault (reads :attr:`fault`: only on a failure)."""
-        code = int(self.fault) - 1
-        culprit, reporter = divmod(code, self.comm.size)
-        from hexagram.comm.faults import _FIX, MALFORMED
+        return _explain(self.comm.size, int(self.fault) - 1, what)
 
-        return (f"{MALFORMED}: gtopk: rank {culprit} sent malformed (value, index) pairs "
-                f"for {what} (indices outside their tensor, repeated or out of order, or "
-                f"values NaN/Inf; reported by rank {reporter}, which received them); "
-                f"{_FIX}")
+
+#: :class:`StepFaults`' code of "no fault" (the identity of the min over ranks)
+NO_FAULT = torch.iinfo(torch.int64).max
+
+
+class StepFaults:
+    """The received-message faults of one training step's exchanges, agreed on by ONE
+    8-byte allreduce (min) after the step's last exchange, instead of one per exchange.
+
+    Protocol (every rank calls the same methods in the same order: the exchanges are
+    collectives): :meth:`open` when an exchange is submitted (it gets a slot, and its
+    ``what`` for the message); :meth:`record` from the exchange's job on the issuing
+    thread, once its :class:`Receipts` are complete; :meth:`settle` when its result is
+    taken; :meth:`close` at the end of the step, which submits the agreement (it runs on
+    the issuing thread after every exchange of the step). Once closed and every exchange
+    settled, the agreed flag goes to ``sink`` (e.g. ``ctx.checks.add``: read with the
+    step's other checks, no host read here): at :meth:`close` when the step's results
+    were all taken (the engine waits them before the end of backward), else when the last
+    one is (a one-step delay takes them in the next step, as it takes the results).
+
+    A fault of slot ``s`` is coded ``s P^2 + sender P + reporter + 1`` (P ranks); the
+    minimum over ranks names the first faulty exchange of the step, and every rank holds
+    the same code: the same error, naming the same sender, at the same step.
+
+    Example:
+        >>> faults = StepFaults(comm, ctx.checks.add)  # doctest: +SKIP
+        >>> gtopk_allreduce_tracked(comm, v, i, n, faults=faults).wait()  # doctest: +SKIP
+        >>> faults.close()  # one allreduce for every exchange since  # doctest: +SKIP
+    """
+
+    def __init__(self, comm: Communicator, sink: Callable[[Tensor, Callable[[], str]], None]
+                 ) -> None:
+        self.comm, self.sink = comm, sink
+        self.whats: list[str] = []  # per slot, what its exchange carried
+        self.code: Tensor | None = None  # 0-d int64: the lowest code recorded so far
+        self._agreed: Handle[Tensor] | None = None
+        self._unsettled, self._reported = 0, False
+        self._lock = threading.Lock()
+
+    def open(self, what: str) -> int:
+        """A new exchange's slot (on the submitting thread, in submission order)."""
+        with self._lock:
+            self.whats.append(what)
+            self._unsettled += 1
+            return len(self.whats) - 1
+
+    def record(self, slot: int, receipts: Receipts) -> None:
+        """Fold ``receipts``' fault into the step's (on the issuing thread; no host read)."""
+        size = self.comm.size
+        code = torch.where(receipts.fault > 0, receipts.fault + slot * size * size, NO_FAULT)
+        self.code = code if self.code is None else torch.minimum(self.code, code)
+
+    def settle(self) -> None:
+        """An exchange's result was taken."""
+        with self._lock:
+            self._unsettled -= 1
+        self._report()
+
+    def close(self) -> None:
+        """Submit the step's one agreement (after every exchange :meth:`open` announced)."""
+        self._agreed = self.comm.submit("gtopk.fault", self._agree)
+        self._report()
+
+    def _agree(self) -> Tensor:
+        code = self.code if self.code is not None else torch.full(
+            (), NO_FAULT, dtype=torch.int64, device=self.comm.device)  # no exchange ended
+        return _agree_code(self.comm, code, lowest=True)
+
+    def _report(self) -> None:
+        """The agreed flag to ``sink``, once closed and settled (once)."""
+        with self._lock:
+            if self._agreed is None or self._unsettled > 0 or self._reported:
+                return
+            self._reported = True
+        code = self._agreed.wait()
+        self.sink(code < NO_FAULT, lambda: self.explain(code))
+
+    def explain(self, code: Tensor) -> str:
+        """The message of an agreed fault ``code`` (reads it: only on a failure)."""
+        slot, rest = divmod(int(code) - 1, self.comm.size ** 2)
+        return _explain(self.comm.size, rest, self.whats[slot])
+
+
+def _agree_code(comm: Communicator, code: Tensor, lowest: bool) -> Tensor:
+    """``code`` (0-d int64), the lowest (else the largest) over ``comm``: one 8-byte
+    allreduce on the calling (issuing) thread, counted as ``gtopk.fault``; a CUDA tensor
+    on gloo goes through host memory."""
+    fault = code.reshape(1).clone()
+    staged = fault.device.type == "cuda" and needs_host_staging(fault, comm)
+    wire = fault.cpu() if staged else fault
+    op = dist.ReduceOp.MIN if lowest else dist.ReduceOp.MAX
+    work = dist.all_reduce(wire, op=op, group=comm.group, async_op=True)
+    assert work is not None
+    comm.counter.add("gtopk.fault", comm.ring_allreduce_bytes(wire))
+    comm.await_work(work)
+    return (wire.to(fault.device) if staged else wire).reshape(())
+
+
+def _explain(size: int, code: int, what: str) -> str:
+    """The message of the fault ``code`` = ``sender * size + reporter`` for ``what``."""
+    culprit, reporter = divmod(code, size)
+    from hexagram.comm.faults import _FIX, MALFORMED
+
+    return (f"{MALFORMED}: gtopk: rank {culprit} sent malformed (value, index) pairs "
+            f"for {what} (indices outside their tensor, repeated or out of order, or "
+            f"values NaN/Inf; reported by rank {reporter}, which received them); {_FIX}")
 
 
 def tree_parent(rank: int, size: int) -> int | None:

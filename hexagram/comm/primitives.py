@@ -35,7 +35,7 @@ from torch import Tensor
 
 from hexagram.comm.communicator import Communicator, Deferred, Handle
 from hexagram.comm.device import needs_host_staging
-from hexagram.comm.faults import FaultSink, check_gathered, poison
+from hexagram.comm.faults import FaultSink, check_gathered, payload_flags, poison
 from hexagram.compress.base import Compressor, Payload
 from hexagram.compress.combine import decode_sum
 
@@ -224,8 +224,7 @@ def scatter_gather_many(comm: Communicator, tensors: Sequence[Tensor], compresso
         blocks = [b.split(sizes) for b in recv.view(size, -1)]
         copies = [[first[i][0].from_buffer(blocks[s][i]) for s in range(size)]
                   for i in range(len(rows))]
-        flags = [check_gathered(faults, compressor, c, f"tensor {i} of the message")
-                 for i, c in enumerate(copies)]
+        flags = [None if faults is None else payload_flags(compressor, c) for c in copies]
         mine = [_sum_copies(compressor, c, rows[i][0], average) for i, c in enumerate(copies)]
         reduced = [compressor.compress(m, second) for m in mine]
         reduced = [p if f is None else poison(p, f) for p, f in zip(reduced, flags)]
@@ -238,6 +237,10 @@ def scatter_gather_many(comm: Communicator, tensors: Sequence[Tensor], compresso
             chunks = [p.from_buffer(parts[r][i]) for r in range(size)]
             check_gathered(faults, compressor, chunks, f"tensor {i} of the message")
             _decode_rows(compressor, chunks, res.view(-1), mine[i])
+        # the copies only this rank decoded, queued after the chunks every rank decoded
+        # (a malformed copy poisoned its chunk: every rank names the same tensor first)
+        for i, (c, f) in enumerate(zip(copies, flags)):
+            check_gathered(faults, compressor, c, f"tensor {i} of the message", flags=f)
         return results
 
     return comm.submit("scatter_gather.alltoall", job, comm.alltoall_bytes(send.numel()))

@@ -13,7 +13,7 @@ Q. An algorithm runs, per tensor ``key`` (e.g. a parameter or bucket name)::
     ef = hexagram.compress.ErrorFeedback(c)      # PowerSGD needs error feedback
     corrected = ef.correct_(key, grad.clone())   # grad + residual
     m = c.matrix(corrected)                      # (rows, cols), work dtype
-    p = c.compute_p(key, m)                      # (rows, r) = M Q_warm       -> allreduce, / world
+    p = c.compute_p(key, m)                      # (rows, r) = M orth(Q_warm) -> allreduce, / world
     c.orthogonalize(p)                           # in place, same result on every rank
     q = c.compute_q(m, p)                        # (cols, r) = M^T P          -> allreduce, / world
     c.store_q(key, q)                            # warm start of the next step
@@ -139,14 +139,18 @@ class PowerSGDCompressor(Compressor):
 
     def compute_p(self, key: Any, m: Tensor, generator: torch.Generator | None = None
                   ) -> Tensor:
-        """P = M Q (rows, r), Q this key's warm start (or a fresh seeded random Q)."""
+        """P = M Q (rows, r), Q this key's warm start (or a fresh seeded random Q) with
+        its columns orthonormalized first (:meth:`orthonormal`, as PyTorch's
+        ``powerSGD_hook``): the same column space, but P of the order of M, where a warm
+        start (``M^T P``, of the order of M) made it of the order of M squared, down in
+        16-bit subnormals for small gradients."""
         r = min(self.config.rank, *m.shape)
         q = self._q.get(key)
         if q is None or q.shape != (m.shape[1], r) or not self.config.warm_start \
                 or q.dtype != m.dtype:
             q = self._initial_q(key, m.shape[1], r, m, generator)
         # M times a column-major Q: 5x faster than M @ Q with Q row-major (thin BLAS path)
-        p = m @ q.t().contiguous().t()
+        p = m @ self.orthonormal(q).t().contiguous().t()
         if self.checks_finite and not bool(torch.isfinite(p).all()):
             check_finite(m, self.name)
             raise ValueError(f"{self.name}: M Q overflows {m.dtype}; scale the tensor down")
@@ -174,6 +178,12 @@ class PowerSGDCompressor(Compressor):
         return torch.randn(cols, r, generator=generator, dtype=like.dtype, device=like.device)
 
     @staticmethod
+    def orthonormal(q: Tensor) -> Tensor:
+        """A new tensor: :meth:`orthogonalize` of ``q`` (cols, r) or (g, cols, r); ``q``
+        stays as it is (a warm start is kept as averaged, PyTorch's at the end of a step)."""
+        return torch.linalg.qr(q, mode="reduced")[0]
+
+    @staticmethod
     def orthogonalize(p: Tensor) -> Tensor:
         """Orthonormal columns spanning P's column space (in place); returns ``p``.
 
@@ -186,8 +196,7 @@ class PowerSGDCompressor(Compressor):
         the same allreduced P get the same bits. LAPACK scales its norms, so columns of
         1e30 or 1e-30 neither overflow nor underflow. (rows, r) with rows >= r.
         """
-        q, _ = torch.linalg.qr(p, mode="reduced")
-        return p.copy_(q)
+        return p.copy_(PowerSGDCompressor.orthonormal(p))
 
     @staticmethod
     def compute_q(m: Tensor, p: Tensor) -> Tensor:

@@ -34,6 +34,9 @@ these :class:`~hexagram.algorithms.base.Algorithm` members (all optional):
   one bucket after any warm-up (gTop-k's tree, random-k's shared positions, QAdam's
   momentum, robust shards); build them with :func:`~hexagram.cost.schedule.payload_of`,
   :func:`~hexagram.cost.schedule.ring_sent` and :func:`~hexagram.cost.schedule.segment_shapes`;
+- ``step_messages(world, rank)``: messages of its own sent once per step, after the last
+  bucket's (gTop-k's agreement on the faults of the messages its ranks received); read
+  where present, as ``passes_nonfinite``, so an object without it sends none;
 - ``own_work`` (``"tree"``: its measured own work replaces the decodes; ``"momentum"``:
   it adds around the encode and decode) with ``own_work_cost(sizes, device)`` timing it;
 - ``gathered_decodes(world)``: payloads decoded per segment of a gathered format;

@@ -8,7 +8,8 @@ A gradient algorithm's step (``predict``), per bucket in launch order:
 - its messages (:func:`hexagram.cost.schedule.bucket_schedule`) start when it is ready and
   the previous bucket's communication is over (one issuing thread, one link), each taking
   ``rounds * latency + sent / rate`` of its collective's fit
-  (:class:`hexagram.cost.probe.NetworkProfile`);
+  (:class:`hexagram.cost.probe.NetworkProfile`); the last bucket's are followed by the
+  algorithm's once-per-step messages (:func:`hexagram.cost.schedule.step_end_messages`);
 - decoding (once per payload received for gathered formats) follows its messages;
 - the update starts when backward and the last bucket are both done.
 
@@ -58,6 +59,7 @@ from hexagram.cost.schedule import (
     TensorSpec,
     bucket_schedule,
     payload_of,
+    step_end_messages,
 )
 
 __all__ = ["MB", "Prediction", "amortized", "bucket_layout", "cpu_floor", "gathered_decodes",
@@ -173,8 +175,11 @@ def predict(algorithm: Priced, compute: ComputeProfile, network: NetworkProfile,
     world, free, shift, enc_total, dec_total = network.world, 0.0, 0.0, 0.0, 0.0
     schedule: list[list[Message]] = []
     compute, k = lockstep(compute, network), max(1.0, network.share)
-    for specs, ready in bucket_layout(compute, bucket_bytes, first_bucket_bytes):
+    layout = list(bucket_layout(compute, bucket_bytes, first_bucket_bytes))
+    for i, (specs, ready) in enumerate(layout):
         msgs = bucket_schedule(algorithm, specs, world, step, network.hosts, rank)
+        if i == len(layout) - 1:  # then the algorithm's once-per-step messages
+            msgs = [*msgs, *step_end_messages(algorithm, world, step, rank)]
         enc, dec = _cpu(algorithm, specs, world, cost, msgs) if msgs else (0.0, 0.0)
         enc, dec = k * enc, k * dec  # CPU seconds, in lockstep with the other ranks
         shift += enc

@@ -46,7 +46,8 @@ from hexagram.cost.payload_size import meta_payload
 
 __all__ = ["Message", "TensorSpec", "allreduce_messages", "analytic_payloads",
            "bucket_schedule", "is_lossy", "layout_of", "payload_of", "ring_sent",
-           "segment_shapes", "sizing_times", "step_schedule", "wire_bytes"]
+           "segment_shapes", "sizing_times", "step_end_messages", "step_schedule",
+           "wire_bytes"]
 
 
 Layout = Sequence[Sequence[TensorSpec]]
@@ -240,17 +241,32 @@ def bucket_schedule(algorithm: Priced, bucket: Sequence[TensorSpec], world: int,
     return _generic(algorithm, comp, bucket, world)
 
 
+def step_end_messages(algorithm: Priced, world: int, step: int = 10**9, rank: int = 0
+                      ) -> list[Message]:
+    """The messages a gradient algorithm sends once per step after its last bucket's
+    (its ``step_messages``: gTop-k's fault agreement), none during a warm-up or alone."""
+    algorithm = algorithm.priced_as()
+    own = getattr(algorithm, "step_messages", None)  # optional (hexagram.cost.facts)
+    if own is None or algorithm.kind != "grad" or world <= 1 \
+            or step < getattr(algorithm.config, "start_iter", 0):
+        return []
+    return list(own(world, rank))
+
+
 def step_schedule(algorithm: Priced, layout: Layout, world: int, step: int = 10**9,
                   hosts: int = 1, rank: int = 0) -> list[list[Message]]:
     """:func:`bucket_schedule` of every bucket, in launch order; after the last one, the
     engine's once-per-step agreement on non-finite gradients (an allreduce of one int64,
     :class:`hexagram.engine.guard.FiniteGuard`) where the algorithm's reduction neither
-    carries a NaN/Inf to every rank nor drops its sender itself."""
+    carries a NaN/Inf to every rank nor drops its sender itself, then the algorithm's own
+    once-per-step messages (:func:`step_end_messages`)."""
     out = [bucket_schedule(algorithm, b, world, step, hosts, rank) for b in layout]
     if out and world > 1 and algorithm.kind == "grad" \
             and not getattr(algorithm, "passes_nonfinite", False) \
             and not getattr(algorithm, "drops_nonfinite", False):
         out[-1] = [*out[-1], Message("allreduce", ring_sent(8, world))]
+    if out:
+        out[-1] = [*out[-1], *step_end_messages(algorithm, world, step, rank)]
     return out
 
 
