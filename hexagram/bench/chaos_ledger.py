@@ -40,6 +40,24 @@ def _parse(ledgers: dict[str, list[str]]) -> dict[str, list[list[str]]]:
             for key, lines in ledgers.items()}
 
 
+def _commits(rows: list[list[str]]) -> list[tuple[int, int, float, str]]:
+    """(step, epoch, time, digest or "") of one incarnation's commits. A commit whose
+    step ended in a membership change that healed this replica forward (a ``commit+join``
+    whose set-up failed, then a later set-up healed it) is followed by an ``S`` line whose
+    ``before`` is the step it committed: the ``C`` line (written after the heal, under the
+    old epoch) then counts as that step, without a digest (the state it hashed is the
+    healed one). Counted as written, it looked like its old epoch reached the healed step."""
+    out, following = [], [r for r in rows if r[0] in ("C", "S")]
+    for r, nxt in zip(following, [*following[1:], None]):
+        if r[0] != "C":
+            continue
+        step, digest = int(r[1]), r[4] if r[3] == "1" else ""
+        if nxt is not None and nxt[0] == "S" and 0 <= int(nxt[4]) < step:
+            step, digest = int(nxt[4]), ""
+        out.append((step, int(r[2]), float(r[-1]), digest))
+    return out
+
+
 def _lost(commits: list[tuple[int, int, float, str]]) -> tuple[int, list[dict[str, int]]]:
     """Steps undone: per epoch (in order) its first commit minus one against the newest
     step committed in the epochs before it."""
@@ -125,8 +143,7 @@ def analyse(ledgers: dict[str, list[str]], events: list[dict[str, Any]], steps: 
     """The chaos soak's figures (see the module doc) from the ledgers
     (``{"<replica>_<incarnation>": lines}``) and the controller's events."""
     lines = _parse(ledgers)
-    commits = [(int(r[1]), int(r[2]), float(r[-1]), r[4] if r[3] == "1" else "")
-               for rows in lines.values() for r in rows if r[0] == "C"]
+    commits = [c for rows in lines.values() for c in _commits(rows)]
     by_commit: dict[tuple[int, int], set[str]] = defaultdict(set)
     commit_counts: Counter[tuple[int, int]] = Counter()
     for step, epoch, _, digest in commits:
