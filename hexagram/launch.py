@@ -78,13 +78,16 @@ def clean_context() -> Any:
 
 
 def preloaded_modules() -> list[str]:
-    """What the fork server imports once: the engine, the live trainer and every registered
-    algorithm (the registry imports an algorithm's module lazily, on first use). Named from
-    the files, not the registry: the launcher stands below the algorithms."""
+    """What the fork server imports once: the engine, the live trainer, every registered
+    algorithm (the registry imports an algorithm's module lazily, on first use) and
+    ``torch._dynamo``, which the engine no longer imports but ``torch.compile`` and the
+    integrations' frameworks (transformers, lightning, accelerate) do, about 2 CPU-s per
+    rank otherwise. Named from the files, not the registry: the launcher stands below the
+    algorithms."""
     package = Path(__file__).resolve().parent
     algorithms = [f"hexagram.algorithms.{m.name}" for m in pkgutil.iter_modules(
         [str(package / "algorithms")])] + ["hexagram.auto.algorithm"]
-    return ["torch", "torch.distributed", "hexagram", "hexagram.engine.ddp",
+    return ["torch", "torch.distributed", "torch._dynamo", "hexagram", "hexagram.engine.ddp",
             "hexagram.elastic.trainer", *sorted(algorithms)]
 
 

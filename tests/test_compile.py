@@ -10,17 +10,25 @@ the eager wrapper: allreduce bit for bit, PowerSGD to float rounding.
 The model has a BatchNorm layer (its buffers are broadcast before every forward, which used
 to break the graph on every step). Backend ``aot_eager``: AOTAutograd's compiled forward and
 backward (gradients arrive at the end of the compiled backward), no C++ compiler needed.
+
+The engine marks its frames for Dynamo without importing ``torch._dynamo``
+(``hexagram.engine.eager``): a process that wraps and trains never loads it, and a
+``torch.compile`` applied later still skips the engine's work, also when it compiles a
+function that calls the wrapper (one graph break there, as ``torch.compiler.disable`` gives).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from hexagram.launch import run_local
+from hexagram.launch import free_port, run_local
 
 STEPS = 4
 BACKEND = "aot_eager"
@@ -87,11 +95,31 @@ def _explain(algorithm: str, order: str) -> tuple[int, int]:
     return report.graph_count, report.graph_break_count
 
 
+def _inlined() -> tuple[int, int, bool]:
+    """(graphs, graph breaks, equal to eager) of a compiled function calling the wrapper."""
+    import torch._dynamo as dynamo
+
+    import hexagram as hx
+
+    wrapper = hx.DistributedDataParallel(_net())
+    x = torch.randn(8, 16)
+    wrapper(x).sum().backward()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return wrapper(x).sum() * 2
+
+    report = dynamo.explain(step)(x)
+    with torch.no_grad():
+        same = torch.equal(torch.compile(step, backend=BACKEND)(x), step(x))
+    wrapper.close()
+    return report.graph_count, report.graph_break_count, same
+
+
 def _worker() -> dict[str, Any]:
     import hexagram as hx
 
     rank = hx.init().rank
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"inlined": _inlined()}
     for algorithm in ALGORITHMS:
         for order in ORDERS:
             out[algorithm, order] = _train(algorithm, order, rank)
@@ -133,3 +161,22 @@ def test_wrapped_forward_compiles_without_graph_breaks(results: list[dict[str, A
     for r in results:
         assert r["explain", algorithm, order] == (1, 0)  # one graph: the whole module
         assert r[algorithm, order]["breaks"] == 0  # none over the training run either
+
+
+def test_a_compiled_caller_runs_the_wrapper_eagerly(results: list[dict[str, Any]]) -> None:
+    for r in results:  # the caller's graph, the break at the wrapper, the module's graph
+        assert r["inlined"] == (2, 1, True)
+
+
+def test_wrapping_and_training_never_import_dynamo() -> None:
+    """A fresh process (not a rank of the fork server, which preloads it)."""
+    code = ("import sys, torch\nimport hexagram as hx\nhx.init()\n"
+            "m = hx.DistributedDataParallel(torch.nn.Linear(4, 2), algorithm='powersgd')\n"
+            "m(torch.randn(3, 4)).sum().backward()\nm.close()\n"
+            "print('torch._dynamo' in sys.modules)")
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "False"

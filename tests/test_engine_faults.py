@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ def _mlp(hidden: int = 16) -> nn.Module:
     return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 2))
 
 
-def _peer_failure_worker(mode: str) -> str:
+def _peer_failure_worker(mode: str, marks: str) -> str:
     import hexagram as hx
 
     rt = hx.init(timeout=8)
@@ -29,22 +30,28 @@ def _peer_failure_worker(mode: str) -> str:
         if rt.rank == 1 and step == 3:
             if mode == "die":
                 os._exit(17)  # killed mid-training: its sockets close
-            # alive but silent: only a timeout can tell. 20 s outlasts the peers' 8 s
-            # timeout with room for a slow start, and ends the run well before its deadline
-            time.sleep(20)
+            # alive but silent: only a timeout can tell. It stays silent until both peers
+            # have raised (they mark it), at most 30 s: past their 8 s timeout, and the run
+            # ends as soon as they did, well before its deadline
+            until = time.monotonic() + 30
+            while time.monotonic() < until and len(os.listdir(marks)) < 2:
+                time.sleep(0.05)
             return "silent"
         try:
             ddp(torch.randn(4, 8)).sum().backward()
         except hx.CommError as exc:
-            return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
+            message = f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
+            open(os.path.join(marks, f"raised{rt.rank}"), "w").close()
+            return message
         opt.step()
         opt.zero_grad()
     return "no error"
 
 
 @pytest.mark.parametrize("mode", ["die", "hang"])
-def test_peer_failure_raises_instead_of_hanging(mode: str) -> None:
-    results = run_local(_peer_failure_worker, 3, args=(mode,), timeout=60, allow_failures=True)
+def test_peer_failure_raises_instead_of_hanging(mode: str, tmp_path: Path) -> None:
+    results = run_local(_peer_failure_worker, 3, args=(mode, str(tmp_path)), timeout=60,
+                        allow_failures=True)
     for rank in (0, 2):
         message = results[rank]
         assert isinstance(message, str) and message.startswith(("CommError", "CommTimeoutError"))
@@ -55,6 +62,7 @@ def test_peer_failure_raises_instead_of_hanging(mode: str) -> None:
             assert message.startswith("CommTimeoutError")
     if mode == "hang":
         assert results[1] == "silent"  # it stayed silent past the peers' timeout
+        assert len(list(tmp_path.iterdir())) == 2  # ... until both peers had raised
 
 
 def _mismatch_worker() -> str:

@@ -36,6 +36,7 @@ from hexagram.engine.checks import (
     fp16_autocast,
 )
 from hexagram.engine.comm_hooks import CommHooks
+from hexagram.engine.eager import run_eagerly
 from hexagram.engine.join import Joinable, default_group
 from hexagram.engine.optimizers import expose_forward_signature, wrap_time_optimizers
 from hexagram.engine.reducer import Reducer
@@ -241,7 +242,6 @@ class DistributedDataParallel(OptimizerHooks, CommHooks, Joinable, nn.Module):
             self.algorithm.reset(self._ctx)
 
     # -- training-time hooks -----------------------------------------------------------
-    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # The engine's pre-forward work (eager), then the wrapped module's forward. Under
         # torch.compile(wrapper) this frame runs eagerly, as PyTorch DDP's forward does, and
@@ -265,7 +265,6 @@ class DistributedDataParallel(OptimizerHooks, CommHooks, Joinable, nn.Module):
     def _agree_finite_grads(self) -> None:
         agree_finite_grads(self.comm, [p for _, p in self._named])
 
-    @torch.compiler.disable
     def _before_module_forward(self) -> None:
         if self._join_config.enable:  # inside Join([model]) / model.join()
             self._notify_join(syncing=torch.is_grad_enabled() and (
@@ -280,6 +279,9 @@ class DistributedDataParallel(OptimizerHooks, CommHooks, Joinable, nn.Module):
             # already handled) leaves its queued checks behind: they are not this step's
             self._ctx.checks.clear()
         self._prepare_forward()
+
+    forward = run_eagerly(forward, recursive=False)
+    _before_module_forward = run_eagerly(_before_module_forward, recursive=True)
 
     def _prepare_forward(self, joined: bool = False) -> None:
         """The collectives and hooks that precede every forward (also shadowed by joined

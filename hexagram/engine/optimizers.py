@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from hexagram.algorithms.base import Algorithm
+from hexagram.engine.eager import run_eagerly
 from hexagram.errors import ConfigError
 
 __all__ = ["KNOWN_WRAPPERS", "LATER", "expose_forward_signature", "needs_optimizers",
@@ -151,5 +152,4 @@ def expose_forward_signature(wrapper: nn.Module, module: nn.Module) -> None:
     forward.__doc__ = type(wrapper).forward.__doc__ or module.forward.__doc__
     # torch.compile enters here first: run this frame eagerly so that Dynamo compiles the
     # module's forward, not the engine's pre-forward work (see DistributedDataParallel)
-    skipped = torch.compiler.disable(forward, recursive=False)
-    object.__setattr__(wrapper, "forward", skipped)
+    object.__setattr__(wrapper, "forward", run_eagerly(forward, recursive=False))
