@@ -47,9 +47,9 @@ __all__ = [
 __all__ += ["load_checkpoint", "save_checkpoint"]
 
 #: public name -> the module that defines it, imported on first use. `import hexagram` itself
-#: imports neither torch nor any of these: torch costs ~2 CPU-s, the engine ~1.7 more
-#: (torch._dynamo, which its @torch.compiler.disable decorators import when the class is
-#: defined) and the checkpoint helpers torch.distributed.checkpoint; `hexagram --help`,
+#: imports neither torch nor any of these: torch costs ~2 CPU-s, the engine a little more
+#: (it marks its eager frames without importing torch._dynamo: hexagram.engine.eager) and
+#: the checkpoint helpers torch.distributed.checkpoint; `hexagram --help`,
 #: `hexagram simulate --help` and the planning commands need none of them.
 _LAZY = {
     "DistributedDataParallel": "hexagram.engine.ddp",
