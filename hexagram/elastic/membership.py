@@ -35,6 +35,7 @@ from torch import nn
 
 from hexagram.elastic import collectives
 from hexagram.elastic.liveness import Watcher
+from hexagram.elastic.polling_store import PollingStore
 from hexagram.elastic.quorum import Epoch, Quorum
 from hexagram.elastic.residuals import recenter
 from hexagram.elastic.state import CheckpointError, apply_rank_state, without_residuals
@@ -87,6 +88,7 @@ class MembershipSetup:
     _phases: dict[str, float]
     _left_s: float
     _setup_began: float
+    _group_store: dist.Store
     _teardown: Callable[[], None]  # the trainer's: leave the current membership
 
     def _join(self, own: dict[str, Any] | None, first_size: int | None) -> None:
@@ -160,7 +162,11 @@ class MembershipSetup:
 
         self.quorum.assemble(epoch, self.timeout)  # a member lost here: the next epoch
         mark("assemble")
-        store = dist.PrefixStore(f"e{epoch.number}/pg/", self._store)
+        # its waits poll: gloo's rendezvous sat 6-10 s on blocking ones (polling_store.py).
+        # Held here while the epoch's groups live: they reach it through C++ only, and a
+        # Python store collected under them fails their next call ("Not implemented").
+        store = self._group_store = PollingStore(
+            dist.PrefixStore(f"e{epoch.number}/pg/", self._store), self.timeout)
         dist.init_process_group("gloo", store=store, rank=epoch.rank_of(self.replica),
                                 world_size=len(epoch.members),
                                 timeout=timedelta(seconds=self.timeout))
