@@ -84,17 +84,18 @@ class PollingStore(dist.Store):
 
     def clone(self) -> PollingStore:
         """A store of its own connection (``new_group`` gives each group one)."""
-        return PollingStore(self.inner.clone(), self._timeout.total_seconds())
+        inner = self.inner.clone()  # type: ignore[attr-defined]  # bound, not in the stub
+        return PollingStore(inner, self._timeout.total_seconds())
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self._poll(keys, None)
         return self.inner.multi_get(keys)
 
     def multi_set(self, keys: list[str], values: list[str]) -> None:
-        self.inner.multi_set(keys, values)
+        self.inner.multi_set(keys, values)  # type: ignore[attr-defined]  # not in the stub
 
     def append(self, key: str, value: str) -> None:
-        self.inner.append(key, value)
+        self.inner.append(key, value)  # type: ignore[attr-defined]  # not in the stub
 
     def has_extended_api(self) -> bool:
         return bool(self.inner.has_extended_api())  # type: ignore[attr-defined]  # no stub
