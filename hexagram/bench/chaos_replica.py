@@ -225,10 +225,11 @@ def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any], board: Boar
             ledger.write("A", before, round(trainer.stats["stall_s"][-1], 4))
         _failed_setups(ledger, failures[failed:])
         voted = trainer.stats["votes"] > votes
-        if committed:
+        if committed:  # the step committed in `epoch` is before + 1; a membership change
+            moved = trainer.epoch is not epoch  # after it may have healed this replica on
             digest = state_digest(trainer, model=True, optimizers=not weight,
-                                  residuals=False) if voted else "-"
-            ledger.write("C", trainer.step, epoch.number, int(voted), digest)
+                                  residuals=False) if voted and not moved else "-"
+            ledger.write("C", before + 1, epoch.number, int(voted and not moved), digest)
         if trainer.epoch is not epoch:
             _setup_record(ledger, trainer, weight, before + int(committed))
     ledger.write("END", trainer.step, state_digest(trainer, model=True, optimizers=not weight,
