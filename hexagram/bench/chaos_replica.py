@@ -226,10 +226,11 @@ def _train(trainer: Any, data: Any, world: int, cfg: dict[str, Any], board: Boar
         _failed_setups(ledger, failures[failed:])
         voted = trainer.stats["votes"] > votes
         if committed:  # the step committed in `epoch` is before + 1; a membership change
-            moved = trainer.epoch is not epoch  # after it may have healed this replica on
+            # within the step may have healed this replica further: no digest of that state
+            healed_on = trainer.step != before + 1
             digest = state_digest(trainer, model=True, optimizers=not weight,
-                                  residuals=False) if voted and not moved else "-"
-            ledger.write("C", before + 1, epoch.number, int(voted and not moved), digest)
+                                  residuals=False) if voted and not healed_on else "-"
+            ledger.write("C", before + 1, epoch.number, int(voted and not healed_on), digest)
         if trainer.epoch is not epoch:
             _setup_record(ledger, trainer, weight, before + int(committed))
     ledger.write("END", trainer.step, state_digest(trainer, model=True, optimizers=not weight,
