@@ -27,9 +27,22 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["PollingStore"]
+__all__ = ["PollingStore", "poll_keys"]
 
 _FIRST_PAUSE, _LONGEST_PAUSE = 0.001, 0.01
+
+
+def poll_keys(store: dist.Store, keys: list[str], timeout: float) -> bool:
+    """True once every key of ``keys`` exists in ``store``, False after ``timeout`` s:
+    ``check()`` at 1 ms, the pause doubling up to 10 ms (never a blocking store wait)."""
+    end, pause = time.monotonic() + timeout, _FIRST_PAUSE
+    while not store.check(keys):
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _LONGEST_PAUSE)
+    return True
 
 
 class PollingStore(dist.Store):
@@ -46,12 +59,8 @@ class PollingStore(dist.Store):
 
     def _poll(self, keys: list[str], timeout: timedelta | None) -> None:
         limit = (timeout or self._timeout).total_seconds()
-        end, pause = time.monotonic() + limit, _FIRST_PAUSE
-        while not self.inner.check(keys):
-            if time.monotonic() > end:
-                raise dist.DistStoreError(f"wait timeout after {limit:.1f} s, keys: {keys}")
-            time.sleep(pause)
-            pause = min(2 * pause, _LONGEST_PAUSE)
+        if not poll_keys(self.inner, keys, limit):
+            raise dist.DistStoreError(f"wait timeout after {limit:.1f} s, keys: {keys}")
 
     def get(self, key: str) -> bytes:
         self._poll([key], None)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from hexagram.elastic.polling_store import poll_keys
 from hexagram.errors import CommError, HexagramError
 
 __all__ = ["Epoch", "Quorum", "QuorumError"]
@@ -136,18 +137,11 @@ class Quorum:
 
     def wait_key(self, key: str, timeout: float) -> bool:
         """True once ``key`` exists, False after ``timeout`` s. Polled with ``check``
-        (1 ms at first, then up to every ``_POLL`` s): ``store.wait`` with a timeout this
-        short cancels its wait on the server when it expires, and a key set during that
-        cancel left the waiter blocked for seconds (watchers missed an abort for 5 s,
+        (:func:`~hexagram.elastic.polling_store.poll_keys`): ``store.wait`` with a timeout
+        this short cancels its wait on the server when it expires, and a key set during
+        that cancel left the waiter blocked for seconds (watchers missed an abort for 5 s,
         torch 2.13)."""
-        end, pause = time.monotonic() + timeout, 0.001
-        while not self.store.check([key]):
-            left = end - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, _POLL)
-        return True
+        return poll_keys(self.store, [key], timeout)
 
     def joins(self) -> int:
         """How many times a replica asked to join (a counter on the store)."""
