@@ -2,8 +2,8 @@
 
 The segmented payloads of :mod:`hexagram.compress.sparsify` keep each tensor's own ``k``
 (or capacity) and carry every pair of the bucket in two tensors: values ``(K,)`` and *bucket*
-positions ``(K,)`` (int32: a bucket of 2**31 elements or more goes segment by segment,
-where each tensor's own indices still fit), ``K`` the sum of the per-tensor counts, so the
+positions ``(K,)``, ascending (int32: a bucket of 2**31 elements or more goes segment by
+segment, where each tensor's own indices still fit), ``K`` the sum of the per-tensor counts, so the
 wire size is the per-tensor one. Decoding is one zero fill and one ``index_add_`` for the
 bucket; error feedback subtracts the pairs from the corrected bucket in the same two passes.
 
@@ -21,7 +21,7 @@ Example:
     >>> from hexagram.compress.segments import Segments
     >>> c, seg = hc.get("topk", k=1), Segments.of([3, 2])
     >>> p = c.compress_segments(torch.tensor([1.0, -4.0, 2.0, 0.5, -1.0]), seg)
-    >>> sorted(p.tensors[1].tolist()), c.decompress_segments_into(p, torch.empty(5)).tolist()
+    >>> p.tensors[1].tolist(), c.decompress_segments_into(p, torch.empty(5)).tolist()
     ([1, 4], [0.0, -4.0, 0.0, 0.0, -1.0])
 """
 
@@ -35,6 +35,7 @@ from torch import Tensor
 from hexagram.compress.base import Payload
 from hexagram.compress.faults import clamp_index
 from hexagram.compress.segments import Segments
+from hexagram.compress.sparse_select import ascending
 
 __all__ = ["fits", "pairs_payload", "scatter_pairs", "strata", "top_positions"]
 
@@ -52,7 +53,7 @@ def top_positions(score: Tensor, segments: Segments, count: Callable[[int], int]
                   largest: Callable[[Tensor, int, tuple[int, ...]], Tensor | None]
                   | None = None) -> Tensor:
     """(K,) int64 bucket positions of the ``count(n)`` largest ``score`` of each segment
-    of length ``n``, grouped by length (one ``topk`` per distinct length).
+    of length ``n`` (one ``topk`` per distinct length), ascending: the wire's order.
 
     ``largest(rows, k, members)`` may give a group's (g, k) local positions itself (the
     sampled threshold of a large tensor on the CPU); ``None`` falls back to ``topk``.
@@ -64,7 +65,7 @@ def top_positions(score: Tensor, segments: Segments, count: Callable[[int], int]
         if local is None:
             local = torch.topk(rows, k, dim=1, sorted=False).indices
         parts.append((local + segments.starts(members, score.device)).reshape(-1))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return ascending(parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
 def pairs_payload(flat: Tensor, positions: Tensor, segments: Segments,

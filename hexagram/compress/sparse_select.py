@@ -1,8 +1,12 @@
 """Selecting (index, value) pairs for the sparsifiers of :mod:`hexagram.compress.sparsify`:
 the entries above a threshold, block by block (:func:`above`), the largest of a set of
-candidates (:func:`largest`); and what their decoders share: the dense tensor of the pairs
-(:func:`scatter`, safe on any indices) and the check of received pairs
-(:func:`pairs_fault`).
+candidates (:func:`largest`), put in the wire's order (:func:`ascending`); and what their
+decoders share: the dense tensor of the pairs (:func:`scatter`, safe on any indices) and the
+check of received pairs (:func:`pairs_fault`).
+
+The pair formats send their indices strictly increasing: a receiver then checks for a
+repeated index by comparing neighbours, in one pass over each payload, instead of sorting
+every payload it receives (the sender sorts its own once).
 
 Example:
     >>> import torch
@@ -18,10 +22,11 @@ import torch
 from torch import Tensor
 
 from hexagram.compress.base import Layout, Payload
-from hexagram.compress.faults import any_of, beyond, clamp_index, duplicated, out_of_range
+from hexagram.compress.faults import any_of, beyond, clamp_index, out_of_range, unordered
 from hexagram.compress.packing import block_size, blocks, cpu_fast
 
-__all__ = ["above", "index_dtype", "largest", "pairs_fault", "pairs_layout", "scatter"]
+__all__ = ["above", "ascending", "index_dtype", "largest", "pairs_fault", "pairs_layout",
+           "scatter"]
 
 
 def index_dtype(n: int) -> torch.dtype:
@@ -48,15 +53,29 @@ def scatter(payload: Payload, values: Tensor, indices: Tensor, out: Tensor | Non
     return out.index_add_(0, clamp_index(indices, out.numel()), values.to(payload.dtype))
 
 
-def pairs_fault(values: Tensor, indices: Tensor, n: int, dtype: torch.dtype,
-                distinct: bool = True) -> Tensor:
+def pairs_fault(values: Tensor, indices: Tensor, n: int, dtype: torch.dtype) -> Tensor:
     """0-d bool: the pairs are malformed: a value NaN/Inf (or past ``dtype``'s range), an
-    index outside ``[0, n)``, or (``distinct``) an index sent twice, which the formats
-    that forbid it would decode to a sum that may overflow."""
-    flags = [beyond(values, dtype), out_of_range(indices, n)]
-    if distinct:
-        flags.append(duplicated(indices))
-    return any_of(flags)
+    index outside ``[0, n)``, or the indices not strictly increasing (the order every
+    sender puts them in, :func:`ascending`): a repeated index would decode to a sum that
+    may overflow, or whose rounding depends on the device's order of additions."""
+    return any_of([beyond(values, dtype), out_of_range(indices, n), unordered(indices)])
+
+
+def ascending(indices: Tensor) -> Tensor:
+    """The (1-D, distinct) ``indices`` sorted ascending: the order the pair formats send.
+
+    On the CPU numpy's vectorized sort does it: 0.13 against 1.3 ms for torch's sort of
+    20K int64 indices, one thread of a Xeon with AVX-512 (2026-11-28). Either way it is one
+    sort per payload sent, where checking repeats without the order took one sort per
+    payload received.
+
+    Example:
+        >>> ascending(torch.tensor([7, 2, 5])).tolist()
+        [2, 5, 7]
+    """
+    if cpu_fast(indices):
+        return torch.from_numpy(np.sort(indices.numpy()))
+    return torch.sort(indices).values
 
 
 def above(flat: Tensor, threshold: float) -> tuple[Tensor, Tensor]:

@@ -5,12 +5,12 @@ more), values keep the input's dtype. All are ``Aggregation.GATHER``: different 
 different indices, so payloads are gathered and added after decompression. Payload shapes
 depend only on ``numel`` and the config:
 
-- ``topk``: ``k = config.k`` or ``ceil(density * n)``; values (k,) + indices (k,):
-  ``k * (itemsize + 4)`` bytes. ``approximate=True`` estimates the magnitude threshold
-  from a random sample (as DGC does), keeps the candidates above it block by block and
-  takes the exact top-k among them; if the sample overestimated the threshold (fewer than k
-  candidates) it falls back to the exact ``torch.topk``. The result is the exact top-k
-  (up to ties) either way; only the time differs.
+- ``topk``: ``k = config.k`` or ``ceil(density * n)``; values (k,) + indices (k,), the
+  indices ascending: ``k * (itemsize + 4)`` bytes. ``approximate=True`` estimates the
+  magnitude threshold from a random sample (as DGC does), keeps the candidates above it
+  block by block and takes the exact top-k among them; if the sample overestimated the
+  threshold (fewer than k candidates) it falls back to the exact ``torch.topk``. The
+  result is the exact top-k (up to ties) either way; only the time differs.
 - ``randomk``: k distinct indices by stratified sampling: the tensor is cut into k strata
   of ``floor(n/k)`` or ``ceil(n/k)`` elements and one uniform index is drawn in each (O(k),
   no permutation of n). With ``rescale`` the decoded value is multiplied by the stratum
@@ -52,6 +52,7 @@ from hexagram.compress.packing import BLOCK, cpu_fast
 from hexagram.compress.segments import Segments
 from hexagram.compress.sparse_select import (
     above,
+    ascending,
     index_dtype,
     largest,
     pairs_fault,
@@ -157,23 +158,23 @@ class TopKCompressor(SeededCompressor):
         check_compressible(tensor, self.name)
         flat = tensor.detach().reshape(-1)
         k = self.config.count(flat.numel())
-        chosen = None
+        idx = None
         # the sampled threshold saves CPU time; on a GPU torch.topk's radix select is the
         # fast path, and the sample's count of candidates would be a host read (a sync)
         if self.config.approximate and flat.numel() > BLOCK and cpu_fast(flat):
-            chosen = self._approximate(flat, k, self.generator_for(tensor, generator))
-        if chosen is None:
+            idx = self._approximate(flat, k, self.generator_for(tensor, generator))
+        if idx is None:
             idx = torch.topk(flat.abs(), k, sorted=False).indices
-            chosen = idx, flat[idx]
-        idx, values = chosen
+        idx = ascending(idx)  # the wire's order (receivers check it in one pass)
+        values = flat[idx]
         if self.checks_finite:  # topk ranks NaN and Inf first: the values carry them
             ensure_finite(flat, values, self.name)
         return Payload(tensors=(values, idx.to(index_dtype(flat.numel()))),
                        shape=tensor.shape, dtype=tensor.dtype)
 
-    def _approximate(self, flat: Tensor, k: int, gen: torch.Generator
-                     ) -> tuple[Tensor, Tensor] | None:
-        """Top-k among the entries above a sampled threshold; None if fewer than k pass."""
+    def _approximate(self, flat: Tensor, k: int, gen: torch.Generator) -> Tensor | None:
+        """Indices of the top-k among the entries above a sampled threshold (in no
+        particular order); None if fewer than k pass."""
         n = flat.numel()
         m = min(n, max(4096, math.ceil(self.config.sample * n)))
         sample = flat[torch.randint(n, (m,), generator=gen, device=flat.device)].abs()
@@ -184,7 +185,7 @@ class TopKCompressor(SeededCompressor):
         candidates, values = above(flat, threshold)
         if candidates.numel() < k:
             return None
-        return largest(candidates, values, k)
+        return largest(candidates, values, k)[0]
 
     def decompress(self, payload: Payload) -> Tensor:
         values, indices = payload.tensors
@@ -218,7 +219,7 @@ class TopKCompressor(SeededCompressor):
                                         and cpu_fast(view)):
                 return None
             chosen = self._approximate(view, k, self.generator_for(flat, generator))
-            return None if chosen is None else chosen[0].view(1, -1)
+            return None if chosen is None else chosen.view(1, -1)
 
         positions = seg_ops.top_positions(flat.abs(), segments, self.config.count, sampled)
         payload = seg_ops.pairs_payload(flat, positions, segments)

@@ -26,9 +26,16 @@ from hexagram.compress.base import (
     decompress_via_into,
     ensure_finite,
 )
-from hexagram.compress.faults import any_of, beyond, duplicated, out_of_range
+from hexagram.compress.faults import any_of, beyond, out_of_range, unordered
 from hexagram.compress.segments import Segments
-from hexagram.compress.sparse_select import above, index_dtype, largest, pairs_fault, scatter
+from hexagram.compress.sparse_select import (
+    above,
+    ascending,
+    index_dtype,
+    largest,
+    pairs_fault,
+    scatter,
+)
 from hexagram.config import check_float
 
 __all__ = ["ThresholdCompressor", "ThresholdConfig"]
@@ -79,8 +86,9 @@ class ThresholdCompressor(Compressor):
         flat = tensor.detach().reshape(-1)
         n, cap = flat.numel(), self.capacity(flat.numel())
         chosen, kept = above(flat, self.config.threshold)
-        if chosen.numel() > cap:
-            chosen, kept = largest(chosen, kept, cap)  # topk ranks NaN first: checked below
+        if chosen.numel() > cap:  # topk ranks NaN first: checked below
+            chosen = ascending(largest(chosen, kept, cap)[0])  # the wire's order
+            kept = flat[chosen]
         ensure_finite(flat, kept, self.name)
         values = flat.new_zeros(cap)
         indices = torch.zeros(cap, dtype=index_dtype(n), device=flat.device)
@@ -100,8 +108,9 @@ class ThresholdCompressor(Compressor):
 
     def payload_fault(self, payload: Payload) -> Tensor:
         """Per tensor: the count outside ``[0, capacity]``, or a used slot's value NaN/Inf
-        or index out of range or repeated (slots past the count are not decoded). Per
-        bucket: as top-k's pairs (every slot a distinct position)."""
+        or index out of range, or the used indices not strictly increasing (slots past the
+        count are not decoded). Per bucket: as top-k's pairs (every slot a distinct
+        position, ascending)."""
         if "parts" in payload.meta:
             return super().payload_fault(payload)
         if "segments" in payload.meta:
@@ -110,12 +119,13 @@ class ThresholdCompressor(Compressor):
         count, values, indices = payload.tensors
         slot = torch.arange(values.numel(), device=values.device)
         used = slot < count
-        # unused slots become distinct negative keys: only used indices can repeat
-        keys = torch.where(used, indices.long(), -1 - slot)
+        n = payload.shape.numel()
+        # unused slots become keys past every index, increasing: only used ones can be out
+        # of order
+        keys = torch.where(used, indices.long(), n + slot)
         return any_of([(count < 0) | (count > values.numel()),
                        beyond(torch.where(used, values, 0), payload.dtype),
-                       out_of_range(torch.where(used, keys, 0), payload.shape.numel()),
-                       duplicated(keys)])
+                       out_of_range(torch.where(used, keys, 0), n), unordered(keys)])
 
     def compress_segments(self, flat: Tensor, segments: Segments,
                           generator: torch.Generator | None = None) -> Payload:
