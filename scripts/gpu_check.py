@@ -10,6 +10,10 @@ Parts (run in the order given; ``all`` = every part):
   bucket past the compressors' multi-block sizes; 2 ranks with CUDA tensors over gloo.
 - ``tier`` (<= 5 min): the ``gpu`` test tier (``pytest -m gpu tests/test_gpu.py
   tests/test_gpu_parallel.py``: every algorithm, the planner's DTensor/FSDP2 plans, ``auto``).
+- ``hostile`` (<= 5 min): the checks of what arrives on CUDA (``pytest -m gpu`` of
+  :data:`HOSTILE`, and of :data:`HOSTILE_HYPOTHESIS` where hypothesis is installed): every
+  decoder on hostile bytes without a device-side assert, the fused Triton decoders against
+  the eager ones on hostile bytes, the guard, robust's masked aggregation.
 - ``sync`` (<= 5 min): host syncs of one steady training step per algorithm, counted with
   ``torch.cuda.set_sync_debug_mode`` (2 ranks, gloo+CUDA; the training thread's syncs).
 - ``compress`` (<= 5 min): ``benchmarks/compress_throughput.py --device cuda``.
@@ -32,6 +36,7 @@ CUDA`` and the script exits 0.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -53,8 +58,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 #: part -> wall-clock limit in seconds
-LIMITS = {"smoke": 180, "tier": 300, "sync": 300, "compress": 300, "model": 300,
-          "profile": 300}
+LIMITS = {"smoke": 180, "tier": 300, "hostile": 300, "sync": 300, "compress": 300,
+          "model": 300, "profile": 300}
+#: the ``hostile`` part's test files; those that need hypothesis run only where it is installed
+HOSTILE = ["tests/test_compress_triton_hostile.py", "tests/test_compress_triton.py",
+           "tests/test_engine_guard.py", "tests/test_robust_masked.py"]
+HOSTILE_HYPOTHESIS = ["tests/test_decoders_hostile.py"]
 SPAWN_S = 45.0  # of a part's limit: starting the rank and NCCL, and slack
 MULTI_BLOCK = 1 << 22  # elements of the large bucket: past every compressor's block size
 
@@ -175,6 +184,28 @@ def part_tier(limit: float) -> dict[str, Any]:
     return _subprocess(cmd, limit)
 
 
+def part_hostile(limit: float) -> dict[str, Any]:
+    """``pytest -m gpu`` of the checks of what arrives, on CUDA: every decoder on random,
+    truncated-in-content and bit-flipped payloads (no device-side assert, a non-finite
+    decode always flagged), the fused Triton decoders against the eager ones on hostile
+    bytes, the engine's guard and robust's masked aggregation."""
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return {"status": "skipped: pytest is not installed for this interpreter"}
+    files, note = list(HOSTILE), ""
+    if importlib.util.find_spec("hypothesis") is not None:
+        files += HOSTILE_HYPOTHESIS
+    else:
+        note = f"not run (hypothesis is not installed): {', '.join(HOSTILE_HYPOTHESIS)}"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+           "-rs", "--durations=15", *files]
+    out = _subprocess(cmd, limit)
+    if note:
+        out["note"] = note
+    return out
+
+
 def part_sync(limit: float) -> dict[str, Any]:
     """Host syncs of the training thread in one steady step, per algorithm (2 ranks)."""
     from hexagram.launch import run_local
@@ -215,8 +246,8 @@ def part_profile(limit: float) -> dict[str, Any]:
 
 
 PARTS: dict[str, Callable[[float], dict[str, Any]]] = {
-    "smoke": part_smoke, "tier": part_tier, "sync": part_sync, "compress": part_compress,
-    "model": part_model, "profile": part_profile}
+    "smoke": part_smoke, "tier": part_tier, "hostile": part_hostile, "sync": part_sync,
+    "compress": part_compress, "model": part_model, "profile": part_profile}
 
 
 def _subprocess(cmd: list[str], limit: float) -> dict[str, Any]:
