@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from _triton_mode import ROOT, rerun_in_fresh_process, select
+from _triton_mode import DEVICES, ROOT, kernel_device, rerun_in_fresh_process, select, use_decoders
 
 import hexagram.compress as hc
-from hexagram.compress import chunks, kernels, packing, quantize, sign_blocks, ternary
+from hexagram.compress import kernels, packing, quantize, ternary
 from hexagram.compress.sign_bits import encode_signs
 
 CUDA = torch.cuda.is_available()
@@ -35,25 +35,12 @@ SIZES = [1, 7, 8, 1023, 4097]
 SEED = 3
 
 
-@pytest.fixture(params=[
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        CUDA, reason="CUDA is present: the kernels are compiled (the gpu tests)")),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not CUDA, reason="needs CUDA (torch.cuda.is_available() is False)")]),
-])
+@pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> Iterator[torch.device]:
     """The device under test; the eager reference takes the path CUDA takes, without the
     compressors' own dispatch to the kernels (these tests call the kernels themselves)."""
-    if not IN_PROCESS:
-        pytest.skip("triton was imported compiled before this module: see "
-                    "test_in_a_fresh_process")
-    packing.CPU_FAST_PATHS = False
-    kernels.DISPATCH = False
-    try:
-        yield torch.device(request.param)
-    finally:
-        packing.CPU_FAST_PATHS = True
-        kernels.DISPATCH = True
+    with kernel_device(request.param, IN_PROCESS) as where:
+        yield where
 
 
 def _x(n: int, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -225,19 +212,7 @@ def fused_decoders(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The decoders replaced by the kernels wherever the compressors call them; returns the
     list of the kernels' calls."""
     calls: list[str] = []
-
-    def table(*args: Any, **kw: Any) -> torch.Tensor:
-        calls.append("table")
-        return kernels.decode_table(*args, **kw)
-
-    def affine(*args: Any, **kw: Any) -> torch.Tensor:
-        calls.append("affine")
-        return kernels.decode_affine(*args, **kw)
-
-    for module in (chunks, quantize):
-        monkeypatch.setattr(module, "decode_table", table)
-    for module in (quantize, sign_blocks):
-        monkeypatch.setattr(module, "decode_affine", affine)
+    use_decoders(monkeypatch, True, calls)
     return calls
 
 
@@ -248,19 +223,12 @@ DECODED = [("minmax8", {}), ("minmax4", {"chunk_size": 100}), ("qsgd", {"levels"
            ("efsign", {"block": 256}), ("onebit", {"block": 100})]
 
 
-_EAGER_TABLE = chunks.decode_table
-_EAGER_AFFINE = chunks.decode_affine
-
-
 def _decode_both(c: hc.Compressor, payload: hc.Payload, base: torch.Tensor,
                  patch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(fused, eager) decodes of ``payload``: into a fresh tensor, and added to ``base``."""
     got = [c.decompress(payload), c.decompress_into(payload, base.clone(), add=True)]
     with patch.context() as m:  # the eager decoders back in place
-        for module in (chunks, quantize):
-            m.setattr(module, "decode_table", _EAGER_TABLE)
-        for module in (quantize, sign_blocks):
-            m.setattr(module, "decode_affine", _EAGER_AFFINE)
+        use_decoders(m, False)
         want = [c.decompress(payload), c.decompress_into(payload, base.clone(), add=True)]
     return got, want
 

@@ -15,12 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from _triton_mode import rerun_in_fresh_process, select
+from _triton_mode import DEVICES, kernel_device, rerun_in_fresh_process, select, use_decoders
 
 import hexagram.compress as hc
-from hexagram.compress import chunks, kernels, packing, quantize, sign_blocks
 
-CUDA = torch.cuda.is_available()
 #: the interpreter computes with numpy, which warns where hostile scales overflow
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 IN_PROCESS = select("the fused decoders on hostile bytes are")
@@ -31,47 +29,14 @@ DECODED = [("minmax8", {"chunk_size": 64}), ("minmax4", {"chunk_size": 100}),
            ("onebit", {"block": 100})]
 N = 1000
 SEEDS = range(4)
-_EAGER = {"table": chunks.decode_table, "affine": chunks.decode_affine}
 
 
-@pytest.fixture(params=[
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        CUDA, reason="CUDA is present: the kernels are compiled (the gpu tests)")),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not CUDA, reason="needs CUDA (torch.cuda.is_available() is False)")]),
-])
+@pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> Iterator[torch.device]:
     """The device under test, with the eager code CUDA takes (no CPU fast paths) and the
     compressors' own dispatch off (the tests choose the decoders)."""
-    if not IN_PROCESS:
-        pytest.skip("triton was imported compiled before this module: see "
-                    "test_in_a_fresh_process")
-    packing.CPU_FAST_PATHS = False
-    kernels.DISPATCH = False
-    try:
-        yield torch.device(request.param)
-    finally:
-        packing.CPU_FAST_PATHS = True
-        kernels.DISPATCH = True
-
-
-def _use(patch: pytest.MonkeyPatch, fused: bool, calls: list[str]) -> None:
-    """Every decoder the compressors call: the kernels' (``fused``, each call appended to
-    ``calls``) or the eager ones."""
-    def counted(kind: str) -> Any:
-        kernel = kernels.decode_table if kind == "table" else kernels.decode_affine
-
-        def call(*args: Any, **kw: Any) -> torch.Tensor:
-            calls.append(kind)
-            return kernel(*args, **kw)
-        return call
-
-    table = counted("table") if fused else _EAGER["table"]
-    affine = counted("affine") if fused else _EAGER["affine"]
-    for module in (chunks, quantize):
-        patch.setattr(module, "decode_table", table)
-    for module in (quantize, sign_blocks):
-        patch.setattr(module, "decode_affine", affine)
+    with kernel_device(request.param, IN_PROCESS) as where:
+        yield where
 
 
 def _hostile(payload: hc.Payload, seed: int) -> hc.Payload:
@@ -105,10 +70,10 @@ def test_hostile_payloads_decode_as_the_eager_code(name: str, config: dict[str, 
     for seed in SEEDS:
         bad, calls = _hostile(honest, seed), list[str]()
         with monkeypatch.context() as m:
-            _use(m, True, calls)
+            use_decoders(m, True, calls)
             got = _decodes(c, bad, base)
         with monkeypatch.context() as m:
-            _use(m, False, calls)
+            use_decoders(m, False)
             want = _decodes(c, bad, base)
         assert len(calls) == 2, f"{name}: the kernels decoded {len(calls)} of 2 payloads"
         for a, b in zip(got, want):

@@ -121,9 +121,10 @@ def _above_numpy(flat: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
     return indices, flat[indices]
 
 
-def largest(candidates: Tensor, values: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The ``k`` (index, value) pairs among the candidates with the largest ``|value|``."""
+def largest(candidates: Tensor, values: Tensor, k: int) -> Tensor:
+    """The ``k`` candidates (indices) of the largest ``|value|``, in no particular order
+    (the caller puts them in the wire's order, :func:`ascending`, and gathers their values
+    once)."""
     if candidates.numel() == k:
-        return candidates, values
-    keep = torch.topk(values.abs(), k, sorted=False).indices
-    return candidates[keep], values[keep]
+        return candidates
+    return candidates[torch.topk(values.abs(), k, sorted=False).indices]

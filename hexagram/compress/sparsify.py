@@ -185,7 +185,7 @@ class TopKCompressor(SeededCompressor):
         candidates, values = above(flat, threshold)
         if candidates.numel() < k:
             return None
-        return largest(candidates, values, k)[0]
+        return largest(candidates, values, k)
 
     def decompress(self, payload: Payload) -> Tensor:
         values, indices = payload.tensors

@@ -87,7 +87,7 @@ class ThresholdCompressor(Compressor):
         n, cap = flat.numel(), self.capacity(flat.numel())
         chosen, kept = above(flat, self.config.threshold)
         if chosen.numel() > cap:  # topk ranks NaN first: checked below
-            chosen = ascending(largest(chosen, kept, cap)[0])  # the wire's order
+            chosen = ascending(largest(chosen, kept, cap))  # the wire's order
             kept = flat[chosen]
         ensure_finite(flat, kept, self.name)
         values = flat.new_zeros(cap)
